@@ -1,0 +1,38 @@
+# llamapool: `make run` starts the daemon, `make test` runs the test suite. Both set everything up.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/default.toml
+MODEL ?= models/demo.gguf
+# llama-cpp-python builds from source; skip the multimodal part we do not use.
+export CMAKE_ARGS ?= -DLLAVA_BUILD=off
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+
+.PHONY: install run test lint bench-cpu clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+$(MODEL): | $(BIN)/.installed
+	$(BIN)/llamapool make-model $(MODEL)
+
+run: install $(MODEL)
+	$(BIN)/llamapool serve --config $(CONFIG)
+
+test: install
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/mypy
+
+bench-cpu: install
+	$(BIN)/python scripts/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) models/demo.gguf .pytest_cache

@@ -1,0 +1,161 @@
+"""The ``llamapool`` command: serve, generate, status, make-model, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from llamapool.config import ConfigError, default_frontend, load_config
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.endpoint:
+        return str(args.endpoint)
+    if args.config:
+        return load_config(args.config).frontend
+    return default_frontend()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llamapool.supervisor.arbiter import serve
+
+    return serve(load_config(args.config))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llamapool import Client, LlamapoolError
+
+    params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "seed": args.seed, "stop": args.stop or None}
+    if args.ignore_eos:
+        params["ignore_eos"] = True
+    with Client(_endpoint(args), timeout=args.timeout) as client:
+        try:
+            stream = client.stream(args.prompt, **params)
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            done = stream.completion
+            assert done is not None
+            sys.stdout.write("\n")
+            print(f"[{done.finish_reason}; {done.usage.prompt_tokens} prompt + "
+                  f"{done.usage.completion_tokens} completion tokens; worker {done.worker}]",
+                  file=sys.stderr)
+        except LlamapoolError as e:
+            print(f"\nerror: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from llamapool import Client, LlamapoolError
+
+    with Client(_endpoint(args)) as client:
+        try:
+            st = client.status(timeout=args.timeout)
+        except LlamapoolError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    cols = ("id", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
+    rows = [[str(w.get(c, "") if w.get(c) is not None else "-") for c in cols] for w in st["workers"]]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.upper().ljust(widths[i]) for i, c in enumerate(cols)))
+    for r in rows:
+        print("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)))
+    for w in st["workers"]:
+        if w.get("reason"):
+            print(f"{w['id']}: {w['reason']}")
+    for g in st.get("gpus", []):
+        if g.get("lost"):
+            print(f"GPU {g['index']} {g['uuid']}: LOST ({g.get('error')})")
+        else:
+            print(f"GPU {g['index']} {g['name']}: {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB, "
+                  f"{g['utilization']}% busy, {g['temperature']} C")
+    print(f"queued {st['queued']}, running {st['running']}{', DRAINING' if st['draining'] else ''}")
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from llamapool.modelgen import make_model
+
+    path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+                      n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
+                      qtype=args.type, seed=args.seed)
+    print(f"wrote {path} (random weights: its output is gibberish)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from llamapool.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llamapool", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon in the foreground")
+    s.add_argument("--config", required=True)
+    s.set_defaults(fn=cmd_serve)
+
+    def endpoint_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--endpoint", help="frontend endpoint (default: from --config or the runtime dir)")
+        q.add_argument("--config", help="take the endpoint from this config file")
+
+    g = sub.add_parser("generate", help="stream a completion to the terminal")
+    g.add_argument("prompt")
+    endpoint_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--timeout", type=float, default=300.0)
+    g.set_defaults(fn=cmd_generate)
+
+    st = sub.add_parser("status", help="show the workers")
+    endpoint_args(st)
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(fn=cmd_status)
+
+    m = sub.add_parser("make-model", help="write a small random-weight llama GGUF (demo/test model)")
+    m.add_argument("path")
+    m.add_argument("--n-embd", type=int, default=64)
+    m.add_argument("--n-layer", type=int, default=2)
+    m.add_argument("--n-head", type=int, default=4)
+    m.add_argument("--n-head-kv", type=int, default=2)
+    m.add_argument("--n-ff", type=int, default=128)
+    m.add_argument("--n-vocab", type=int, default=512)
+    m.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"))
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=cmd_make_model)
+
+    b = sub.add_parser("bench", help="benchmark a running daemon (and the engine ceiling)")
+    endpoint_args(b)
+    from llamapool.bench import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"llamapool: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Client SDK: talk to a llamapool daemon over ZeroMQ."""
+
+from llamapool.client.aio import AsyncClient
+from llamapool.client.errors import (
+    BadRequestError,
+    InternalError,
+    LlamapoolError,
+    OverloadedError,
+    RequestTimeoutError,
+    UnavailableError,
+    WorkerLostError,
+)
+from llamapool.client.sync import Client, Stream
+from llamapool.client.types import Completion, StreamChunk, Usage
+
+__all__ = [
+    "AsyncClient", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
+    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "Usage",
+    "WorkerLostError",
+]

@@ -1,0 +1,137 @@
+"""asyncio client: the same calls as :class:`llamapool.Client`, as coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from llamapool.client.calls import DEFAULT_TIMEOUT, Pending, decode_reply, generate_frame, new_id
+from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
+from llamapool.client.types import Completion, StreamChunk
+from llamapool.config import default_frontend
+from llamapool.protocol import codec
+from llamapool.protocol.messages import Message, Prompt, StatusReply
+
+
+class AsyncClient:
+    """One DEALER socket; a reader task hands each reply to the request that waits for it."""
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT):
+        self.endpoint = endpoint or default_frontend()
+        self.timeout = timeout
+        self._zctx = zmq.asyncio.Context()
+        self._sock = self._zctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._waiting: dict[str, asyncio.Queue[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        while True:
+            msg = decode_reply(await self._sock.recv_multipart())
+            q = self._waiting.get(getattr(msg, "id", None) or "")
+            if q is not None:
+                q.put_nowait(msg)
+
+    async def _open(self, frame: bytes, rid: str) -> asyncio.Queue[Message]:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read())
+        q: asyncio.Queue[Message] = asyncio.Queue()
+        self._waiting[rid] = q
+        await self._sock.send(frame)
+        return q
+
+    def _budget(self, timeout: float | None) -> tuple[float | None, float | None]:
+        t = self.timeout if timeout is None else timeout
+        return t, (None if t is None else t + 1.0)
+
+    async def _next(self, q: asyncio.Queue[Message], wait: float | None) -> Message:
+        try:
+            return await asyncio.wait_for(q.get(), wait)
+        except TimeoutError:
+            raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline") from None
+
+    async def _run(self, prompts: list[Prompt], batch: bool, timeout: float | None,
+                   params: dict[str, Any]) -> Pending:
+        rid = new_id()
+        t, wait = self._budget(timeout)
+        q = await self._open(generate_frame(rid, prompts, batch, False, t, params), rid)
+        pending = Pending(len(prompts))
+        loop = asyncio.get_running_loop()
+        end = None if wait is None else loop.time() + wait
+        try:
+            while not pending.done:
+                pending.feed(await self._next(q, None if end is None else end - loop.time()))
+        except BaseException:
+            await self._cancel(rid)
+            raise
+        finally:
+            self._waiting.pop(rid, None)
+        return pending
+
+    async def _cancel(self, rid: str) -> None:
+        self._waiting.pop(rid, None)
+        await self._sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
+
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
+        return (await self._run([prompt], False, timeout, params)).completions()[0]
+
+    async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
+                            return_exceptions: bool = False, **params: Any
+                            ) -> list[Completion] | list[Completion | LlamapoolError]:
+        pending = await self._run(list(prompts), True, timeout, params)
+        if return_exceptions:
+            return [r for r in pending.results if r is not None]
+        return pending.completions()
+
+    async def stream(self, prompt: Prompt, *, timeout: float | None = None,
+                     **params: Any) -> AsyncIterator[StreamChunk]:
+        """Async iterator of chunks; leaving it early cancels the request."""
+        rid = new_id()
+        t, wait = self._budget(timeout)
+        q = await self._open(generate_frame(rid, [prompt], False, True, t, params), rid)
+        pending = Pending(1)
+        loop = asyncio.get_running_loop()
+        end = None if wait is None else loop.time() + wait
+        finished = False
+        try:
+            while not pending.done:
+                chunk = pending.feed(await self._next(q, None if end is None else end - loop.time()))
+                if chunk is not None:
+                    yield chunk
+            finished = True
+            pending.completions()  # raise the final error, if any
+        finally:
+            if not finished:
+                await self._cancel(rid)
+            self._waiting.pop(rid, None)
+
+    async def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
+        rid = new_id()
+        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), rid)
+        try:
+            msg = await asyncio.wait_for(q.get(), timeout)
+        except TimeoutError:
+            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if not isinstance(msg, StatusReply):
+            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+        return {"workers": msg.workers, "queued": msg.queued, "running": msg.running,
+                "draining": msg.draining, "gpus": msg.gpus}
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._zctx.destroy(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,92 @@
+"""What the sync and async clients share: building requests and folding replies."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from llamapool.client.errors import LlamapoolError, from_reply
+from llamapool.client.types import Completion, StreamChunk, Usage
+from llamapool.protocol import codec
+from llamapool.protocol.messages import Chunk, Error, Generate, Message, Prompt, Result
+
+DEFAULT_TIMEOUT = 300.0
+PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed",
+               "stop", "ignore_eos")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
+                   timeout: float | None, params: dict[str, Any]) -> bytes:
+    """Encode a generate request. Unknown parameter names are rejected here, early."""
+    for k in params:
+        if k not in PARAM_NAMES:
+            raise TypeError(f"unknown generation parameter {k!r} (known: {', '.join(PARAM_NAMES)})")
+    d: dict[str, Any] = {"v": codec.PROTOCOL_VERSION, "type": Generate.TYPE, "id": rid,
+                         "stream": stream, "params": {k: v for k, v in params.items() if v is not None}}
+    if batch:
+        d["prompts"] = prompts
+    else:
+        d["prompt"] = prompts[0]
+    if timeout is not None:
+        d["timeout"] = timeout
+    return msgpack.packb(d, use_bin_type=True)
+
+
+@dataclass
+class Pending:
+    """The replies of one request so far: ``feed`` each one, read ``done``/``results``."""
+
+    n: int
+    results: list[Completion | LlamapoolError | None] = field(default_factory=list)
+    remaining: int = 0
+
+    def __post_init__(self) -> None:
+        self.results = [None] * self.n
+        self.remaining = self.n
+
+    @property
+    def done(self) -> bool:
+        return self.remaining <= 0
+
+    def feed(self, msg: Message) -> StreamChunk | None:
+        if isinstance(msg, Chunk):
+            return StreamChunk(msg.text, msg.tokens, msg.index)
+        if isinstance(msg, Result):
+            self._set(msg.index, Completion(msg.text, msg.finish_reason,
+                                            Usage(msg.prompt_tokens, msg.completion_tokens),
+                                            msg.worker, msg.index))
+        elif isinstance(msg, Error):
+            err = from_reply(msg)
+            if msg.index is None:  # the whole request failed
+                for i in range(self.n):
+                    if self.results[i] is None:
+                        self._set(i, err)
+            else:
+                self._set(msg.index, err)
+        return None
+
+    def _set(self, i: int, value: Completion | LlamapoolError) -> None:
+        if 0 <= i < self.n and self.results[i] is None:
+            self.results[i] = value
+            self.remaining -= 1
+
+    def completions(self) -> list[Completion]:
+        """All completions in order; raise the first error."""
+        out = []
+        for r in self.results:
+            if isinstance(r, LlamapoolError):
+                raise r
+            assert r is not None
+            out.append(r)
+        return out
+
+
+def decode_reply(frames: list[bytes]) -> Message:
+    return codec.decode(frames, codec.REPLY_TYPES, 1 << 31)

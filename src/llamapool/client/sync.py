@@ -1,0 +1,183 @@
+"""Blocking client. One socket per thread, so one ``Client`` may be shared by many threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from llamapool.client.calls import DEFAULT_TIMEOUT, Pending, decode_reply, generate_frame, new_id
+from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
+from llamapool.client.types import Completion, StreamChunk
+from llamapool.config import default_frontend
+from llamapool.protocol import codec
+from llamapool.protocol.messages import Message, Prompt, StatusReply
+
+
+class _Conn:
+    """A DEALER socket of one thread and the replies it holds for other requests."""
+
+    def __init__(self, zctx: zmq.Context, endpoint: str):
+        self.sock = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.held: defaultdict[str, deque[Message]] = defaultdict(deque)
+        self.dropped: set[str] = set()
+
+    def recv_for(self, rid: str, deadline: float | None) -> Message:
+        while True:
+            if self.held.get(rid):
+                return self.held[rid].popleft()
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline")
+            if not self.sock.poll(None if wait is None else max(1, int(wait * 1000))):
+                continue
+            msg = decode_reply(self.sock.recv_multipart())
+            mid = getattr(msg, "id", None)
+            if mid == rid:
+                return msg
+            if mid is not None and mid not in self.dropped:
+                self.held[mid].append(msg)
+
+
+class Stream:
+    """Iterator of :class:`StreamChunk`; ``completion`` is set once it is exhausted.
+
+    Leaving the iteration early (``break``, ``close()``) cancels the request on the daemon.
+    """
+
+    def __init__(self, client: Client, rid: str, deadline: float | None):
+        self._client, self._rid, self._deadline = client, rid, deadline
+        self._pending = Pending(1)
+        self.completion: Completion | None = None
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self._it
+
+    def __next__(self) -> StreamChunk:
+        return next(self._it)
+
+    def _run(self) -> Iterator[StreamChunk]:
+        conn = self._client._conn()
+        finished = False
+        try:
+            while not self._pending.done:
+                chunk = self._pending.feed(conn.recv_for(self._rid, self._deadline))
+                if chunk is not None:
+                    yield chunk
+            finished = True
+            self.completion = self._pending.completions()[0]
+        finally:
+            if not finished:
+                self._client._cancel(conn, self._rid)
+
+    def close(self) -> None:
+        self._it.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """Blocking llamapool client: ``generate``, ``stream``, ``generate_many``, ``status``."""
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT):
+        self.endpoint = endpoint or default_frontend()
+        self.timeout = timeout
+        self._zctx = zmq.Context()
+        self._local = threading.local()
+        self._conns: list[_Conn] = []
+        self._lock = threading.Lock()
+
+    def _conn(self) -> _Conn:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _Conn(self._zctx, self.endpoint)
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def _deadline(self, timeout: float | None) -> tuple[float | None, float | None]:
+        t = self.timeout if timeout is None else timeout
+        return t, (None if t is None else time.monotonic() + t + 1.0)
+
+    def _submit(self, prompts: list[Prompt], batch: bool, stream: bool, timeout: float | None,
+                params: dict[str, Any]) -> tuple[_Conn, str, float | None]:
+        rid = new_id()
+        t, deadline = self._deadline(timeout)
+        conn = self._conn()
+        conn.sock.send(generate_frame(rid, prompts, batch, stream, t, params))
+        return conn, rid, deadline
+
+    def _collect(self, conn: _Conn, rid: str, pending: Pending, deadline: float | None) -> None:
+        try:
+            while not pending.done:
+                pending.feed(conn.recv_for(rid, deadline))
+        except RequestTimeoutError:
+            self._cancel(conn, rid)
+            raise
+
+    def _cancel(self, conn: _Conn, rid: str) -> None:
+        conn.dropped.add(rid)
+        conn.held.pop(rid, None)
+        conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
+
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
+        """Generate a completion for one prompt (text or token ids)."""
+        conn, rid, deadline = self._submit([prompt], False, False, timeout, params)
+        pending = Pending(1)
+        self._collect(conn, rid, pending, deadline)
+        return pending.completions()[0]
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Stream:
+        """Stream a completion as text deltas."""
+        conn, rid, deadline = self._submit([prompt], False, True, timeout, params)
+        return Stream(self, rid, deadline)
+
+    def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
+                      return_exceptions: bool = False, **params: Any
+                      ) -> list[Completion] | list[Completion | LlamapoolError]:
+        """One micro-batch message; one result per prompt, in order."""
+        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, params)
+        pending = Pending(len(prompts))
+        self._collect(conn, rid, pending, deadline)
+        if return_exceptions:
+            return [r for r in pending.results if r is not None]
+        return pending.completions()
+
+    def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
+        """The daemon's view: ``workers`` (id, pid, device, state, slots, active, ...), queue."""
+        rid = new_id()
+        conn = self._conn()
+        conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}))
+        try:
+            msg = conn.recv_for(rid, time.monotonic() + timeout)
+        except RequestTimeoutError:
+            conn.dropped.add(rid)
+            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+        if not isinstance(msg, StatusReply):
+            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+        return {"workers": msg.workers, "queued": msg.queued, "running": msg.running,
+                "draining": msg.draining, "gpus": msg.gpus}
+
+    def close(self) -> None:
+        with self._lock:
+            self._conns.clear()
+        self._zctx.destroy(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

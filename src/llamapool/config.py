@@ -1,0 +1,181 @@
+"""Daemon configuration: TOML -> typed, validated dataclasses. Every error names its key."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the key."""
+
+
+def default_runtime_dir() -> Path:
+    """systemd's RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/llamapool, else /tmp/llamapool-<uid>."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "llamapool"
+    return Path(f"/tmp/llamapool-{os.getuid()}")
+
+
+def default_frontend() -> str:
+    return f"ipc://{default_runtime_dir() / 'frontend.sock'}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    frontend: str = ""  # "" -> ipc://<runtime_dir>/frontend.sock
+    backend: str = ""  # "" -> ipc://<runtime_dir>/backend.sock
+    runtime_dir: str = ""  # "" -> default_runtime_dir()
+    max_queue: int = 4096  # queued prompts; beyond this a request gets 'overloaded'
+    queue_timeout: float = 60.0  # seconds a prompt may wait for a slot -> 'unavailable'
+    drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests get to finish
+    max_message_bytes: int = 4 * 1024 * 1024
+    min_ready_workers: int = 1  # systemd READY=1 once this many workers are ready
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
+    n_batch: int = 2048  # llama.cpp logical batch: tokens per llama_decode
+    n_ubatch: int = 512  # llama.cpp physical micro-batch
+    prefill_chunk: int = 512  # max prompt tokens one sequence adds to a step (chunked prefill)
+    flash_attn: bool = True
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    devices: str | list[int | str] = "auto"  # "auto" | "cpu" | [0, 1] | ["GPU-<uuid>", ...]
+    cpu_workers: int = 2
+    slots: int = 8
+    threads: int = 0  # CPU threads per worker; 0 -> split the cores between CPU workers
+    env: dict[str, str] = field(default_factory=dict)
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 3  # missed heartbeats before a worker is dead
+    step_timeout: float = 60.0  # an engine step running longer than this is a hung worker
+    start_timeout: float = 600.0  # loading a model may take this long
+    restart_backoff: float = 1.0  # first restart delay, doubling up to restart_backoff_max
+    restart_backoff_max: float = 30.0
+    flap_window: float = 60.0  # more than flap_limit deaths within this window -> failed
+    flap_limit: int = 5
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    source: str = ""
+
+    @property
+    def runtime_dir(self) -> Path:
+        return Path(self.server.runtime_dir) if self.server.runtime_dir else default_runtime_dir()
+
+    @property
+    def frontend(self) -> str:
+        return self.server.frontend or f"ipc://{self.runtime_dir / 'frontend.sock'}"
+
+    @property
+    def backend(self) -> str:
+        return self.server.backend or f"ipc://{self.runtime_dir / 'backend.sock'}"
+
+
+_POSITIVE = {
+    "server.max_queue", "server.queue_timeout", "server.drain_timeout", "server.max_message_bytes",
+    "model.ctx_per_slot", "model.n_batch", "model.n_ubatch", "model.prefill_chunk",
+    "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
+    "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
+    "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
+    "workers.flap_limit",
+}
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Check ``value`` against the type of the key's default value."""
+    if key == "workers.devices":
+        if value in ("auto", "cpu"):
+            return value
+        if isinstance(value, list) and value and all(
+            (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
+            or (isinstance(d, str) and d.startswith(("GPU-", "MIG-")))
+            for d in value
+        ):
+            return value
+        raise ConfigError(
+            f"{key}: must be \"auto\", \"cpu\", or a non-empty list of GPU indices or "
+            f"\"GPU-<uuid>\" strings, got {value!r}"
+        )
+    if key == "workers.env":
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()
+        ):
+            raise ConfigError(f"{key}: must be a table of NAME = \"value\"")
+        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in value.items()}
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}: must be an integer, got {value!r}")
+    elif isinstance(default, float):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: must be a number, got {value!r}")
+        value = float(value)
+    elif isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: must be a string, got {value!r}")
+    if key in _POSITIVE and value <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {value!r}")
+    if key == "workers.threads" and value < 0:
+        raise ConfigError(f"{key}: must be >= 0, got {value!r}")
+    return value
+
+
+def _section(name: str, cls: type, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: must be a table")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
+        f = known[key]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        kw[key] = _coerce(f"{name}.{key}", value, default)
+    return cls(**kw)
+
+
+def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
+    """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
+    sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig}
+    for key in raw:
+        if key not in sections:
+            raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
+    parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()}
+    model: ModelConfig = parts["model"]
+    if not model.path:
+        raise ConfigError("model.path: is required")
+    if base_dir is not None and not Path(model.path).is_absolute():
+        parts["model"] = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))
+    if model.n_ubatch > model.n_batch:
+        raise ConfigError("model.n_ubatch: must be <= model.n_batch")
+    return Config(source=source, **parts)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a TOML config file."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return from_dict(raw, p.parent.resolve(), str(p))

@@ -1,0 +1,295 @@
+"""The one codec: typed messages <-> msgpack frames, with validation that names the bad field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from llamapool.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Cancel,
+    Chunk,
+    Error,
+    ErrorCode,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    Prompt,
+    Result,
+    Run,
+    SamplingParams,
+    Shutdown,
+    StatusReply,
+    StatusRequest,
+    Step,
+)
+
+MAX_ID_LEN = 128
+MAX_PROMPTS = 256
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+MAX_SEED = 2**32 - 1
+MAX_TOKEN_ID = 2**31 - 1
+DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; becomes an :class:`Error` reply."""
+
+    def __init__(self, code: str, message: str, field: str | None = None, id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+        self.id = id
+
+    def to_error(self) -> Error:
+        return Error(id=self.id, code=self.code, message=self.message, field=self.field)
+
+
+def _invalid(field: str, why: str) -> ProtocolError:
+    return ProtocolError(ErrorCode.INVALID_REQUEST, f"field '{field}' {why}", field)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, SamplingParams):
+        d = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        d["stop"] = list(value.stop)
+        return d
+    return value
+
+
+def to_dict(msg: Message) -> dict[str, Any]:
+    d: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    for f in dataclasses.fields(msg):  # type: ignore[arg-type]
+        d[f.name] = _wire(getattr(msg, f.name))
+    if isinstance(msg, Generate):
+        prompts = d.pop("prompts")
+        if msg.batch:
+            d["prompts"] = prompts
+        else:
+            d["prompt"] = prompts[0]
+        del d["batch"]
+    return d
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message as one msgpack frame."""
+    return msgpack.packb(to_dict(msg), use_bin_type=True)
+
+
+# ---------------------------------------------------------------- field readers
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _str(d: dict[str, Any], key: str, *, max_len: int = MAX_ID_LEN) -> str:
+    if key not in d:
+        raise _invalid(key, "is missing")
+    v = d[key]
+    if not isinstance(v, str):
+        raise _invalid(key, f"must be a string, got {type(v).__name__}")
+    if not v or len(v) > max_len:
+        raise _invalid(key, f"must have 1 to {max_len} characters")
+    return v
+
+
+def _prompt(v: Any, field: str) -> Prompt:
+    if isinstance(v, str):
+        if not v:
+            raise _invalid(field, "must not be empty")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise _invalid(field, "must not be empty")
+        if not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
+            raise _invalid(field, "must be a list of non-negative integer token ids")
+        return v
+    raise _invalid(field, f"must be a string or a list of token ids, got {type(v).__name__}")
+
+
+def _check_keys(d: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
+    for k in d:
+        if k not in allowed:
+            raise _invalid(f"{prefix}{k}", "is not a known field")
+
+
+_PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def parse_params(raw: Any) -> SamplingParams:
+    """Validate a ``params`` map; every bad value names ``params.<field>``."""
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise _invalid("params", "must be a map")
+    _check_keys(raw, _PARAM_KEYS, "params.")
+    base = SamplingParams()
+    kw: dict[str, Any] = {}
+
+    def num(key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
+        if key not in raw:
+            return
+        v = raw[key]
+        if not (_is_int(v) if integer else _is_num(v)):
+            raise _invalid(f"params.{key}", f"must be {'an integer' if integer else 'a number'}")
+        if not ok(v):
+            raise _invalid(f"params.{key}", f"must be {rule}, got {v}")
+        kw[key] = v if integer else float(v)
+
+    num("max_tokens", lambda v: v >= 1, ">= 1", integer=True)
+    num("temperature", lambda v: 0 <= v <= 100, "between 0 and 100")
+    num("top_k", lambda v: v >= 0, ">= 0", integer=True)
+    num("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    num("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+    num("repeat_penalty", lambda v: 0 < v <= 10, "in (0, 10]")
+    if raw.get("seed") is not None:
+        num("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]", integer=True)
+    if "stop" in raw and raw["stop"] is not None:
+        stop = raw["stop"]
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or len(stop) > MAX_STOP:
+            raise _invalid("params.stop", f"must be a string or a list of at most {MAX_STOP} strings")
+        for s in stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN:
+                raise _invalid("params.stop", f"entries must be strings of 1 to {MAX_STOP_LEN} characters")
+        kw["stop"] = tuple(stop)
+    if "ignore_eos" in raw:
+        if not isinstance(raw["ignore_eos"], bool):
+            raise _invalid("params.ignore_eos", "must be a boolean")
+        kw["ignore_eos"] = raw["ignore_eos"]
+    return dataclasses.replace(base, **kw)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _generate(d: dict[str, Any]) -> Generate:
+    _check_keys(d, frozenset({"v", "type", "id", "prompt", "prompts", "params", "stream", "timeout"}))
+    rid = _str(d, "id")
+    try:
+        if ("prompt" in d) == ("prompts" in d):
+            raise _invalid("prompt", "is missing (give exactly one of 'prompt' or 'prompts')")
+        batch = "prompts" in d
+        if batch:
+            raw = d["prompts"]
+            if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PROMPTS:
+                raise _invalid("prompts", f"must be a list of 1 to {MAX_PROMPTS} prompts")
+            prompts = [_prompt(p, f"prompts[{i}]") for i, p in enumerate(raw)]
+        else:
+            prompts = [_prompt(d["prompt"], "prompt")]
+        stream = d.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _invalid("stream", "must be a boolean")
+        timeout = d.get("timeout")
+        if timeout is not None and not (_is_num(timeout) and timeout > 0):
+            raise _invalid("timeout", "must be a positive number of seconds")
+        params = parse_params(d.get("params"))
+    except ProtocolError as e:
+        e.id = rid
+        raise
+    return Generate(rid, prompts, params, stream, None if timeout is None else float(timeout), batch)
+
+
+def _plain(cls: type) -> Callable[[dict[str, Any]], Message]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+
+    def parse(d: dict[str, Any]) -> Message:
+        for k in required:
+            if k not in d:
+                raise _invalid(k, "is missing")
+        return cls(**{k: d[k] for k in names if k in d})  # type: ignore[no-any-return]
+
+    return parse
+
+
+def _id_only(cls: type) -> Callable[[dict[str, Any]], Message]:
+    def parse(d: dict[str, Any]) -> Message:
+        _check_keys(d, frozenset({"v", "type", "id"}))
+        return cls(_str(d, "id"))  # type: ignore[no-any-return]
+
+    return parse
+
+
+def _run(d: dict[str, Any]) -> Run:
+    return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"])
+
+
+CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
+    Generate.TYPE: _generate,
+    Cancel.TYPE: _id_only(Cancel),
+    StatusRequest.TYPE: _id_only(StatusRequest),
+}
+REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
+    c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply)
+}
+WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
+    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Step, Shutdown)
+}
+ROUTER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
+    Run.TYPE: _run,
+    Abort.TYPE: _plain(Abort),
+    Heartbeat.TYPE: _plain(Heartbeat),
+    Shutdown.TYPE: _plain(Shutdown),
+}
+
+
+def decode(
+    frames: list[bytes],
+    types: dict[str, Callable[[dict[str, Any]], Message]],
+    max_frame: int = DEFAULT_MAX_FRAME,
+) -> Message:
+    """Decode a message's frames with the parsers in ``types``; raise :class:`ProtocolError`."""
+    if len(frames) != 1:
+        raise ProtocolError(ErrorCode.MALFORMED, f"expected 1 frame, got {len(frames)}")
+    frame = frames[0]
+    if len(frame) > max_frame:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"message is {len(frame)} bytes, the limit is {max_frame}"
+        )
+    try:
+        d = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises many kinds
+        raise ProtocolError(ErrorCode.MALFORMED, f"frame is not valid msgpack: {e}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError(ErrorCode.MALFORMED, f"message must be a map, got {type(d).__name__}")
+    mid = d.get("id") if isinstance(d.get("id"), str) else None
+    v = d.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"field 'v' must be {PROTOCOL_VERSION}, got {v!r}", "v", mid,
+        )
+    t = d.get("type")
+    parse = types.get(t) if isinstance(t, str) else None
+    if parse is None:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_TYPE,
+            f"field 'type' must be one of {sorted(types)}, got {t!r}", "type", mid,
+        )
+    try:
+        return parse(d)
+    except ProtocolError as e:
+        if e.id is None:
+            e.id = mid
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"bad {t} message: {e}", None, mid) from None

@@ -1,0 +1,216 @@
+"""Typed messages of the llamapool wire protocol (see docs/protocol.md).
+
+Every message is one msgpack map carrying ``v`` (the protocol version) and ``type``.
+Client <-> router messages live on the frontend socket, router <-> worker messages on
+the backend socket; both use the same codec (``llamapool.protocol.codec``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+
+Prompt = str | list[int]
+
+
+class ErrorCode:
+    """Error codes carried by :class:`Error` replies."""
+
+    MALFORMED = "malformed"  # not msgpack, not a map, or not one frame
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID_REQUEST = "invalid_request"  # a field is missing, of the wrong type or out of range
+    TOO_LARGE = "too_large"
+    DUPLICATE_ID = "duplicate_id"
+    OVERLOADED = "overloaded"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+    WORKER_LOST = "worker_lost"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request generation parameters."""
+
+    max_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+# ---------------------------------------------------------------- client -> router
+
+
+@dataclass(slots=True)
+class Generate:
+    """Generate for one prompt (``prompt``) or a micro-batch (``prompts``); replies carry ``index``."""
+
+    TYPE: ClassVar[str] = "generate"
+    id: str
+    prompts: list[Prompt]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    timeout: float | None = None
+    batch: bool = False  # True when the client sent ``prompts`` rather than ``prompt``
+
+
+@dataclass(slots=True)
+class Cancel:
+    TYPE: ClassVar[str] = "cancel"
+    id: str
+
+
+@dataclass(slots=True)
+class StatusRequest:
+    TYPE: ClassVar[str] = "status"
+    id: str
+
+
+# ---------------------------------------------------------------- router -> client
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A streamed text delta; ``tokens`` is the number of tokens generated so far."""
+
+    TYPE: ClassVar[str] = "chunk"
+    id: str
+    index: int
+    text: str
+    tokens: int
+
+
+@dataclass(slots=True)
+class Result:
+    """The final reply for one prompt."""
+
+    TYPE: ClassVar[str] = "result"
+    id: str
+    index: int
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    worker: str
+
+
+@dataclass(slots=True)
+class Error:
+    """A final error reply. ``id``/``index`` are None when the request could not be read."""
+
+    TYPE: ClassVar[str] = "error"
+    id: str | None
+    code: str
+    message: str
+    index: int | None = None
+    field: str | None = None
+    tokens_delivered: int | None = None
+
+
+@dataclass(slots=True)
+class StatusReply:
+    TYPE: ClassVar[str] = "status_reply"
+    id: str
+    workers: list[dict[str, Any]]
+    queued: int
+    running: int
+    draining: bool = False
+    gpus: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- worker <-> router
+
+
+@dataclass(slots=True)
+class Hello:
+    """First message of a worker: who it is and what llama.cpp sees in its process."""
+
+    TYPE: ClassVar[str] = "hello"
+    worker: str
+    pid: int
+    device: str
+    model: str
+    slots: int
+    ctx_per_slot: int
+    n_vocab: int
+    visible_devices: list[str]
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Liveness, both ways. From a worker it also carries its load and step progress."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    active: int = 0
+    steps: int = 0
+    busy_for: float = 0.0  # seconds the current engine step has been running (0 when idle)
+
+
+@dataclass(slots=True)
+class Run:
+    """Router -> worker: start one sequence. ``rid`` is unique per router."""
+
+    TYPE: ClassVar[str] = "run"
+    rid: int
+    prompt: Prompt
+    params: SamplingParams
+    stream: bool
+
+
+@dataclass(slots=True)
+class Abort:
+    """Router -> worker: stop a sequence; the worker answers with a ``cancelled`` finish."""
+
+    TYPE: ClassVar[str] = "abort"
+    rid: int
+
+
+@dataclass(slots=True)
+class Step:
+    """Worker -> router, once per engine step: every sequence's delta and every finish.
+
+    ``deltas``: ``[rid, text, tokens_so_far]``; ``done``: ``[rid, finish_reason, text,
+    prompt_tokens, completion_tokens]``; ``failed``: ``[rid, code, message, field]``.
+    """
+
+    TYPE: ClassVar[str] = "step"
+    deltas: list[list[Any]] = field(default_factory=list)
+    done: list[list[Any]] = field(default_factory=list)
+    failed: list[list[Any]] = field(default_factory=list)
+    active: int = 0
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Router -> worker: finish or abort what runs, then exit."""
+
+    TYPE: ClassVar[str] = "shutdown"
+
+
+Message = (
+    Generate
+    | Cancel
+    | StatusRequest
+    | Chunk
+    | Result
+    | Error
+    | StatusReply
+    | Hello
+    | Heartbeat
+    | Run
+    | Abort
+    | Step
+    | Shutdown
+)

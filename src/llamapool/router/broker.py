@@ -1,0 +1,438 @@
+"""The router: a ZeroMQ broker between clients (frontend) and workers (backend).
+
+One thread, one poll loop. Clients send requests; each prompt becomes a :class:`Job` that waits
+in a FIFO queue until the worker with the most free slots takes it. Workers stream step reports
+back; the router forwards chunks and exactly one final reply per prompt. The supervisor talks to
+the router over an inproc PAIR socket (``control``) with small Python tuples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from llamapool.protocol import codec
+from llamapool.protocol.messages import (
+    Abort,
+    Cancel,
+    Chunk,
+    Error,
+    ErrorCode,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    Prompt,
+    Result,
+    Run,
+    SamplingParams,
+    Shutdown,
+    StatusReply,
+    StatusRequest,
+    Step,
+)
+from llamapool.router.policy import pick_worker
+
+TICK = 0.1  # seconds between housekeeping passes
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    frontend: str
+    backend: str
+    max_queue: int = 4096
+    queue_timeout: float = 60.0
+    max_message_bytes: int = codec.DEFAULT_MAX_FRAME
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 3
+    step_timeout: float = 60.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt of one client request, from arrival to its final reply."""
+
+    rid: int
+    client: bytes
+    id: str
+    index: int
+    prompt: Prompt
+    params: SamplingParams
+    stream: bool
+    queued_at: float
+    deadline: float | None
+    worker: str | None = None
+    delivered: int = 0  # tokens already streamed to the client
+    ending: str | None = None  # error code to answer with once the worker confirms the abort
+
+
+@dataclass(eq=False)
+class WorkerState:
+    name: str
+    ident: bytes
+    hello: Hello
+    last_seen: float
+    state: str = "ready"  # ready | retiring
+    jobs: dict[int, Job] = field(default_factory=dict)
+    steps: int = 0
+    busy_for: float = 0.0
+
+    @property
+    def free(self) -> int:
+        return self.hello.slots - len(self.jobs)
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "ready"
+
+
+class Router:
+    """Owns the frontend, backend and control sockets; ``run`` is the loop."""
+
+    def __init__(self, cfg: RouterConfig, zctx: zmq.Context, control_addr: str,
+                 on_event: Callable[[tuple[Any, ...]], None] = lambda e: None):
+        self.cfg = cfg
+        self.zctx = zctx
+        self.on_event = on_event  # called from the router thread: keep it thread-safe
+        self.front = zctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.front.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes * 4)
+        self.front.setsockopt(zmq.SNDHWM, 0)
+        self.front.setsockopt(zmq.RCVHWM, 0)
+        self.back = zctx.socket(zmq.ROUTER)
+        self.back.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.setsockopt(zmq.SNDHWM, 0)
+        self.back.setsockopt(zmq.RCVHWM, 0)
+        self.control = zctx.socket(zmq.PAIR)
+        self.control.connect(control_addr)
+        self.queue: deque[Job] = deque()
+        self.jobs: dict[int, Job] = {}
+        self.by_request: dict[tuple[bytes, str], list[Job]] = {}
+        self.workers: dict[str, WorkerState] = {}
+        self.sup_info: dict[str, dict[str, Any]] = {}  # the supervisor's view of each worker
+        self.gpus: list[dict[str, Any]] = []
+        self.draining = False
+        self.running = True
+        self.next_rid = 1
+        self.loop_progress = time.monotonic()  # read by the supervisor's watchdog
+        self._last_ready = -1
+
+    def bind(self) -> None:
+        self.front.bind(self.cfg.frontend)
+        self.back.bind(self.cfg.backend)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self.front, self.back, self.control):
+            poller.register(s, zmq.POLLIN)
+        next_tick = 0.0
+        while self.running:
+            for sock, _ in poller.poll(timeout=int(TICK * 1000)):
+                if sock is self.back:
+                    self._drain(self.back, self._on_worker)
+                elif sock is self.front:
+                    self._drain(self.front, self._on_client)
+                else:
+                    while self.control.poll(0):
+                        self._on_control(self.control.recv_pyobj())
+            now = time.monotonic()
+            self.loop_progress = now
+            if now >= next_tick:
+                self._housekeeping(now)
+                next_tick = now + TICK
+            self._dispatch()
+            self._report_ready()
+        self._close()
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, list[bytes]], None]) -> None:
+        for _ in range(1000):  # bounded so one busy side cannot starve the other
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames[0], frames[1:])
+
+    # ------------------------------------------------------------ clients
+
+    def _reply(self, client: bytes, msg: Message) -> None:
+        try:
+            self.front.send_multipart([client, codec.encode(msg)])
+        except zmq.ZMQError:  # EHOSTUNREACH: the client is gone; stop its work
+            for job in [j for j in self.jobs.values() if j.client == client]:
+                self._cancel_job(job, None)
+
+    def _on_client(self, client: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = codec.decode(frames, codec.CLIENT_TYPES, self.cfg.max_message_bytes)
+        except codec.ProtocolError as e:
+            self._reply(client, e.to_error())
+            return
+        if isinstance(msg, Generate):
+            self._on_generate(client, msg)
+        elif isinstance(msg, Cancel):
+            for job in list(self.by_request.get((client, msg.id), ())):
+                self._cancel_job(job, "cancelled")
+        elif isinstance(msg, StatusRequest):
+            self._reply(client, self._status(msg.id))
+
+    def _on_generate(self, client: bytes, msg: Generate) -> None:
+        key = (client, msg.id)
+        if key in self.by_request:
+            self._reply(client, Error(msg.id, ErrorCode.DUPLICATE_ID,
+                                      f"request id {msg.id!r} is already in flight", field="id"))
+            return
+        if self.draining:
+            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
+            return
+        if len(self.queue) + len(msg.prompts) > self.cfg.max_queue:
+            self._reply(client, Error(
+                msg.id, ErrorCode.OVERLOADED,
+                f"queue is full ({len(self.queue)} waiting, server.max_queue={self.cfg.max_queue})",
+            ))
+            return
+        now = time.monotonic()
+        deadline = now + msg.timeout if msg.timeout else None
+        jobs = []
+        for i, prompt in enumerate(msg.prompts):
+            job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline)
+            self.next_rid += 1
+            self.jobs[job.rid] = job
+            self.queue.append(job)
+            jobs.append(job)
+        self.by_request[key] = jobs
+
+    def _finish(self, job: Job, msg: Message) -> None:
+        """Send the one final reply of ``job`` and forget it."""
+        self.jobs.pop(job.rid, None)
+        key = (job.client, job.id)
+        rest = [j for j in self.by_request.get(key, ()) if j is not job]
+        if rest:
+            self.by_request[key] = rest
+        else:
+            self.by_request.pop(key, None)
+        self._reply(job.client, msg)
+
+    def _error(self, job: Job, code: str, message: str) -> Error:
+        return Error(job.id, code, message, index=job.index,
+                     tokens_delivered=job.delivered if job.stream else None)
+
+    def _cancel_job(self, job: Job, code: str | None) -> None:
+        """Stop a job. ``code`` None: the client is gone, no reply; "cancelled": a normal finish."""
+        if job.worker is None:
+            if job in self.queue:
+                self.queue.remove(job)
+            if code is None:
+                self._forget(job)
+            elif code == "cancelled":
+                self._finish(job, Result(job.id, job.index, "", "cancelled", 0, 0, ""))
+            else:
+                self._finish(job, self._error(job, code, f"request {code}"))
+            return
+        if job.ending is None:
+            job.ending = code or "gone"
+            w = self.workers.get(job.worker)
+            if w is not None:
+                self._send_worker(w, Abort(job.rid))
+
+    def _forget(self, job: Job) -> None:
+        self.jobs.pop(job.rid, None)
+        key = (job.client, job.id)
+        rest = [j for j in self.by_request.get(key, ()) if j is not job]
+        if rest:
+            self.by_request[key] = rest
+        else:
+            self.by_request.pop(key, None)
+
+    # ------------------------------------------------------------ workers
+
+    def _send_worker(self, w: WorkerState, msg: Message) -> None:
+        try:
+            self.back.send_multipart([w.ident, codec.encode(msg)])
+        except zmq.ZMQError:
+            self._lose_worker(w, "its socket disconnected")
+
+    def _on_worker(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = codec.decode(frames, codec.WORKER_TYPES, 1 << 30)
+        except codec.ProtocolError:
+            return
+        name = ident.decode(errors="replace").split(":")[0]
+        w = self.workers.get(name)
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            if w is not None and w.ident != ident:
+                self._lose_worker(w, "replaced by a new process")
+            self.workers[name] = WorkerState(name, ident, msg, now)
+            self.on_event(("hello", name, msg.pid))
+            return
+        if w is None or w.ident != ident:
+            return  # a worker we dropped; it will be killed by the supervisor
+        w.last_seen = now
+        if isinstance(msg, Step):
+            self._on_step(w, msg)
+        elif isinstance(msg, Heartbeat):
+            w.steps, w.busy_for = msg.steps, msg.busy_for
+        elif isinstance(msg, Shutdown):  # drained and leaving
+            self._lose_worker(w, "it shut down")
+
+    def _on_step(self, w: WorkerState, step: Step) -> None:
+        for rid, text, ntok in step.deltas:
+            job = w.jobs.get(rid)
+            if job is not None and job.ending is None:
+                job.delivered = ntok
+                self._reply(job.client, Chunk(job.id, job.index, text, ntok))
+        for rid, reason, text, n_prompt, n_gen in step.done:
+            job = w.jobs.pop(rid, None)
+            if job is None:
+                continue
+            if job.ending in (None, "cancelled"):
+                self._finish(job, Result(job.id, job.index, text, reason, n_prompt, n_gen, w.name))
+            elif job.ending == "gone":
+                self._forget(job)
+            else:
+                self._finish(job, self._error(job, job.ending, f"request {job.ending}: stopped "
+                                              f"after {n_gen} tokens"))
+        for rid, code, message, fld in step.failed:
+            job = w.jobs.pop(rid, None)
+            if job is not None:
+                err = self._error(job, code, message)
+                err.field = fld
+                self._finish(job, err)
+
+    def _lose_worker(self, w: WorkerState, why: str) -> None:
+        """Take ``w`` out of routing; retry its unstarted jobs, fail its streaming ones."""
+        if self.workers.get(w.name) is w:
+            del self.workers[w.name]
+        for job in sorted(w.jobs.values(), key=lambda j: j.rid, reverse=True):
+            job.worker = None
+            if job.ending is not None:
+                if job.ending == "gone":
+                    self._forget(job)
+                elif job.ending == "cancelled":
+                    self._finish(job, Result(job.id, job.index, "", "cancelled", 0, job.delivered, w.name))
+                else:
+                    self._finish(job, self._error(job, job.ending, f"request {job.ending}"))
+            elif job.delivered == 0:
+                self.queue.appendleft(job)  # invisible retry on another worker
+            else:
+                self._finish(job, self._error(
+                    job, ErrorCode.WORKER_LOST,
+                    f"worker {w.name} was lost ({why}) after {job.delivered} tokens were delivered",
+                ))
+        w.jobs.clear()
+        self.on_event(("lost", w.name, w.hello.pid, why))
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            w = pick_worker(self.workers.values())
+            if w is None:
+                return
+            job = self.queue.popleft()
+            job.worker = w.name
+            w.jobs[job.rid] = job
+            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream))
+
+    # ------------------------------------------------------------ time
+
+    def _housekeeping(self, now: float) -> None:
+        dead_after = self.cfg.heartbeat_interval * self.cfg.heartbeat_liveness
+        for w in list(self.workers.values()):
+            if now - w.last_seen > dead_after:
+                why = f"missed {self.cfg.heartbeat_liveness} heartbeats"
+                self._lose_worker(w, why)
+                self.on_event(("kill", w.name, w.hello.pid, why))
+            elif w.busy_for > self.cfg.step_timeout:
+                why = f"engine step ran {w.busy_for:.1f}s > workers.step_timeout"
+                self._lose_worker(w, why)
+                self.on_event(("kill", w.name, w.hello.pid, why))
+            else:
+                self._send_worker(w, Heartbeat())
+        for job in list(self.jobs.values()):
+            if job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
+                self.queue.remove(job)
+                self._finish(job, self._error(
+                    job, ErrorCode.UNAVAILABLE,
+                    f"no worker slot became free within server.queue_timeout="
+                    f"{self.cfg.queue_timeout:g}s ({len(self.workers)} workers ready)",
+                ))
+            elif job.deadline is not None and now > job.deadline:
+                self._cancel_job(job, ErrorCode.TIMEOUT)
+        if self.draining and not self.jobs:
+            self.on_event(("drained",))
+
+    # ------------------------------------------------------------ supervisor
+
+    def _on_control(self, cmd: tuple[Any, ...]) -> None:
+        op = cmd[0]
+        if op == "info":  # ("info", name, {...}) the supervisor's view of a worker
+            self.sup_info[cmd[1]] = cmd[2]
+        elif op == "forget":
+            self.sup_info.pop(cmd[1], None)
+        elif op == "gpus":
+            self.gpus = cmd[1]
+        elif op == "exited":  # ("exited", name, pid, how)
+            w = self.workers.get(cmd[1])
+            if w is not None and w.hello.pid == cmd[2]:
+                self._lose_worker(w, cmd[3])
+        elif op == "retire":  # ("retire", name): stop routing to it and let it drain and exit
+            w = self.workers.get(cmd[1])
+            if w is not None:
+                w.state = "retiring"
+                self._send_worker(w, Shutdown())
+        elif op == "drain":
+            self.draining = True
+            for job in list(self.queue):
+                self._cancel_job(job, ErrorCode.UNAVAILABLE)
+        elif op == "cancel_all":
+            for job in list(self.jobs.values()):
+                self._cancel_job(job, ErrorCode.UNAVAILABLE)
+        elif op == "stop":
+            self.running = False
+
+    def _report_ready(self) -> None:
+        n = sum(1 for w in self.workers.values() if w.routable)
+        if n != self._last_ready:
+            self._last_ready = n
+            self.on_event(("ready", n, len(self.queue)))
+
+    def _status(self, rid: str) -> StatusReply:
+        rows = []
+        names = sorted(set(self.sup_info) | set(self.workers))
+        for name in names:
+            info = dict(self.sup_info.get(name, {}))
+            w = self.workers.get(name)
+            if w is not None:
+                info.update(
+                    id=name, pid=w.hello.pid, device=w.hello.device, state=w.state,
+                    slots=w.hello.slots, active=len(w.jobs), model=w.hello.model,
+                    visible_devices=w.hello.visible_devices, steps=w.steps,
+                    n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
+                )
+            else:
+                info.setdefault("state", "starting")
+                info.update(id=name, active=0)
+                info.setdefault("slots", 0)
+            rows.append(info)
+        running = sum(len(w.jobs) for w in self.workers.values())
+        return StatusReply(rid, rows, len(self.queue), running, self.draining, self.gpus)
+
+    def _close(self) -> None:
+        for job in list(self.jobs.values()):
+            self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, "llamapool stopped"))
+        for w in self.workers.values():
+            try:
+                self.back.send_multipart([w.ident, codec.encode(Shutdown())], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self.front.close(linger=500)
+        self.back.close(linger=500)
+        self.control.close(linger=0)

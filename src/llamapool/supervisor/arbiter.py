@@ -1,0 +1,417 @@
+"""The supervisor: the daemon's main process and the whole worker lifecycle in one class.
+
+It finds GPUs with NVML, spawns one worker process per device with an environment it builds,
+runs the router in a thread, watches its children, restarts the dead with backoff, and turns
+signals into drain (TERM/INT), fast stop (QUIT) and rolling reload (HUP). It never imports
+llama_cpp, so it never creates a CUDA context.
+
+Worker lifecycle (:class:`WorkerSlot.state`)::
+
+    starting --hello--> ready --exit/kill--> backoff --delay--> starting
+        |                 |--retire (reload)--> retiring --exit--> (successor) starting
+        '--permanent error / flapping--> failed          stop --> stopped
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from llamapool.config import Config, ConfigError, load_config
+from llamapool.router import Router, RouterConfig
+from llamapool.supervisor import gpus as gpumod
+from llamapool.supervisor.env import cpu_threads, worker_env
+from llamapool.supervisor.sdnotify import Notifier
+from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
+
+LOG_LINES = 40
+KILL_GRACE = 2.0  # seconds between SIGABRT and SIGKILL for a hung worker
+
+
+@dataclass(eq=False)
+class WorkerSlot:
+    """One device and the succession of worker processes that serve it."""
+
+    name: str
+    gpu: gpumod.Gpu | None
+    state: str = "starting"  # starting | ready | backoff | retiring | failed | stopped
+    proc: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    ready_at: float = 0.0
+    restarts: int = 0
+    streak: int = 0  # deaths in a row, for the backoff
+    deaths: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
+    last_exit: str | None = None
+    reason: str | None = None
+    kill_reason: str | None = None
+    log: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LOG_LINES))
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def device(self) -> str:
+        return self.gpu.uuid if self.gpu else "cpu"
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "id": self.name, "pid": self.proc.pid if self.proc else None, "device": self.device,
+            "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+            "reason": self.reason, "log_tail": list(self.log)[-10:],
+            "gpu_index": self.gpu.index if self.gpu else None,
+        }
+
+
+class Supervisor:
+    def __init__(self, config: Config, nvml: Any | None = None, use_nvml: bool = True):
+        self.cfg = config
+        self.nvml = nvml if nvml is not None else (gpumod.load_nvml() if use_nvml else None)
+        self.gpus = gpumod.discover(self.nvml)
+        self.notify = Notifier.from_env()
+        self.slots: list[WorkerSlot] = []
+        self.zctx = zmq.Context()
+        self.stopping = False
+        self.exit_code = 0
+        self._drained = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._announced_ready = False
+        self._ready_workers = 0
+        self._queued = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------ top level
+
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self._prepare_runtime_dir()
+        self.control = self.zctx.socket(zmq.PAIR)
+        self.control.bind("inproc://llamapool-control")
+        self.router = Router(self._router_config(self.cfg), self.zctx, "inproc://llamapool-control",
+                             on_event=lambda e: self.loop.call_soon_threadsafe(self._on_router, e))
+        self.router.bind()
+        self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
+        self.router_thread.start()
+        self._log(f"frontend {self.cfg.frontend}; model {self.cfg.model.path}")
+        for sig, handler in ((signal.SIGTERM, self.drain), (signal.SIGINT, self.drain),
+                             (signal.SIGQUIT, self.fast_stop), (signal.SIGHUP, self.reload)):
+            self.loop.add_signal_handler(sig, lambda h=handler: self._spawn_task(h()))
+        self.slots = self._plan(self.cfg)
+        for slot in self.slots:
+            self._start(slot)
+        self._spawn_task(self._timers())
+        await self._stop.wait()
+        await self._shutdown_workers()
+        self._command("stop")
+        await asyncio.to_thread(self.router_thread.join, 10)
+        self.control.close(linger=0)
+        self.zctx.term()
+        if self.nvml is not None:
+            with contextlib.suppress(Exception):
+                self.nvml.nvmlShutdown()
+        self._log("stopped")
+        return self.exit_code
+
+    def _plan(self, cfg: Config) -> list[WorkerSlot]:
+        """One slot per selected GPU, or ``cpu_workers`` CPU slots when there is none."""
+        chosen = gpumod.select(self.gpus, cfg.workers.devices)
+        if chosen:
+            return [WorkerSlot(f"gpu{g.index}", g) for g in chosen]
+        if cfg.workers.devices != "cpu":
+            self._log("no GPU found through NVML; starting CPU workers")
+        return [WorkerSlot(f"cpu{i}", None) for i in range(cfg.workers.cpu_workers)]
+
+    def _prepare_runtime_dir(self) -> None:
+        d = self.cfg.runtime_dir
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(d, 0o700)
+
+    @staticmethod
+    def _router_config(cfg: Config) -> RouterConfig:
+        s, w = cfg.server, cfg.workers
+        return RouterConfig(
+            frontend=cfg.frontend, backend=cfg.backend, max_queue=s.max_queue,
+            queue_timeout=s.queue_timeout, max_message_bytes=s.max_message_bytes,
+            heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
+            step_timeout=w.step_timeout,
+        )
+
+    # ------------------------------------------------------------ spawning and reaping
+
+    def _spec(self, slot: WorkerSlot) -> WorkerSpec:
+        m, w = self.cfg.model, self.cfg.workers
+        n_cpu = sum(1 for s in self.slots if s.gpu is None) or 1
+        threads = cpu_threads(n_cpu, w.threads) if slot.gpu is None else min(8, cpu_threads(
+            len(self.slots), w.threads))
+        return WorkerSpec(
+            name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
+            slots=w.slots, ctx_per_slot=m.ctx_per_slot, n_batch=m.n_batch, n_ubatch=m.n_ubatch,
+            prefill_chunk=m.prefill_chunk, threads=threads, flash_attn=m.flash_attn,
+            heartbeat_interval=w.heartbeat_interval,
+        )
+
+    def _start(self, slot: WorkerSlot) -> None:
+        slot.state, slot.kill_reason = "starting", None
+        slot.ready_event.clear()
+        self._spawn_task(self._run_worker(slot))
+
+    async def _run_worker(self, slot: WorkerSlot) -> None:
+        spec = self._spec(slot)
+        env = worker_env(os.environ, slot.gpu, self.cfg.workers.env, spec.threads)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llamapool.worker", spec.to_json(),
+            env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        )
+        slot.proc, slot.started_at = proc, time.monotonic()
+        self._publish(slot)
+        self._log(f"{slot.name}: started pid {proc.pid} on {slot.device}")
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            slot.log.append(line)
+            print(f"[{slot.name}] {line}", file=sys.stderr, flush=True)
+        code = await proc.wait()
+        self._reaped(slot, proc, code)
+
+    def _reaped(self, slot: WorkerSlot, proc: asyncio.subprocess.Process, code: int) -> None:
+        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        if slot.kill_reason:
+            how += f" (killed: {slot.kill_reason})"
+        slot.last_exit, slot.proc = how, None
+        self._command("exited", slot.name, proc.pid, how)
+        if slot.state in ("retiring", "stopped") or self.stopping:
+            self._log(f"{slot.name}: pid {proc.pid} exited ({how})")
+            if slot.state == "retiring":
+                slot.state = "stopped"
+            self._publish(slot)
+            return
+        now = time.monotonic()
+        slot.deaths.append(now)
+        if code == EXIT_PERMANENT:
+            fatal = [ln for ln in slot.log if "FATAL" in ln]
+            slot.state, slot.reason = "failed", (fatal[-1] if fatal else how)
+        elif sum(1 for t in slot.deaths if now - t < self.cfg.workers.flap_window) > \
+                self.cfg.workers.flap_limit:
+            slot.state = "failed"
+            slot.reason = (f"flapping: died more than {self.cfg.workers.flap_limit} times in "
+                           f"{self.cfg.workers.flap_window:g}s; last: {how}")
+        else:
+            if slot.ready_at and now - slot.ready_at > self.cfg.workers.restart_backoff_max:
+                slot.streak = 0
+            delay = min(self.cfg.workers.restart_backoff * 2**slot.streak,
+                        self.cfg.workers.restart_backoff_max)
+            slot.streak += 1
+            slot.state = "backoff"
+            self._log(f"{slot.name}: pid {proc.pid} died ({how}); restarting in {delay:g}s")
+            self._spawn_task(self._restart_later(slot, delay))
+        if slot.state == "failed":
+            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}")
+        self._publish(slot)
+
+    async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if slot.state == "backoff" and not self.stopping:
+            slot.restarts += 1
+            self._start(slot)
+
+    async def _kill(self, slot: WorkerSlot, pid: int, why: str) -> None:
+        """SIGABRT (a core and a stack for the evidence), then SIGKILL."""
+        proc = slot.proc
+        if proc is None or proc.pid != pid or proc.returncode is not None:
+            return
+        slot.kill_reason = why
+        self._log(f"{slot.name}: killing pid {pid}: {why}")
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGABRT)
+            proc.send_signal(signal.SIGCONT)
+        try:
+            await asyncio.wait_for(proc.wait(), KILL_GRACE)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    # ------------------------------------------------------------ router events
+
+    def _on_router(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        slot = next((s for s in self.slots if len(event) > 1 and s.name == event[1]), None)
+        if kind == "hello" and slot is not None:
+            if slot.state == "starting":
+                slot.state, slot.ready_at, slot.reason = "ready", time.monotonic(), None
+                slot.ready_event.set()
+                self._publish(slot)
+        elif kind == "kill" and slot is not None:
+            self._spawn_task(self._kill(slot, event[2], event[3]))
+        elif kind == "ready":
+            self._ready_workers, self._queued = event[1], event[2]
+            if not self._announced_ready and self._ready_workers >= min(
+                    self.cfg.server.min_ready_workers, len(self.slots)):
+                self._announced_ready = True
+                self.notify.ready()
+                self._log(f"ready: {self._ready_workers} worker(s)")
+            self.notify.status(f"{self._ready_workers} workers ready, {self._queued} queued")
+        elif kind == "drained":
+            self._drained.set()
+
+    # ------------------------------------------------------------ signals
+
+    async def drain(self) -> None:
+        """SIGTERM/SIGINT: refuse new work, let in-flight finish within drain_timeout, exit 0."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.notify.stopping()
+        self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
+        self._command("drain")
+        try:
+            await asyncio.wait_for(self._drained.wait(), self.cfg.server.drain_timeout)
+        except TimeoutError:
+            self._log("drain timeout: cancelling what is left")
+            self._command("cancel_all")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), 5)
+        self._stop.set()
+
+    async def fast_stop(self) -> None:
+        """SIGQUIT: answer everything with an error now and stop."""
+        self.stopping = True
+        self.notify.stopping()
+        self._log("fast stop")
+        self._command("cancel_all")
+        for slot in self.slots:
+            if slot.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.kill()
+        self._stop.set()
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the config, then replace the workers one device at a time."""
+        if self.stopping or not self.cfg.source:
+            return
+        try:
+            new = load_config(self.cfg.source)
+            gpumod.select(self.gpus, new.workers.devices)
+        except ConfigError as e:
+            self._log(f"reload refused, keeping the running config: {e}")
+            return
+        self.notify.reloading()
+        self._log("reloading: replacing workers one at a time")
+        self.cfg = new
+        for slot in list(self.slots):
+            if self.stopping:
+                return
+            await self._replace(slot)
+        self._log("reload done")
+        self.notify.ready()
+
+    async def _replace(self, slot: WorkerSlot) -> None:
+        old = slot.proc
+        if old is not None and slot.state == "ready":
+            slot.state = "retiring"
+            self._publish(slot)
+            self._command("retire", slot.name)
+            try:
+                await asyncio.wait_for(old.wait(), self.cfg.server.drain_timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    old.kill()
+                await old.wait()
+            while slot.proc is not None:  # let the reaper run
+                await asyncio.sleep(0.05)
+        elif old is not None:
+            slot.state = "stopped"
+            with contextlib.suppress(ProcessLookupError):
+                old.kill()
+            await old.wait()
+            while slot.proc is not None:
+                await asyncio.sleep(0.05)
+        slot.streak, slot.reason = 0, None
+        slot.deaths.clear()
+        self._start(slot)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(slot.ready_event.wait(), self.cfg.workers.start_timeout)
+
+    async def _shutdown_workers(self) -> None:
+        live = [s for s in self.slots if s.proc is not None]
+        for slot in live:
+            slot.state = "stopped"
+            assert slot.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                slot.proc.terminate()  # the worker finishes what it has (nothing now) and exits
+        deadline = time.monotonic() + 10
+        for slot in live:
+            proc = slot.proc
+            if proc is None:
+                continue
+            try:
+                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        for task in list(self._tasks):
+            if not task.done():
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(asyncio.shield(task), 2)
+
+    # ------------------------------------------------------------ timers
+
+    async def _timers(self) -> None:
+        """Start timeouts, EXTEND_TIMEOUT while loading, the watchdog and GPU health."""
+        wd = self.notify.watchdog_interval
+        last_gpu = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.state == "starting" and slot.proc is not None and \
+                        now - slot.started_at > self.cfg.workers.start_timeout:
+                    self._spawn_task(self._kill(slot, slot.proc.pid, "no hello within "
+                                                f"workers.start_timeout={self.cfg.workers.start_timeout:g}s"))
+            if not self._announced_ready:
+                self.notify.extend_timeout(10)
+            if wd is not None and now - self.router.loop_progress < max(1.0, wd):
+                self.notify.watchdog()
+            if self.nvml is not None and now - last_gpu > 5:
+                last_gpu = now
+                rows = gpumod.health(self.nvml, self.gpus)
+                self._command("gpus", rows)
+                for row in rows:
+                    slot = next((s for s in self.slots if s.gpu and s.gpu.uuid == row["uuid"]), None)
+                    if row.get("lost") and slot is not None and slot.state != "failed":
+                        slot.state, slot.reason = "failed", f"GPU lost: {row.get('error')}"
+                        if slot.proc is not None:
+                            self._spawn_task(self._kill(slot, slot.proc.pid, slot.reason))
+                        self._publish(slot)
+            await asyncio.sleep(min(1.0, wd) if wd else 1.0)
+
+    # ------------------------------------------------------------ helpers
+
+    def _command(self, *cmd: Any) -> None:
+        self.control.send_pyobj(cmd)
+
+    def _publish(self, slot: WorkerSlot) -> None:
+        self._command("info", slot.name, slot.info())
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        print(f"llamapool: {msg}", file=sys.stderr, flush=True)
+
+
+def serve(config: Config) -> int:
+    """Run the daemon in the foreground on uvloop until a signal stops it."""
+    import uvloop
+
+    return uvloop.run(Supervisor(config).run())

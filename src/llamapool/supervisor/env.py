@@ -1,0 +1,37 @@
+"""Each worker's environment, built before it starts and never changed after."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from llamapool.supervisor.gpus import Gpu
+
+SYSTEMD_VARS = (
+    "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
+)
+
+
+def worker_env(
+    base: Mapping[str, str], gpu: Gpu | None, extra: Mapping[str, str], threads: int
+) -> dict[str, str]:
+    """``base`` without systemd's variables, plus ``[workers.env]``, plus the device pinning.
+
+    The device variables are applied last so no config can point two workers at one GPU.
+    """
+    env = {k: v for k, v in base.items() if k not in SYSTEMD_VARS}
+    env.update(extra)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["CUDA_VISIBLE_DEVICES"] = gpu.uuid if gpu is not None else ""
+    env["PYTHONUNBUFFERED"] = "1"
+    if gpu is None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def cpu_threads(n_workers: int, configured: int = 0) -> int:
+    """Threads per CPU worker: the configured number, else the cores split between workers."""
+    if configured > 0:
+        return configured
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, n_workers))

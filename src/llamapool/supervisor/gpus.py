@@ -1,0 +1,90 @@
+"""GPU inventory and health through NVML only: the supervisor never creates a CUDA context."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from llamapool.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total: int
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def load_nvml() -> Any | None:
+    """The initialised ``pynvml`` module, or None when there is no NVML (no driver, no GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None
+
+
+def discover(nvml: Any | None) -> list[Gpu]:
+    """All GPUs NVML lists, in NVML (PCI bus) order."""
+    if nvml is None:
+        return []
+    gpus = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        gpus.append(Gpu(
+            index=i,
+            uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+            name=_text(nvml.nvmlDeviceGetName(h)),
+            pci_bus_id=_text(nvml.nvmlDeviceGetPciInfo(h).busId),
+            memory_total=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+        ))
+    return gpus
+
+
+def select(gpus: list[Gpu], devices: str | list[int | str]) -> list[Gpu]:
+    """The GPUs ``workers.devices`` asks for; [] means CPU workers."""
+    if devices == "cpu":
+        return []
+    if devices == "auto":
+        return gpus
+    chosen = []
+    for d in devices:
+        match = [g for g in gpus if (g.index == d if isinstance(d, int) else g.uuid == d)]
+        if not match:
+            raise ConfigError(
+                f"workers.devices: no GPU {d!r} (NVML sees {[g.uuid for g in gpus] or 'none'})"
+            )
+        chosen.append(match[0])
+    return chosen
+
+
+def health(nvml: Any | None, gpus: list[Gpu]) -> list[dict[str, Any]]:
+    """Per-GPU memory, utilisation, temperature and error counters; ``lost`` when NVML fails."""
+    rows: list[dict[str, Any]] = []
+    if nvml is None:
+        return rows
+    for g in gpus:
+        row: dict[str, Any] = {"index": g.index, "uuid": g.uuid, "name": g.name}
+        try:
+            h = nvml.nvmlDeviceGetHandleByUUID(g.uuid)
+            mem = nvml.nvmlDeviceGetMemoryInfo(h)
+            util = nvml.nvmlDeviceGetUtilizationRates(h)
+            row.update(
+                memory_used=int(mem.used), memory_total=int(mem.total), utilization=int(util.gpu),
+                temperature=int(nvml.nvmlDeviceGetTemperature(h, 0)), lost=False,
+            )
+            with contextlib.suppress(Exception):  # ECC counters need ECC-capable boards
+                row["ecc_uncorrected"] = int(nvml.nvmlDeviceGetTotalEccErrors(h, 1, 1))
+        except Exception as e:  # noqa: BLE001 - GPU_IS_LOST, UNKNOWN, ...
+            row.update(lost=True, error=str(e))
+        rows.append(row)
+    return rows

@@ -1,0 +1,5 @@
+import sys
+
+from llamapool.worker.server import main
+
+sys.exit(main())

@@ -1,0 +1,349 @@
+"""The engine: one llama context, continuous batching, one ``llama_decode`` per step.
+
+Only the engine thread may call into this module's :class:`Engine` (llama.cpp contexts are not
+thread-safe). Each :meth:`Engine.step` puts every decoding sequence's next token and the pending
+prompt chunks of prefilling sequences into ONE ``llama_batch`` and decodes it once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from llamapool.protocol.messages import ErrorCode, Prompt, Run, SamplingParams, Step
+from llamapool.worker.text import TextStream
+
+PENALTY_LAST_N = 64
+
+
+class EngineError(Exception):
+    """The model or context could not be created; ``permanent`` when retrying cannot help."""
+
+    def __init__(self, message: str, permanent: bool = True):
+        super().__init__(message)
+        self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    slots: int = 8
+    ctx_per_slot: int = 2048
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    prefill_chunk: int = 512
+    gpu: bool = False
+    threads: int = 0
+    flash_attn: bool = True
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request occupying one llama sequence id (a slot)."""
+
+    rid: int
+    seq_id: int
+    tokens: list[int]  # the prompt
+    params: SamplingParams
+    stream: bool
+    sampler: Any
+    text: TextStream
+    n_past: int = 0  # tokens already in the KV cache
+    generated: int = 0
+    last: int = -1  # last sampled token, fed at the next step
+    out_idx: int = -1  # batch index of this sequence's logits in the current step
+    delta: list[str] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < len(self.tokens)
+
+
+class _Batch:
+    """A ``llama_batch`` whose arrays are numpy-owned, so filling it is vectorised."""
+
+    def __init__(self, capacity: int):
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
+        )
+        self.raw = L.llama_batch()
+        self.raw.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.raw.embd = None
+        self.raw.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.raw.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.raw.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        self.raw.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.n = 0
+
+    def add(self, tokens: list[int], start_pos: int, seq_id: int, want_last: bool) -> int:
+        """Append ``tokens`` of one sequence; return the batch index of the last one."""
+        k, n = len(tokens), self.n
+        self.token[n : n + k] = tokens
+        self.pos[n : n + k] = np.arange(start_pos, start_pos + k, dtype=np.int32)
+        self.seq[n : n + k] = seq_id
+        self.logits[n : n + k] = 0
+        if want_last:
+            self.logits[n + k - 1] = 1
+        self.n = n + k
+        return n + k - 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPU devices llama.cpp sees in this process, as ``name (PCI bus id)`` strings."""
+
+    class Props(ctypes.Structure):
+        _fields_ = [
+            ("name", ctypes.c_char_p),
+            ("description", ctypes.c_char_p),
+            ("memory_free", ctypes.c_size_t),
+            ("memory_total", ctypes.c_size_t),
+            ("type", ctypes.c_int),
+            ("device_id", ctypes.c_char_p),
+            ("_caps", ctypes.c_byte * 64),
+        ]
+
+    lib = L.llama_cpp._lib  # type: ignore[attr-defined]
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get_props.argtypes = [ctypes.c_void_p, ctypes.POINTER(Props)]
+    found = []
+    for i in range(lib.ggml_backend_dev_count()):
+        props = Props()
+        lib.ggml_backend_dev_get_props(lib.ggml_backend_dev_get(i), ctypes.byref(props))
+        if props.type in (1, 2):  # GGML_BACKEND_DEVICE_TYPE_GPU / IGPU
+            desc = (props.description or b"").decode(errors="replace")
+            bus = (props.device_id or b"?").decode(errors="replace")
+            found.append(f"{desc} ({bus})")
+    return found
+
+
+class Engine:
+    """Owns the model, the context, its KV cache and all sequences."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        if not os.path.isfile(cfg.model_path):
+            raise EngineError(f"model file {cfg.model_path} does not exist")
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = -1 if cfg.gpu else 0
+        mp.split_mode = L.LLAMA_SPLIT_MODE_NONE
+        mp.main_gpu = 0
+        self.model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
+        if not self.model:
+            raise EngineError(f"llama.cpp could not load model {cfg.model_path} (corrupt or unsupported)")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cfg.slots * cfg.ctx_per_slot
+        cp.n_batch = cfg.n_batch
+        cp.n_ubatch = cfg.n_ubatch
+        cp.n_seq_max = cfg.slots
+        cp.kv_unified = True
+        cp.no_perf = True
+        cp.flash_attn_type = (
+            L.LLAMA_FLASH_ATTN_TYPE_AUTO if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        if cfg.threads > 0:
+            cp.n_threads = cp.n_threads_batch = cfg.threads
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise EngineError(
+                f"llama.cpp could not create a context of {cp.n_ctx} tokens "
+                f"({cfg.slots} slots x {cfg.ctx_per_slot}); out of memory?"
+            )
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = _Batch(cfg.n_batch)
+        self.free_ids: deque[int] = deque(range(cfg.slots))
+        self.waiting: deque[Run] = deque()  # runs beyond the free slots
+        self.active: dict[int, Sequence] = {}
+        self._piece = ctypes.create_string_buffer(256)
+        self.steps = 0
+
+    @property
+    def desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        L.llama_model_desc(self.model, buf, 256)
+        return buf.value.decode(errors="replace")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def close(self) -> None:
+        for seq in list(self.active.values()):
+            self._release(seq)
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)
+
+    # ------------------------------------------------------------ requests in and out
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode()
+        n_max = len(data) + 8
+        buf = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, False)
+        if n < 0:
+            buf = (L.llama_token * -n)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, True, False)
+        return list(buf[:n])
+
+    def submit(self, run: Run, out: Step) -> None:
+        """Queue a run; it takes a slot at the next step. Bad prompts fail at once into ``out``."""
+        self.waiting.append(run)
+
+    def abort(self, rid: int, out: Step) -> None:
+        for run in self.waiting:
+            if run.rid == rid:
+                self.waiting.remove(run)
+                out.done.append([rid, "cancelled", "", 0, 0])
+                return
+        seq = self._find(rid)
+        if seq is not None:
+            self._finish(seq, "cancelled", out)
+
+    def abort_all(self, out: Step) -> None:
+        for run in list(self.waiting):
+            self.abort(run.rid, out)
+        for seq in list(self.active.values()):
+            self._finish(seq, "cancelled", out)
+
+    def _find(self, rid: int) -> Sequence | None:
+        for seq in self.active.values():
+            if seq.rid == rid:
+                return seq
+        return None
+
+    def _admit(self, out: Step) -> None:
+        while self.waiting and self.free_ids:
+            run = self.waiting.popleft()
+            try:
+                tokens = self._prompt_tokens(run.prompt)
+            except ValueError as e:
+                out.failed.append([run.rid, ErrorCode.INVALID_REQUEST, str(e), "prompt"])
+                continue
+            seq_id = self.free_ids.popleft()
+            L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            self.active[seq_id] = Sequence(
+                rid=run.rid, seq_id=seq_id, tokens=tokens, params=run.params, stream=run.stream,
+                sampler=self._sampler(run.params), text=TextStream(run.params.stop),
+            )
+
+    def _prompt_tokens(self, prompt: Prompt) -> list[int]:
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise ValueError("prompt tokenizes to nothing")
+        bad = next((t for t in tokens if t >= self.n_vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range (vocab has {self.n_vocab})")
+        if len(tokens) >= self.cfg.ctx_per_slot:
+            raise ValueError(
+                f"prompt has {len(tokens)} tokens; the limit is {self.cfg.ctx_per_slot - 1} "
+                f"(model.ctx_per_slot)"
+            )
+        return tokens
+
+    def _sampler(self, p: SamplingParams) -> Any:
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        add = L.llama_sampler_chain_add
+        if p.repeat_penalty != 1.0:
+            add(chain, L.llama_sampler_init_penalties(PENALTY_LAST_N, p.repeat_penalty, 0.0, 0.0))
+        if p.greedy:
+            add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if p.top_k > 0:
+            add(chain, L.llama_sampler_init_top_k(p.top_k))
+        if p.top_p < 1.0:
+            add(chain, L.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            add(chain, L.llama_sampler_init_min_p(p.min_p, 1))
+        add(chain, L.llama_sampler_init_temp(p.temperature))
+        seed = p.seed if p.seed is not None else random.getrandbits(32)
+        add(chain, L.llama_sampler_init_dist(seed))
+        return chain
+
+    # ------------------------------------------------------------ one step
+
+    def step(self) -> Step:
+        """Admit waiting runs, decode one batch, sample, and report what happened."""
+        out = Step()
+        self._admit(out)
+        if not self.active:
+            out.active = 0
+            return out
+        b = self.batch
+        b.n = 0
+        budget = self.cfg.n_batch
+        order = sorted(self.active.values(), key=lambda s: s.prefilling)  # decoders first
+        for seq in order:
+            seq.out_idx = -1
+            if not seq.prefilling:
+                seq.out_idx = b.add([seq.last], seq.n_past, seq.seq_id, True)
+                seq.n_past += 1
+                budget -= 1
+        for seq in order:
+            if seq.prefilling and budget > 0:
+                k = min(len(seq.tokens) - seq.n_past, self.cfg.prefill_chunk, budget)
+                end = seq.n_past + k
+                idx = b.add(seq.tokens[seq.n_past : end], seq.n_past, seq.seq_id, end == len(seq.tokens))
+                if end == len(seq.tokens):
+                    seq.out_idx = idx
+                seq.n_past = end
+                budget -= k
+        b.raw.n_tokens = b.n
+        rc = L.llama_decode(self.ctx, b.raw)
+        self.steps += 1
+        if rc != 0:
+            for seq in list(self.active.values()):
+                out.failed.append([seq.rid, ErrorCode.INTERNAL, f"llama_decode returned {rc}", None])
+                self._release(seq)
+            return out
+        for seq in order:
+            if seq.out_idx >= 0:
+                self._sample(seq, out)
+        out.active = len(self.active)
+        return out
+
+    def _sample(self, seq: Sequence, out: Step) -> None:
+        tok = L.llama_sampler_sample(seq.sampler, self.ctx, seq.out_idx)
+        p = seq.params
+        if not p.ignore_eos and L.llama_vocab_is_eog(self.vocab, tok):
+            self._finish(seq, "stop", out)
+            return
+        seq.generated += 1
+        seq.last = tok
+        n = L.llama_token_to_piece(self.vocab, tok, self._piece, 256, 0, False)
+        delta = seq.text.push(self._piece.raw[: max(n, 0)])
+        if seq.text.stopped:
+            self._finish(seq, "stop", out, delta)
+        elif seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
+            self._finish(seq, "length", out, delta)
+        elif delta and seq.stream:
+            out.deltas.append([seq.rid, delta, seq.generated])
+
+    def _finish(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
+        delta += seq.text.finish()
+        if delta and seq.stream:
+            out.deltas.append([seq.rid, delta, seq.generated])
+        out.done.append([seq.rid, reason, seq.text.text, len(seq.tokens), seq.generated])
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        L.llama_sampler_free(seq.sampler)
+        L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
+        del self.active[seq.seq_id]
+        self.free_ids.append(seq.seq_id)

@@ -1,0 +1,217 @@
+"""Worker process: one device, one engine thread, one I/O thread.
+
+The I/O thread (this process's main thread) owns the DEALER socket to the router: it forwards
+router messages to the engine through a queue, sends the engine's step reports, and sends
+heartbeats carrying the engine's progress, so a long step never silences the worker. The engine
+thread makes every llama.cpp call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import zmq
+
+from llamapool.protocol import codec
+from llamapool.protocol.messages import (
+    Abort,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Message,
+    Run,
+    Shutdown,
+    Step,
+)
+
+EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs, passed by the supervisor as JSON in argv."""
+
+    name: str
+    backend: str
+    device: str  # "cpu" or "GPU-<uuid>"
+    model_path: str
+    slots: int
+    ctx_per_slot: int
+    n_batch: int
+    n_ubatch: int
+    prefill_chunk: int
+    threads: int
+    flash_attn: bool
+    heartbeat_interval: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+
+class EngineLoop(threading.Thread):
+    """The one thread that calls llama.cpp: admits, steps, aborts, reports."""
+
+    def __init__(self, engine: object, zctx: zmq.Context, out_addr: str):
+        super().__init__(name="engine", daemon=True)
+        from llamapool.worker.engine import Engine
+
+        assert isinstance(engine, Engine)
+        self.engine = engine
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._zctx, self._out_addr = zctx, out_addr
+        self.step_started = 0.0  # monotonic start of the running step, 0 when idle
+        self.steps = 0
+        self.draining = False
+
+    def run(self) -> None:
+        out_sock = self._zctx.socket(zmq.PUSH)
+        out_sock.connect(self._out_addr)
+        eng = self.engine
+        while True:
+            report = Step()
+            try:
+                msg = self.inbox.get(timeout=None if not eng.busy and not self.draining else 0)
+                self._handle(msg, report)
+                while True:
+                    self._handle(self.inbox.get_nowait(), report)
+            except queue.Empty:
+                pass
+            if self.draining and not eng.busy:
+                out_sock.send(codec.encode(report))
+                out_sock.send(codec.encode(Shutdown()))
+                break
+            if eng.busy:
+                self.step_started = time.monotonic()
+                stepped = eng.step()
+                self.step_started = 0.0
+                self.steps += 1
+                report.deltas += stepped.deltas
+                report.done += stepped.done
+                report.failed += stepped.failed
+            report.active = len(eng.active) + len(eng.waiting)
+            if report.deltas or report.done or report.failed:
+                out_sock.send(codec.encode(report))
+        out_sock.close(linger=1000)
+
+    def _handle(self, msg: Message, report: Step) -> None:
+        if isinstance(msg, Run):
+            self.engine.submit(msg, report)
+        elif isinstance(msg, Abort):
+            self.engine.abort(msg.rid, report)
+        elif isinstance(msg, Shutdown):
+            self.draining = True
+
+
+def serve(spec: WorkerSpec) -> int:
+    """Load the model, say hello, and serve until told to shut down."""
+    from llamapool.worker.engine import Engine, EngineConfig, EngineError, visible_gpus
+
+    gpu = spec.device != "cpu"
+    try:
+        engine = Engine(
+            EngineConfig(
+                model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
+                n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, prefill_chunk=spec.prefill_chunk,
+                gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
+            )
+        )
+    except EngineError as e:
+        print(f"llamapool worker {spec.name}: FATAL: {e}", file=sys.stderr, flush=True)
+        return EXIT_PERMANENT if e.permanent else 1
+    seen = visible_gpus()
+    if len(seen) != (1 if gpu else 0):
+        print(
+            f"llamapool worker {spec.name}: FATAL: llama.cpp sees GPUs {seen} in this process; "
+            f"expected {'exactly one' if gpu else 'none'} (device {spec.device}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+            file=sys.stderr, flush=True,
+        )
+        return EXIT_PERMANENT
+
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt_string(zmq.ROUTING_ID, f"{spec.name}:{os.getpid()}")
+    sock.connect(spec.backend)
+    pull = zctx.socket(zmq.PULL)
+    out_addr = f"inproc://engine-out-{os.getpid()}"
+    pull.bind(out_addr)
+    loop = EngineLoop(engine, zctx, out_addr)
+    sock.send(codec.encode(Hello(
+        worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
+        slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
+        visible_devices=seen,
+    )))
+    loop.start()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(pull, zmq.POLLIN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: loop.inbox.put(Shutdown()))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C goes to it
+    next_beat = 0.0
+    parent = os.getppid()
+    while not stop.is_set():
+        now = time.monotonic()
+        if now >= next_beat:
+            if os.getppid() != parent:  # the supervisor died: do not linger as an orphan
+                print(f"llamapool worker {spec.name}: supervisor gone, exiting", file=sys.stderr)
+                os._exit(1)
+            started = loop.step_started
+            sock.send(codec.encode(Heartbeat(
+                active=len(engine.active) + len(engine.waiting), steps=loop.steps,
+                busy_for=(now - started) if started else 0.0,
+            )))
+            next_beat = now + spec.heartbeat_interval
+        for s, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
+            if s is pull:
+                while True:
+                    try:
+                        frame = pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if frame == codec.encode(Shutdown()):
+                        stop.set()
+                    sock.send(frame)
+            else:
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg = codec.decode(frames, codec.ROUTER_TYPES)
+                    except codec.ProtocolError as e:
+                        print(f"llamapool worker {spec.name}: bad router message: {e}",
+                              file=sys.stderr, flush=True)
+                        continue
+                    if not isinstance(msg, Heartbeat):
+                        loop.inbox.put(msg)
+    loop.join(timeout=5)
+    sock.close()
+    pull.close()
+    zctx.term()
+    engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m llamapool.worker SPEC_JSON", file=sys.stderr)
+        return 2
+    return serve(WorkerSpec.from_json(args[0]))
+
+
+__all__ = ["EXIT_PERMANENT", "ErrorCode", "WorkerSpec", "main", "serve"]

@@ -1,0 +1,61 @@
+"""Incremental detokenisation and stop strings: text deltas that never split a character."""
+
+from __future__ import annotations
+
+import codecs
+
+
+class TextStream:
+    """Turns token pieces (bytes) into text deltas, holding back what may start a stop string.
+
+    ``push`` returns the text that is safe to send now; once a stop string appears the text is
+    cut before it and :attr:`stopped` is set. ``finish`` flushes what was held back.
+    """
+
+    __slots__ = ("_dec", "_stops", "_hold", "text", "sent", "stopped")
+
+    def __init__(self, stops: tuple[str, ...] = ()) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # all text so far (cut at a stop string once one is seen)
+        self.sent = 0  # characters of ``text`` already returned as deltas
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        new = self._dec.decode(piece)
+        if not new:
+            return ""
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        if self._stops:
+            cut = min((i for s in self._stops if (i := self.text.find(s, start)) >= 0), default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.stopped = True
+                return self._emit(len(self.text))
+            return self._emit(len(self.text) - self._partial())
+        return self._emit(len(self.text))
+
+    def finish(self) -> str:
+        """Flush: the rest of the text (an incomplete UTF-8 tail becomes U+FFFD)."""
+        if not self.stopped:
+            self.text += self._dec.decode(b"", final=True)
+        return self._emit(len(self.text))
+
+    def _partial(self) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stops:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent : upto]
+        self.sent = upto
+        return out

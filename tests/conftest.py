@@ -1,0 +1,136 @@
+"""Fixtures: a tiny random-weight GGUF, and the daemon as a real process on real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llamapool import Client, LlamapoolError
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from llamapool.modelgen import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("model") / "tiny.gguf"))
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    config: Path
+    endpoint: str
+    log: Path
+
+    def client(self, **kw: Any) -> Client:
+        return Client(self.endpoint, **kw)
+
+    def status(self) -> dict[str, Any]:
+        with self.client() as c:
+            return c.status()
+
+    def wait_ready(self, n: int, timeout: float = 60.0, exclude_pids: set[int] | None = None) -> dict[str, Any]:
+        """Wait until ``n`` workers are ready (and none of them has a pid in ``exclude_pids``)."""
+        end = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                last = self.status()
+                ready = [w for w in last["workers"] if w["state"] == "ready"
+                         and w["pid"] not in (exclude_pids or set())]
+                if len(ready) >= n:
+                    return last
+            except LlamapoolError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{n} workers not ready in {timeout}s: {last}\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"daemon did not stop on {sig}:\n{self.log_text()}") from None
+        return self.proc.returncode
+
+
+def write_config(path: Path, model: str, runtime: Path, **sections: dict[str, Any]) -> Path:
+    base: dict[str, dict[str, Any]] = {
+        "server": {"runtime_dir": str(runtime), "queue_timeout": 30.0, "drain_timeout": 20.0},
+        "model": {"path": model, "ctx_per_slot": 512, "n_batch": 512, "n_ubatch": 512},
+        "workers": {"devices": "cpu", "cpu_workers": 2, "slots": 4, "threads": 1},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in base.items():
+        lines.append(f"[{name}]")
+        for k, v in values.items():
+            if isinstance(v, dict):
+                continue
+            lines.append(f"{k} = {_toml(v)}")
+        for k, v in values.items():
+            if isinstance(v, dict):
+                lines.append(f"[{name}.{k}]")
+                lines.extend(f"{kk} = {_toml(vv)}" for kk, vv in v.items())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return repr(v)
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, model_path: str) -> Iterator[Callable[..., Daemon]]:
+    """Start ``llamapool serve`` as a subprocess; stops it (and checks no worker is left) after."""
+    started: list[Daemon] = []
+
+    def start(wait_workers: int | None = 2, env: dict[str, str] | None = None,
+              **sections: dict[str, Any]) -> Daemon:
+        runtime = tmp_path / f"run{len(started)}"
+        cfg = write_config(tmp_path / f"llamapool{len(started)}.toml", model_path, runtime, **sections)
+        log = tmp_path / f"daemon{len(started)}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=full_env)
+        d = Daemon(proc, cfg, f"ipc://{runtime / 'frontend.sock'}", log)
+        started.append(d)
+        if wait_workers:
+            d.wait_ready(wait_workers)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGQUIT, timeout=30)
+        assert not _children_alive(d), f"worker processes left behind:\n{d.log_text()}"
+
+
+def _children_alive(d: Daemon) -> bool:
+    out = subprocess.run(["pgrep", "-f", f"llamapool.worker.*{d.config.parent}"], capture_output=True)
+    return bool(out.stdout.strip())

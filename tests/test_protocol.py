@@ -1,0 +1,98 @@
+"""The codec: every message round-trips, and bad input raises an error naming the field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from llamapool.protocol import codec
+from llamapool.protocol.messages import (
+    Abort,
+    Cancel,
+    Chunk,
+    Error,
+    ErrorCode,
+    Generate,
+    Heartbeat,
+    Hello,
+    Result,
+    Run,
+    SamplingParams,
+    Shutdown,
+    StatusReply,
+    StatusRequest,
+    Step,
+)
+
+
+def pack(d: object) -> list[bytes]:
+    return [msgpack.packb(d)]
+
+
+def gen(**kw: object) -> dict[str, object]:
+    return {"v": 1, "type": "generate", "id": "r1", "prompt": "hi", **kw}
+
+
+@pytest.mark.parametrize("msg, types", [
+    (Generate("a", ["hello"], SamplingParams(max_tokens=5, stop=("x",)), True, 2.5), codec.CLIENT_TYPES),
+    (Generate("b", ["x", [1, 2, 3]], SamplingParams(), False, None, batch=True), codec.CLIENT_TYPES),
+    (Cancel("a"), codec.CLIENT_TYPES),
+    (StatusRequest("s"), codec.CLIENT_TYPES),
+    (Chunk("a", 0, "tx", 3), codec.REPLY_TYPES),
+    (Result("a", 1, "t", "length", 4, 5, "cpu0"), codec.REPLY_TYPES),
+    (Error("a", ErrorCode.TIMEOUT, "late", index=2, tokens_delivered=7), codec.REPLY_TYPES),
+    (StatusReply("s", [{"id": "cpu0"}], 1, 2), codec.REPLY_TYPES),
+    (Hello("w", 1, "cpu", "m", 4, 512, 300, []), codec.WORKER_TYPES),
+    (Heartbeat(2, 10, 0.5), codec.WORKER_TYPES),
+    (Step([[1, "a", 1]], [[2, "stop", "t", 3, 4]], [], 1), codec.WORKER_TYPES),
+    (Shutdown(), codec.WORKER_TYPES),
+    (Run(7, [1, 2], SamplingParams(seed=3), True), codec.ROUTER_TYPES),
+    (Abort(7), codec.ROUTER_TYPES),
+])
+def test_every_message_round_trips(msg: object, types: dict) -> None:
+    assert codec.decode([codec.encode(msg)], types) == msg  # type: ignore[arg-type]
+
+
+def test_single_prompt_travels_as_prompt_and_a_batch_as_prompts() -> None:
+    one = msgpack.unpackb(codec.encode(Generate("a", ["p"])))
+    many = msgpack.unpackb(codec.encode(Generate("a", ["p", "q"], batch=True)))
+    assert one["prompt"] == "p" and "prompts" not in one
+    assert many["prompts"] == ["p", "q"] and "prompt" not in many
+
+
+@pytest.mark.parametrize("frames, code, field", [
+    ([b"\xc1"], ErrorCode.MALFORMED, None),
+    (pack([1, 2]), ErrorCode.MALFORMED, None),
+    ([msgpack.packb(gen()), b"extra"], ErrorCode.MALFORMED, None),
+    (pack({**gen(), "v": 2}), ErrorCode.UNSUPPORTED_VERSION, "v"),
+    (pack({**gen(), "type": "explode"}), ErrorCode.UNKNOWN_TYPE, "type"),
+    (pack({"v": 1, "type": "generate", "prompt": "x"}), ErrorCode.INVALID_REQUEST, "id"),
+    (pack({"v": 1, "type": "generate", "id": "a"}), ErrorCode.INVALID_REQUEST, "prompt"),
+    (pack(gen(params={"max_tokens": -1})), ErrorCode.INVALID_REQUEST, "params.max_tokens"),
+    (pack(gen(params={"top_p": 1.5})), ErrorCode.INVALID_REQUEST, "params.top_p"),
+    (pack(gen(params={"bogus": 1})), ErrorCode.INVALID_REQUEST, "params.bogus"),
+    (pack(gen(prompt=[1, -2])), ErrorCode.INVALID_REQUEST, "prompt"),
+    (pack(gen(timeout=0)), ErrorCode.INVALID_REQUEST, "timeout"),
+])
+def test_bad_input_is_named(frames: list[bytes], code: str, field: str | None) -> None:
+    with pytest.raises(codec.ProtocolError) as e:
+        codec.decode(frames, codec.CLIENT_TYPES)
+    assert e.value.code == code
+    assert e.value.field == field
+
+
+def test_oversize_frame_is_refused_before_parsing() -> None:
+    with pytest.raises(codec.ProtocolError) as e:
+        codec.decode(pack(gen(prompt="x" * 5000)), codec.CLIENT_TYPES, max_frame=1000)
+    assert e.value.code == ErrorCode.TOO_LARGE
+
+
+def test_error_reply_keeps_the_request_id_when_it_is_readable() -> None:
+    with pytest.raises(codec.ProtocolError) as e:
+        codec.decode(pack(gen(params={"temperature": "hot"})), codec.CLIENT_TYPES)
+    assert e.value.to_error().id == "r1"
+
+
+def test_stop_accepts_a_single_string() -> None:
+    msg = codec.decode(pack(gen(params={"stop": "END"})), codec.CLIENT_TYPES)
+    assert isinstance(msg, Generate) and msg.params.stop == ("END",)
