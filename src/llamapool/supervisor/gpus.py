@@ -25,7 +25,11 @@ def _text(v: Any) -> str:
 def load_nvml() -> Any | None:
     """The initialised ``pynvml`` module, or None when there is no NVML (no driver, no GPU)."""
     try:
-        import pynvml
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # pynvml's "use nvidia-ml-py" notice
+            import pynvml
 
         pynvml.nvmlInit()
         return pynvml
