@@ -1,0 +1,122 @@
+"""The engine alone (no sockets): continuous batching and batch-independent greedy output."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from llamapool.protocol.messages import Run, SamplingParams, Step
+from llamapool.worker.engine import Engine, EngineConfig, EngineError
+from llamapool.worker.text import TextStream
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[Engine]:
+    eng = Engine(EngineConfig(model_path, slots=8, ctx_per_slot=256, n_batch=256, n_ubatch=256,
+                              prefill_chunk=16, threads=2))
+    yield eng
+    eng.close()
+
+
+def run_all(engine: Engine, runs: list[Run], steps_before: dict[int, int] | None = None) -> dict[int, str]:
+    """Submit ``runs`` (a run with ``steps_before[rid] = k`` joins after k steps); step to the end."""
+    out: dict[int, str] = {}
+    later = dict(steps_before or {})
+    for r in runs:
+        if r.rid not in later:
+            engine.submit(r, Step())
+    n = 0
+    while engine.busy or later:
+        for r in runs:
+            if later.get(r.rid) == n:
+                engine.submit(r, Step())
+                del later[r.rid]
+        step = engine.step()
+        n += 1
+        for rid, _reason, text, _pt, _ct in step.done:
+            out[rid] = text
+        assert not step.failed
+    return out
+
+
+PROMPTS = ["Hello world", "the model", "a much longer prompt that spans several prefill chunks of sixteen",
+           "x", "token server worker router pool", "ünïcødé 你好", "one two", "water"]
+
+
+def test_greedy_output_does_not_depend_on_the_batch(engine: Engine) -> None:
+    alone = {i: run_all(engine, [Run(i, p, GREEDY, False)])[i] for i, p in enumerate(PROMPTS)}
+    together = run_all(engine, [Run(i, p, GREEDY, False) for i, p in enumerate(PROMPTS)])
+    staggered = run_all(engine, [Run(i, p, GREEDY, False) for i, p in enumerate(PROMPTS)],
+                        steps_before={i: 3 * i for i in range(len(PROMPTS))})
+    assert together == alone
+    assert staggered == alone
+
+
+def test_one_decode_per_step_for_all_sequences(engine: Engine) -> None:
+    runs = [Run(100 + i, "Hello", GREEDY, False) for i in range(4)]
+    for r in runs:
+        engine.submit(r, Step())
+    before = engine.steps
+    while engine.busy:
+        engine.step()
+    # 4 sequences x 24 tokens in 24 steps (prompt + first token in step 1): one batch per step
+    assert engine.steps - before == GREEDY.max_tokens
+
+
+def test_more_runs_than_slots_wait_and_then_run(engine: Engine) -> None:
+    runs = [Run(200 + i, f"p{i}", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), False)
+            for i in range(20)]
+    assert len(run_all(engine, runs)) == 20
+    assert len(engine.free_ids) == 8
+
+
+def test_abort_frees_the_sequence(engine: Engine) -> None:
+    engine.submit(Run(300, "Hello", SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True), True),
+                  Step())
+    engine.step()
+    out = Step()
+    engine.abort(300, out)
+    assert out.done and out.done[0][1] == "cancelled"
+    assert not engine.busy and len(engine.free_ids) == 8
+
+
+def test_missing_model_is_a_permanent_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(EngineError) as e:
+        Engine(EngineConfig(str(tmp_path / "nope.gguf")))
+    assert e.value.permanent and "does not exist" in str(e.value)
+
+
+def test_corrupt_model_is_a_permanent_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(EngineError) as e:
+        Engine(EngineConfig(str(bad)))
+    assert e.value.permanent
+
+
+# ------------------------------------------------------------ text deltas
+
+
+def test_utf8_characters_are_never_split_across_deltas() -> None:
+    ts = TextStream()
+    data = "aé你😀z".encode()
+    deltas = [ts.push(data[i:i + 1]) for i in range(len(data))] + [ts.finish()]
+    assert "".join(deltas) == "aé你😀z"
+    assert all(d.encode().decode() == d for d in deltas)
+    assert "" in deltas  # the partial bytes were held back, not emitted as replacement chars
+
+
+def test_stop_string_across_pieces_is_cut_and_never_sent() -> None:
+    ts = TextStream(("END",))
+    sent = ts.push(b"abc E") + ts.push(b"N") + ts.push(b"D more")
+    assert ts.stopped and ts.text == "abc " and sent + ts.finish() == "abc "
+
+
+def test_held_back_prefix_is_released_when_it_is_not_a_stop() -> None:
+    ts = TextStream(("END",))
+    assert ts.push(b"xE") == "x"
+    assert ts.push(b"Nx") == "ENx"
+    assert not ts.stopped

@@ -1,0 +1,128 @@
+"""Supervisor pieces without processes: GPU inventory from a faked NVML, worker environments."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from llamapool.config import ConfigError
+from llamapool.router.policy import pick_worker
+from llamapool.supervisor import gpus
+from llamapool.supervisor.env import cpu_threads, worker_env
+
+
+class FakeNvml:
+    """Two H200s as NVML would list them."""
+
+    def __init__(self, lost: set[int] | None = None):
+        self.uuids = ["GPU-11111111-aaaa", "GPU-22222222-bbbb"]
+        self.lost = lost or set()
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.uuids)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        i = self.uuids.index(uuid)
+        if i in self.lost:
+            raise RuntimeError("GPU is lost")
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> bytes:
+        return self.uuids[h].encode()
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetPciInfo(self, h: int) -> Any:
+        return SimpleNamespace(busId=f"00000000:{0x19 + h:02X}:00.0")
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(total=150_000 << 20, used=(1000 + h) << 20)
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return SimpleNamespace(gpu=50)
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return 40
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, kind: int, counter: int) -> int:
+        return 0
+
+
+def test_inventory_comes_from_nvml() -> None:
+    found = gpus.discover(FakeNvml())
+    assert [g.uuid for g in found] == ["GPU-11111111-aaaa", "GPU-22222222-bbbb"]
+    assert found[1].pci_bus_id == "00000000:1A:00.0" and found[0].name == "NVIDIA H200"
+    assert gpus.discover(None) == []
+
+
+def test_device_selection() -> None:
+    found = gpus.discover(FakeNvml())
+    assert gpus.select(found, "auto") == found
+    assert gpus.select(found, "cpu") == []
+    assert gpus.select(found, [1]) == [found[1]]
+    assert gpus.select(found, ["GPU-11111111-aaaa"]) == [found[0]]
+    with pytest.raises(ConfigError, match="workers.devices"):
+        gpus.select(found, [7])
+
+
+def test_worker_env_pins_one_gpu_by_uuid_and_drops_systemd_vars() -> None:
+    g = gpus.discover(FakeNvml())[1]
+    base = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "9",
+            "CUDA_VISIBLE_DEVICES": "0,1"}
+    env = worker_env(base, g, {"GGML_CUDA_DISABLE_GRAPHS": "1", "CUDA_VISIBLE_DEVICES": "0"}, 4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-22222222-bbbb"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["GGML_CUDA_DISABLE_GRAPHS"] == "1" and env["PATH"] == "/bin"
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & set(env)
+
+
+def test_cpu_worker_env_hides_gpus_and_splits_cores() -> None:
+    env = worker_env({}, None, {}, 3)
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OMP_NUM_THREADS"] == "3"
+    assert cpu_threads(2, 5) == 5
+    assert cpu_threads(10_000) == 1
+
+
+def test_gpu_health_reports_usage_and_lost_gpus() -> None:
+    nv = FakeNvml(lost={1})
+    rows = gpus.health(nv, gpus.discover(nv))
+    assert rows[0]["memory_used"] == 1000 << 20 and rows[0]["lost"] is False
+    assert rows[1]["lost"] is True and "lost" in rows[1]["error"]
+
+
+def test_supervisor_plans_one_worker_per_gpu_from_faked_nvml(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from llamapool.config import from_dict
+    from llamapool.supervisor.arbiter import Supervisor
+
+    cfg = from_dict({"model": {"path": "/m.gguf"}, "server": {"runtime_dir": str(tmp_path)}})
+    sup = Supervisor(cfg, nvml=FakeNvml())
+    slots = sup._plan(cfg)
+    assert [(s.name, s.device) for s in slots] == [("gpu0", "GPU-11111111-aaaa"), ("gpu1", "GPU-22222222-bbbb")]
+    sup.slots = slots
+    env = worker_env({"NOTIFY_SOCKET": "x"}, slots[0].gpu, {}, sup._spec(slots[0]).threads)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-11111111-aaaa" and "NOTIFY_SOCKET" not in env
+    cpu = Supervisor(cfg, use_nvml=False)
+    assert [s.name for s in cpu._plan(cfg)] == ["cpu0", "cpu1"]
+
+
+# ------------------------------------------------------------ routing policy
+
+
+def _w(name: str, free: int, routable: bool = True) -> Any:
+    return SimpleNamespace(name=name, free=free, routable=routable)
+
+
+def test_policy_prefers_most_free_slots() -> None:
+    assert pick_worker([_w("a", 1), _w("b", 3), _w("c", 2)]).name == "b"
+
+
+def test_policy_breaks_ties_by_name_and_skips_full_or_unroutable() -> None:
+    assert pick_worker([_w("b", 2), _w("a", 2)]).name == "a"
+    assert pick_worker([_w("a", 0), _w("b", 5, routable=False)]) is None
+    assert pick_worker([]) is None
