@@ -8,9 +8,11 @@
 # Exit 0 (with a message) when systemd-analyze is not installed.
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+src="${BASH_SOURCE[0]}"
+[[ "$src" == */* ]] || src="./$src"
+here="$(cd "${src%/*}" && pwd)"
 unit="${1:-$here/../configs/systemd/llamapool.service}"
-name="$(basename "$unit")"
+name="${unit##*/}"
 
 if ! command -v systemd-analyze >/dev/null 2>&1; then
     echo "SKIP: systemd-analyze not found (Debian: apt-get install systemd); $name not checked"

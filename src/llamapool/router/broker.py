@@ -81,6 +81,7 @@ class WorkerState:
     jobs: dict[int, Job] = field(default_factory=dict)
     steps: int = 0
     busy_for: float = 0.0
+    last_sent: float = 0.0
 
     @property
     def free(self) -> int:
@@ -269,7 +270,10 @@ class Router:
         w = self.workers.get(name)
         now = time.monotonic()
         if isinstance(msg, Hello):
-            if w is not None and w.ident != ident:
+            if w is not None and w.ident == ident:  # it lost track of us and says hello again
+                w.last_seen = now
+                return
+            if w is not None:
                 self._lose_worker(w, "replaced by a new process")
             self.workers[name] = WorkerState(name, ident, msg, now)
             self.on_event(("hello", name, msg.pid))
@@ -354,7 +358,8 @@ class Router:
                 why = f"engine step ran {w.busy_for:.1f}s > workers.step_timeout"
                 self._lose_worker(w, why)
                 self.on_event(("kill", w.name, w.hello.pid, why))
-            else:
+            elif now - w.last_sent >= self.cfg.heartbeat_interval:
+                w.last_sent = now
                 self._send_worker(w, Heartbeat())
         for job in list(self.jobs.values()):
             if job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
@@ -388,10 +393,8 @@ class Router:
             if w is not None:
                 w.state = "retiring"
                 self._send_worker(w, Shutdown())
-        elif op == "drain":
+        elif op == "drain":  # refuse new requests; accepted ones (queued too) still run
             self.draining = True
-            for job in list(self.queue):
-                self._cancel_job(job, ErrorCode.UNAVAILABLE)
         elif op == "cancel_all":
             for job in list(self.jobs.values()):
                 self._cancel_job(job, ErrorCode.UNAVAILABLE)

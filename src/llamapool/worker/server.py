@@ -50,6 +50,7 @@ class WorkerSpec:
     threads: int
     flash_attn: bool
     heartbeat_interval: float
+    heartbeat_liveness: int
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -148,26 +149,33 @@ def serve(spec: WorkerSpec) -> int:
     out_addr = f"inproc://engine-out-{os.getpid()}"
     pull.bind(out_addr)
     loop = EngineLoop(engine, zctx, out_addr)
-    sock.send(codec.encode(Hello(
+    hello = codec.encode(Hello(
         worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
         slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
         visible_devices=seen,
-    )))
+    ))
+    sock.send(hello)
     loop.start()
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(pull, zmq.POLLIN)
     stop = threading.Event()
+    bye = codec.encode(Shutdown())
     signal.signal(signal.SIGTERM, lambda *_: loop.inbox.put(Shutdown()))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C goes to it
     next_beat = 0.0
     parent = os.getppid()
+    router_seen = time.monotonic()
+    silent_after = spec.heartbeat_interval * spec.heartbeat_liveness
     while not stop.is_set():
         now = time.monotonic()
         if now >= next_beat:
             if os.getppid() != parent:  # the supervisor died: do not linger as an orphan
                 print(f"llamapool worker {spec.name}: supervisor gone, exiting", file=sys.stderr)
                 os._exit(1)
+            if now - router_seen > silent_after:  # the router lost us (or restarted): introduce again
+                sock.send(hello)
+                router_seen = now
             started = loop.step_started
             sock.send(codec.encode(Heartbeat(
                 active=len(engine.active) + len(engine.waiting), steps=loop.steps,
@@ -181,7 +189,7 @@ def serve(spec: WorkerSpec) -> int:
                         frame = pull.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if frame == codec.encode(Shutdown()):
+                    if frame == bye:
                         stop.set()
                     sock.send(frame)
             else:
@@ -190,6 +198,7 @@ def serve(spec: WorkerSpec) -> int:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    router_seen = time.monotonic()
                     try:
                         msg = codec.decode(frames, codec.ROUTER_TYPES)
                     except codec.ProtocolError as e:
