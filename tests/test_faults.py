@@ -24,6 +24,9 @@ from llamapool import OverloadedError, RequestTimeoutError, UnavailableError
 from tests.loadgen import Load
 
 
+LONG_CTX = {"ctx_per_slot": 4096}  # room for requests long enough to keep a slot busy for seconds
+
+
 def report(name: str, **figures: Any) -> None:
     path = os.environ.get("LLAMAPOOL_FAULT_REPORT")
     if path:
@@ -69,12 +72,15 @@ def test_worker_death_during_64_streams(start_daemon, how: str) -> None:  # type
     load = Load(d.endpoint, 64, max_tokens=80)
     thread = load.start()
     load.wait_chunks(16)
+    row = next(w for w in d.status()["workers"] if w["id"] == victim["id"])
+    assert row["active"] == 4, "the victim is mid-stream on all its slots"
     t0 = time.monotonic()
     os.kill(victim["pid"], getattr(signal, how))
     detect_s, served_s = watch_replacement(d, victim["id"], victim["pid"], t0)
     thread.join(120)
     summary = check_guarantees(load)
     assert summary["finals"] == 64
+    assert summary.get("error:worker_lost", 0) <= 4, "only the victim's streaming requests may fail"
     if how == "SIGSTOP":
         assert detect_s < 3 * 1.0 + 1.0, "a stopped worker is dead after 3 missed 1 s heartbeats"
         row = next(w for w in d.status()["workers"] if w["id"] == victim["id"])
@@ -140,24 +146,31 @@ def test_sighup_replaces_every_worker_under_load_with_zero_failures(start_daemon
 
 
 def test_full_queue_answers_overloaded_at_once(start_daemon) -> None:  # type: ignore[no-untyped-def]
-    d = start_daemon(wait_workers=1, server={"max_queue": 2},
+    d = start_daemon(wait_workers=1, server={"max_queue": 2}, model=LONG_CTX,
                      workers={"cpu_workers": 1, "slots": 1})
-    load = Load(d.endpoint, 3, max_tokens=400)  # one runs, two wait: the queue is full
-    thread = load.start()
-    load.wait_chunks(2)
+    running = Load(d.endpoint, 1, max_tokens=4000)
+    threads = [running.start()]
+    running.wait_chunks(1)
+    waiting = Load(d.endpoint, 2, max_tokens=4)  # the slot is busy: these two fill the queue
+    threads.append(waiting.start())
+    end = time.monotonic() + 10
+    while d.status()["queued"] < 2 and time.monotonic() < end:
+        time.sleep(0.005)
     with d.client() as c:
         t0 = time.monotonic()
         with pytest.raises(OverloadedError, match="max_queue"):
             c.generate("one too many", max_tokens=2)
         took = time.monotonic() - t0
     assert took < 1.0
-    thread.join(120)
+    for t in threads:
+        t.join(120)
+    assert not running.failed() and not waiting.failed(), "accepted requests still complete"
     report("full queue", overloaded_reply_s=round(took, 4))
 
 
 def test_queued_request_past_its_deadline_gets_timeout(start_daemon) -> None:  # type: ignore[no-untyped-def]
-    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1, "slots": 1})
-    load = Load(d.endpoint, 1, max_tokens=400)
+    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1, "slots": 1}, model=LONG_CTX)
+    load = Load(d.endpoint, 1, max_tokens=4000)
     thread = load.start()
     load.wait_chunks(1)
     with d.client() as c, pytest.raises(RequestTimeoutError):

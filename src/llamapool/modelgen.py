@@ -6,123 +6,222 @@ decode cost as a trained one. Its output is gibberish.
 
 from __future__ import annotations
 
+import itertools
 import os
 import string
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-QTYPES = ("f32", "f16", "q8_0")
-
-
-def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
-    """SentencePiece-style vocab: <unk> <s> </s>, 256 byte tokens, then normal pieces."""
+if TYPE_CHECKING:
     import gguf
 
+QTYPES = ("f32", "f16", "q8_0")
+SPACE = "\u2581"  # SentencePiece's word-boundary marker
+MIN_VOCAB = 300  # <unk> <s> </s>, 256 byte tokens, and room for "▁" and the ASCII characters
+_CHUNK = 1 << 22  # elements generated (and quantized) at a time
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one "
+    "had by word but not what all were we when your can said there use an each which she do how their "
+    "if will up other about out many then them these so some her would make like him into time has "
+    "look two more write go see number no way could people my than first water been call who oil its "
+    "now find long down day did get come made may part hello world llama pool token model server "
+    "worker router request reply stream queue batch prompt text data over new sound take only little "
+    "work know place year live me back give most very after thing our just name good sentence man "
+    "think say great where help through much before line right too mean old any same tell boy follow "
+    "came want show also around form three small set put end does another well large must big even "
+    "such because turn here why ask went men read need land different home us move try kind hand "
+    "picture again change off play spell air away animal house point page letter mother answer found "
+    "study still learn should world high every near add food between own below country plant last "
+    "school father keep tree never start city earth eye light thought head under story saw left few "
+    "while along might close something seem next hard open example begin life always those both paper "
+    "together got group often run important until children side feet car mile night walk white sea "
+    "began grow took river four carry state once book hear stop without second later miss idea enough "
+    "eat face watch far really almost let above girl sometimes mountain cut young talk soon list song "
+    "being leave family"
+)
+
+
+def _closure(word: str) -> Iterator[str]:
+    """Every piece SentencePiece may build on the way to ``word``: all its substrings, short ones first.
+
+    With all of them in the vocab any adjacent pair inside the word can merge, so the whole word
+    always ends up as one token whatever the merge order.
+    """
+    n = len(word)
+    for size in range(2, n + 1):
+        for i in range(n - size + 1):
+            yield word[i : i + size]
+
+
+def _pieces() -> Iterator[str]:
+    """Normal pieces in priority order (with repeats; the caller dedups)."""
+    yield SPACE
+    yield from string.ascii_letters + string.digits + string.punctuation
+    yield from "éèêàâçñüöäïøßåæ"
+    yield from (SPACE + c for c in string.ascii_letters)
+    words = _WORDS.split()
+    for w in words:
+        yield from _closure(SPACE + w)
+    for w in words[:200]:
+        yield from _closure(SPACE + w.capitalize())
+    yield from (SPACE + d for d in string.digits)
+    for n in (2, 3, 4):  # synthetic letter n-grams for large vocabs, all reachable by merges
+        for prefix in ("", SPACE):
+            yield from (prefix + "".join(t) for t in itertools.product(string.ascii_lowercase, repeat=n))
+
+
+def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece-style vocab of exactly ``n_vocab`` tokens: (tokens, scores, token types).
+
+    <unk>, <s>, </s>, the 256 byte-fallback tokens <0x00>..<0xFF>, then unique normal pieces with
+    decreasing scores: single characters first, then common words (and every piece on the way to
+    them), then synthetic letter n-grams.
+    """
+    import gguf
+
+    if n_vocab < MIN_VOCAB:
+        raise ValueError(f"n_vocab must be >= {MIN_VOCAB}, got {n_vocab}")
     tt = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * 256
-    seen = set(tokens)
-    words = ("the of and to in is you that it he was for on are as with his they at be this have "
-             "from or one had by word but not what all were we when your can said there use an each "
-             "which she do how their if will up other about out many then them these so some her "
-             "would make like him into time has look two more write go see number no way could "
-             "people my than first water been call who oil its now find long down day did get come "
-             "made may part hello world llama pool token model server worker router").split()
-    pieces = ["\u2581"] + list(string.ascii_letters + string.digits + string.punctuation)
-    pieces += ["\u2581" + w for w in words] + words
-    pieces += ["\u2581" + c for c in string.ascii_letters]
-    pieces += [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
-    normal: list[str] = []
-    for p in pieces:
-        if p not in seen:
-            seen.add(p)
-            normal.append(p)
-    i = 0
-    while len(tokens) + len(normal) < n_vocab:  # synthetic pieces for large vocabs
-        p = f"\u2581{string.ascii_lowercase[i % 26]}{i}"
-        i += 1
-        if p not in seen:
-            seen.add(p)
-            normal.append(p)
-    normal = normal[: n_vocab - len(tokens)]
-    scores = [0.0] * len(tokens) + [-float(k) for k in range(len(normal))]
-    # longer pieces first: SentencePiece merges prefer higher scores
-    order = sorted(range(len(normal)), key=lambda k: (-len(normal[k]), k))
-    normal = [normal[k] for k in order]
-    return tokens + normal, scores, [int(t) for t in types] + [int(tt.NORMAL)] * len(normal)
+    types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)] + [int(tt.BYTE)] * 256
+    n_normal = n_vocab - len(tokens)
+    normal: dict[str, None] = {}  # insertion-ordered set
+    for p in _pieces():
+        normal.setdefault(p)
+        if len(normal) == n_normal:
+            break
+    else:
+        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal)})")
+    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal)]
+    return tokens + list(normal), scores, types + [int(tt.NORMAL)] * n_normal
 
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 4096,
                qtype: str = "f32", seed: int = 0) -> Path:
-    """Write a llama-architecture GGUF with random weights and return its path."""
+    """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
+
+    Weights are N(0, 1/fan_in) (token embeddings N(0, 1)), norms are 1, so activations stay
+    O(1) and the logits are neither flat nor NaN. ``qtype`` ("f32", "f16", "q8_0") applies to
+    the matrices; norms are always f32. Same arguments and seed give the same bytes. Tensors are
+    generated and written one at a time, and the file appears atomically (written to a temp
+    file beside it, then renamed).
+    """
     import gguf
 
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {QTYPES}, got {qtype!r}")
-    if n_vocab < 300:
-        raise ValueError("n_vocab must be >= 300 (259 special and byte tokens plus pieces)")
+    dims = {"n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, "n_head_kv": n_head_kv,
+            "n_ff": n_ff, "n_ctx_train": n_ctx_train}
+    for k, v in dims.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
     if n_embd % n_head or n_head % n_head_kv:
-        raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+        raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), "
+                         f"and n_head by n_head_kv ({n_head_kv})")
+    head_dim = n_embd // n_head
+    if head_dim % 2:
+        raise ValueError(f"head dim n_embd/n_head = {head_dim} must be even (RoPE rotates pairs)")
     if qtype == "q8_0" and (n_embd % 32 or n_ff % 32):
-        raise ValueError("q8_0 needs n_embd and n_ff to be multiples of 32")
+        raise ValueError(f"q8_0 needs n_embd and n_ff to be multiples of 32, got {n_embd} and {n_ff}")
+    tokens, scores, types = build_vocab(n_vocab)
+
+    # (name, numpy shape (out, in), std); std None marks a norm weight (ones, always f32)
+    kv = n_head_kv * head_dim
+    e, f = n_embd**-0.5, n_ff**-0.5
+    specs: list[tuple[str, tuple[int, ...], float | None]] = [
+        ("token_embd.weight", (n_vocab, n_embd), 1.0)]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        specs += [(b + "attn_norm.weight", (n_embd,), None),
+                  (b + "attn_q.weight", (n_embd, n_embd), e),
+                  (b + "attn_k.weight", (kv, n_embd), e),
+                  (b + "attn_v.weight", (kv, n_embd), e),
+                  (b + "attn_output.weight", (n_embd, n_embd), e),
+                  (b + "ffn_norm.weight", (n_embd,), None),
+                  (b + "ffn_gate.weight", (n_ff, n_embd), e),
+                  (b + "ffn_up.weight", (n_ff, n_embd), e),
+                  (b + "ffn_down.weight", (n_embd, n_ff), f)]
+    specs += [("output_norm.weight", (n_embd,), None),
+              ("output.weight", (n_vocab, n_embd), 2.0 * e)]
+
+    gtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    block, type_size = gguf.GGML_QUANT_SIZES[gtype]
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    head_dim = n_embd // n_head
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_name("llamapool-random")
-    w.add_context_length(n_ctx_train)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[qtype])
-    tokens, scores, types = _vocab(n_vocab)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-
-    def mat(name: str, rows: int, cols: int, std: float) -> None:
-        a = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
-        if qtype == "f16":
-            w.add_tensor(name, a.astype(np.float16))
-        elif qtype == "q8_0":
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, a)
-
-    def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(n_embd, dtype=np.float32))
-
-    kv = n_head_kv * head_dim
-    mat("token_embd.weight", n_vocab, n_embd, 1.0)
-    for i in range(n_layer):
-        norm(f"blk.{i}.attn_norm.weight")
-        mat(f"blk.{i}.attn_q.weight", n_embd, n_embd, n_embd**-0.5)
-        mat(f"blk.{i}.attn_k.weight", kv, n_embd, n_embd**-0.5)
-        mat(f"blk.{i}.attn_v.weight", kv, n_embd, n_embd**-0.5)
-        mat(f"blk.{i}.attn_output.weight", n_embd, n_embd, n_embd**-0.5)
-        norm(f"blk.{i}.ffn_norm.weight")
-        mat(f"blk.{i}.ffn_gate.weight", n_ff, n_embd, n_embd**-0.5)
-        mat(f"blk.{i}.ffn_up.weight", n_ff, n_embd, n_embd**-0.5)
-        mat(f"blk.{i}.ffn_down.weight", n_embd, n_ff, n_ff**-0.5)
-    norm("output_norm.weight")
-    mat("output.weight", n_vocab, n_embd, 2.0 * n_embd**-0.5)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, "llama")
+    try:
+        w.add_name("llamapool-random")
+        w.add_context_length(n_ctx_train)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_file_type(ftype)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+        # Declare all tensors up front, then generate and stream them one at a time in the same order,
+        # so at most one tensor is in memory (GGUFWriter.add_tensor would hold them all until written).
+        for name, shape, std in specs:
+            if std is None:
+                w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+            else:
+                nbytes = shape[0] * shape[1] // block * type_size
+                w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=gtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        ones = np.ones(n_embd, dtype=np.float32)
+        for _, shape, std in specs:
+            w.write_tensor_data(ones if std is None else _random_matrix(rng, shape, std, gtype))
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
     return out
+
+
+def _random_matrix(rng: np.random.Generator, shape: tuple[int, ...], std: float,
+                   gtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """N(0, std^2) matrix of ``shape`` in ggml type ``gtype``, generated in row chunks to bound memory."""
+    import gguf
+
+    rows, cols = shape
+    if gtype == gguf.GGMLQuantizationType.F32:
+        a = rng.standard_normal(shape, dtype=np.float32)
+        a *= np.float32(std)
+        return a
+    res: np.ndarray | None = None
+    step = max(1, _CHUNK // cols)
+    for r in range(0, rows, step):
+        a = rng.standard_normal((min(step, rows - r), cols), dtype=np.float32)
+        a *= np.float32(std)
+        q = gguf.quants.quantize(a, gtype)
+        if res is None:
+            res = np.empty((rows, q.shape[1]), dtype=q.dtype)
+        res[r : r + step] = q
+    assert res is not None
+    return res
