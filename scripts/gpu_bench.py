@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""GPU figures in one run (issue 4): service vs engine ceiling at several concurrencies on one GPU,
+then the 2-GPU scaling, plus the per-GPU isolation checks. Writes JSON lines to --out.
+
+    PYTHONPATH=src python3 scripts/gpu_bench.py --out /tmp/out [--concurrency 1 16 64 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def start(cfg_text: str, tmp: Path, tag: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    cfg = tmp / f"{tag}.toml"
+    cfg.write_text(cfg_text)
+    logf = tmp / f"{tag}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
+                            stdout=open(logf, "wb"), stderr=subprocess.STDOUT)
+    return proc, f"ipc://{tmp / ('run-' + tag) / 'frontend.sock'}", logf
+
+
+def wait_ready(endpoint: str, n: int, proc: subprocess.Popen[bytes], timeout: float = 300) -> dict[str, Any]:
+    from llamapool import Client, LlamapoolError
+
+    end = time.monotonic() + timeout
+    with Client(endpoint) as c:
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise SystemExit(f"daemon exited {proc.returncode}")
+            try:
+                st = c.status()
+                if sum(w["state"] == "ready" for w in st["workers"]) >= n:
+                    return st
+            except LlamapoolError:
+                pass
+            time.sleep(0.5)
+    raise SystemExit("workers not ready")
+
+
+def config(tmp: Path, tag: str, model: str, devices: str, slots: int, ctx: int) -> str:
+    return (f'[server]\nruntime_dir = "{tmp / ("run-" + tag)}"\nqueue_timeout = 600.0\n'
+            f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\nn_batch = 2048\nn_ubatch = 512\n'
+            f'[workers]\ndevices = {devices}\nslots = {slots}\n')
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=2, help="requests = waves x C")
+    ap.add_argument("--model", default="")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "gpu_bench.jsonl"
+
+    def record(row: dict[str, Any]) -> None:
+        log(json.dumps(row))
+        with open(results, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    from llamapool.bench import run_service
+    from llamapool.ceiling import measure
+    from llamapool.modelgen import make_model
+    from llamapool.supervisor import gpus as gpumod
+
+    nvml = gpumod.load_nvml()
+    inventory = gpumod.discover(nvml)
+    record({"mode": "inventory", "gpus": [asdict(g) for g in inventory]})
+    tmp = Path(tempfile.mkdtemp(prefix="lp-gpu-"))
+    model = args.model
+    if not model:
+        t0 = time.monotonic()
+        model = str(make_model(tmp / "m.gguf", n_embd=2048, n_layer=16, n_head=32, n_head_kv=8,
+                               n_ff=8192, n_vocab=32000, qtype="q8_0"))
+        record({"mode": "model", "path": model, "bytes": os.path.getsize(model),
+                "gen_s": round(time.monotonic() - t0, 1)})
+    P, G = args.prompt_tokens, args.gen_tokens
+    ctx = P + G + 16
+    cmax = max(args.concurrency)
+
+    # ---- one GPU: service at each C, then the ceiling at each C (same process layout as a user's)
+    proc, ep, logf = start(config(tmp, "one", model, "[0]", cmax, ctx), tmp, "one")
+    st = wait_ready(ep, 1, proc)
+    record({"mode": "status-1gpu", "workers": st["workers"]})
+    for c in args.concurrency:
+        r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False))
+        record({**asdict(r), "gpus": 1})
+    proc.terminate()
+    proc.wait(120)
+    for c in args.concurrency:
+        record({**measure(model, c, P, G, gpu=True), "gpus": 1})
+
+    # ---- two GPUs: scaling, isolation checks
+    if len(inventory) >= 2:
+        half = 64
+        proc, ep, logf = start(config(tmp, "two", model, '"auto"', half, ctx), tmp, "two")
+        st = wait_ready(ep, 2, proc)
+        smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True).stdout
+        checks = []
+        for w in st["workers"]:
+            g = next(g for g in inventory if g.uuid == w["device"])
+            env = Path(f"/proc/{w['pid']}/environ").read_bytes().split(b"\0")
+            checks.append({
+                "worker": w["id"], "pid": w["pid"], "uuid": w["device"],
+                "visible_devices": w["visible_devices"],
+                "sees_exactly_its_gpu": len(w["visible_devices"]) == 1
+                and g.pci_bus_id.lower()[-12:] in w["visible_devices"][0].lower(),
+                "env_cuda_visible": [e.decode() for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")],
+                "nvml_processes_on_gpu": [ln for ln in smi.splitlines() if g.uuid in ln],
+            })
+        record({"mode": "isolation-2gpu", "checks": checks, "nvidia_smi": smi})
+        r2 = asyncio.run(run_service(ep, 2 * half, args.waves * 2 * half, P, G, progress=False))
+        record({**asdict(r2), "gpus": 2})
+        proc.terminate()
+        proc.wait(120)
+        errs = [ln for ln in logf.read_text(errors="replace").splitlines() if "CUDA error" in ln]
+        record({"mode": "cuda-errors-in-logs", "count": len(errs), "lines": errs[:5]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
