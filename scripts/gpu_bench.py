@@ -33,13 +33,15 @@ def start(cfg_text: str, tmp: Path, tag: str) -> tuple[subprocess.Popen[bytes], 
     return proc, f"ipc://{tmp / ('run-' + tag) / 'frontend.sock'}", logf
 
 
-def wait_ready(endpoint: str, n: int, proc: subprocess.Popen[bytes], timeout: float = 300) -> dict[str, Any]:
+def wait_ready(endpoint: str, n: int, proc: subprocess.Popen[bytes], logf: Path,
+               timeout: float = 120) -> dict[str, Any]:
     from llamapool import Client, LlamapoolError
 
     end = time.monotonic() + timeout
     with Client(endpoint) as c:
         while time.monotonic() < end:
             if proc.poll() is not None:
+                print(logf.read_text(errors="replace")[-4000:])
                 raise SystemExit(f"daemon exited {proc.returncode}")
             try:
                 st = c.status()
@@ -48,6 +50,11 @@ def wait_ready(endpoint: str, n: int, proc: subprocess.Popen[bytes], timeout: fl
             except LlamapoolError:
                 pass
             time.sleep(0.5)
+        try:
+            print(json.dumps(c.status(), indent=1)[-3000:])
+        except LlamapoolError:
+            pass
+    print(logf.read_text(errors="replace")[-4000:])
     raise SystemExit("workers not ready")
 
 
@@ -97,7 +104,7 @@ def main() -> int:
 
     # ---- one GPU: service at each C, then the ceiling at each C (same process layout as a user's)
     proc, ep, logf = start(config(tmp, "one", model, "[0]", cmax, ctx), tmp, "one")
-    st = wait_ready(ep, 1, proc)
+    st = wait_ready(ep, 1, proc, logf)
     record({"mode": "status-1gpu", "workers": st["workers"]})
     for c in args.concurrency:
         r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False))
@@ -111,7 +118,7 @@ def main() -> int:
     if len(inventory) >= 2:
         half = 64
         proc, ep, logf = start(config(tmp, "two", model, '"auto"', half, ctx), tmp, "two")
-        st = wait_ready(ep, 2, proc)
+        st = wait_ready(ep, 2, proc, logf)
         smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
                               "--format=csv,noheader"], capture_output=True, text=True).stdout
         checks = []
