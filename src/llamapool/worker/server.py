@@ -8,6 +8,7 @@ thread makes every llama.cpp call.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import queue
@@ -216,6 +217,7 @@ def serve(spec: WorkerSpec) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()  # a crash in native code leaves its Python stack in the worker's log
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m llamapool.worker SPEC_JSON", file=sys.stderr)
