@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,17 +131,6 @@ def visible_gpus() -> list[str]:
     return found
 
 
-def _warnings_only() -> Any:
-    """A llama.cpp log callback that keeps warnings and errors (the evidence) and drops the rest."""
-
-    @L.llama_log_callback
-    def log(level: int, text: bytes, user_data: Any) -> None:
-        if level in (3, 4):  # GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
-            sys.stderr.write(text.decode(errors="replace"))
-
-    return log
-
-
 class Engine:
     """Owns the model, the context, its KV cache and all sequences."""
 
@@ -150,8 +138,6 @@ class Engine:
         self.cfg = cfg
         if not os.path.isfile(cfg.model_path):
             raise EngineError(f"model file {cfg.model_path} does not exist")
-        self._log_cb = _warnings_only()
-        L.llama_log_set(self._log_cb, None)
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = -1 if cfg.gpu else 0
