@@ -7,6 +7,7 @@ then the 2-GPU scaling, plus the per-GPU isolation checks. Writes JSON lines to 
 
 from __future__ import annotations
 
+import llama_cpp  # noqa: F401, I001 - first: CUDA model loads segfaulted after numpy/pyzmq imports
 import argparse
 import asyncio
 import json
