@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--waves", type=int, default=2, help="requests = waves x C")
     ap.add_argument("--model", default="")
+    ap.add_argument("--procs", type=int, nargs="+", default=[1, 4], help="client processes to try")
+    ap.add_argument("--skip-two", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,16 +109,29 @@ def main() -> int:
     proc, ep, logf = start(config(tmp, "one", model, "[0]", cmax, ctx), tmp, "one")
     st = wait_ready(ep, 1, proc, logf)
     record({"mode": "status-1gpu", "workers": st["workers"]})
-    for c in args.concurrency:
-        r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False))
-        record({**asdict(r), "gpus": 1})
+    from llamapool import Client
+
+    def engine_counters() -> dict[str, Any]:
+        with Client(ep) as cl:
+            w = cl.status()["workers"][0]
+        return {"steps": w.get("steps"), "decode_s": w.get("decode_s"), "step_s": w.get("step_s")}
+
+    for procs in args.procs:
+        for c in args.concurrency:
+            before = engine_counters()
+            r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False, procs=procs))
+            time.sleep(1.2)  # one heartbeat, so the counters include the whole run
+            after = engine_counters()
+            eng = {k: round((after[k] or 0) - (before[k] or 0), 3) for k in after}
+            record({**asdict(r), "gpus": 1, "procs": procs, "engine": eng})
     proc.terminate()
     proc.wait(120)
-    for c in args.concurrency:
-        record({**measure(model, c, P, G, gpu=True), "gpus": 1})
+    for gs in (False, True):
+        for c in args.concurrency:
+            record({**measure(model, c, P, G, gpu=True, gpu_sampling=gs), "gpus": 1})
 
     # ---- two GPUs: scaling, isolation checks
-    if len(inventory) >= 2:
+    if len(inventory) >= 2 and not args.skip_two:
         half = 64
         proc, ep, logf = start(config(tmp, "two", model, '"auto"', half, ctx), tmp, "two")
         st = wait_ready(ep, 2, proc, logf)
@@ -135,7 +150,8 @@ def main() -> int:
                 "nvml_processes_on_gpu": [ln for ln in smi.splitlines() if g.uuid in ln],
             })
         record({"mode": "isolation-2gpu", "checks": checks, "nvidia_smi": smi})
-        r2 = asyncio.run(run_service(ep, 2 * half, args.waves * 2 * half, P, G, progress=False))
+        r2 = asyncio.run(run_service(ep, 2 * half, args.waves * 2 * half, P, G, progress=False,
+                                     procs=max(args.procs)))
         record({**asdict(r2), "gpus": 2})
         proc.terminate()
         proc.wait(120)

@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -58,22 +57,18 @@ class _Progress:
             sys.stderr.flush()
 
 
-async def run_service(endpoint: str, concurrency: int, requests: int, prompt_tokens: int,
-                      gen_tokens: int, progress: bool = True, prompts: list[list[int]] | None = None
-                      ) -> BenchResult:
-    """C concurrent streaming clients, ``requests`` in all, fixed lengths (ignore_eos)."""
+async def _drive(endpoint: str, concurrency: int, prompts: list[list[int]], gen_tokens: int,
+                 progress: bool) -> tuple[int, list[float], list[float], float, float]:
+    """C streaming clients over ``prompts``: (tokens, TTFTs, inter-token gaps, start, end)."""
     from llamapool import AsyncClient
 
     client = AsyncClient(endpoint, timeout=3600)
-    st = await client.status()
-    n_vocab = min((w.get("n_vocab") or 256) for w in st["workers"]) if st["workers"] else 256
-    work = prompts or prompts_for(requests, prompt_tokens, n_vocab)
     ttft: list[float] = []
     itl: list[float] = []
     total = 0
-    bar = _Progress(len(work), progress)
+    bar = _Progress(len(prompts), progress)
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for p in work:
+    for p in prompts:
         queue.put_nowait(p)
 
     async def one_client() -> None:
@@ -93,10 +88,56 @@ async def run_service(endpoint: str, concurrency: int, requests: int, prompt_tok
             total += seen
             bar.tick()
 
-    t0 = time.perf_counter()
+    start = time.time()
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    end = time.time()
     await client.close()
+    return total, ttft, itl, start, end
+
+
+def _drive_in_process(job: tuple[str, int, list[list[int]], int, float]
+                      ) -> tuple[int, list[float], list[float], float, float]:
+    endpoint, c, prompts, gen_tokens, start_at = job
+    time.sleep(max(0.0, start_at - time.time()))
+    return asyncio.run(_drive(endpoint, c, prompts, gen_tokens, False))
+
+
+async def _n_vocab(endpoint: str) -> int:
+    from llamapool import AsyncClient
+
+    async with AsyncClient(endpoint) as client:
+        st = await client.status()
+    return min((w.get("n_vocab") or 256) for w in st["workers"]) if st["workers"] else 256
+
+
+async def run_service(endpoint: str, concurrency: int, requests: int, prompt_tokens: int,
+                      gen_tokens: int, progress: bool = True, prompts: list[list[int]] | None = None,
+                      procs: int = 1) -> BenchResult:
+    """C concurrent streaming clients, ``requests`` in all, fixed lengths (ignore_eos).
+
+    With ``procs`` > 1 the clients are spread over that many client processes, so that one Python
+    client process is not what limits the figure (real clients are separate programs too).
+    """
+    work = prompts or prompts_for(requests, prompt_tokens, await _n_vocab(endpoint))
+    procs = max(1, min(procs, concurrency))
+    if procs == 1:
+        total, ttft, itl, start, end = await _drive(endpoint, concurrency, work, gen_tokens, progress)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        start_at = time.time() + 3.0  # every process starts sending at the same moment
+        jobs = [(endpoint, concurrency // procs + (i < concurrency % procs), work[i::procs], gen_tokens,
+                 start_at) for i in range(procs)]
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context(
+                "spawn")) as pool:
+            parts = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: list(pool.map(_drive_in_process, jobs)))
+        total = sum(p[0] for p in parts)
+        ttft = [x for p in parts for x in p[1]]
+        itl = [x for p in parts for x in p[2]]
+        start, end = min(p[3] for p in parts), max(p[4] for p in parts)
+    wall = end - start
     return BenchResult("service", concurrency, len(work), prompt_tokens, gen_tokens, wall, total,
                        total / wall, len(work) / wall, 1e3 * _pct(ttft, 0.5), 1e3 * _pct(ttft, 0.99),
                        1e3 * _pct(itl, 0.5), 1e3 * _pct(itl, 0.99))
@@ -110,6 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ceiling", metavar="MODEL", help="also measure the engine alone on this GGUF")
     p.add_argument("--gpu", action="store_true", help="ceiling on the GPU (all layers offloaded)")
     p.add_argument("--threads", type=int, default=0, help="ceiling CPU threads (0 = llama.cpp default)")
+    p.add_argument("--procs", type=int, default=1, help="client processes the streams are spread over")
+    p.add_argument("--gpu-sampling", action="store_true", help="ceiling samples on the GPU")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -122,13 +165,13 @@ def main(args: argparse.Namespace) -> int:
     for c in args.concurrency:
         n = args.requests or 4 * c
         res = asyncio.run(run_service(endpoint, c, n, args.prompt_tokens, args.gen_tokens,
-                                      not args.no_progress))
+                                      not args.no_progress, procs=args.procs))
         row = asdict(res)
         if args.ceiling:
             from llamapool.ceiling import measure
 
             ceil = measure(args.ceiling, c, args.prompt_tokens, args.gen_tokens, gpu=args.gpu,
-                           threads=args.threads)
+                           threads=args.threads, gpu_sampling=args.gpu_sampling)
             row["ceiling_tok_s"] = ceil["decode_tok_s"]
             row["ceiling_e2e_tok_s"] = ceil["e2e_tok_s"]
             row["service_over_ceiling"] = res.tok_s / ceil["e2e_tok_s"]
@@ -146,5 +189,3 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0

@@ -12,9 +12,16 @@ from typing import Any
 
 
 def measure(model_path: str, concurrency: int, prompt_tokens: int, gen_tokens: int, *,
-            gpu: bool = False, threads: int = 0, n_batch: int = 2048, seed: int = 0) -> dict[str, Any]:
+            gpu: bool = False, threads: int = 0, n_batch: int = 2048, seed: int = 0,
+            gpu_sampling: bool = False) -> dict[str, Any]:
+    """Prefill C random prompts, then decode G tokens each; ``gpu_sampling`` samples in the graph."""
+    import ctypes
+
     import llama_cpp as L
 
+    from llamapool.worker.engine import quiet_llama_logs
+
+    quiet_llama_logs()
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = -1 if gpu else 0
@@ -32,17 +39,28 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int, gen_tokens: i
     cp.no_perf = True
     if threads > 0:
         cp.n_threads = cp.n_threads_batch = threads
-    ctx = L.llama_init_from_model(model, cp)
-    vocab = L.llama_model_get_vocab(model)
-    n_vocab = L.llama_vocab_n_tokens(vocab)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, n_vocab) for _ in range(prompt_tokens)] for _ in range(c)]
-    batch = L.llama_batch_init(max(n_batch, c), 0, c)
     samplers = []
     for _ in range(c):
         ch = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         L.llama_sampler_chain_add(ch, L.llama_sampler_init_greedy())
         samplers.append(ch)
+    if gpu_sampling:
+        seq_cfg = (L.llama_sampler_seq_config * c)(*[L.llama_sampler_seq_config(i, ch)
+                                                     for i, ch in enumerate(samplers)])
+        cp.samplers = ctypes.cast(seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
+        cp.n_samplers = c
+    ctx = L.llama_init_from_model(model, cp)
+
+    def sample(s: int, i: int) -> int:
+        if gpu_sampling:
+            return int(L.llama_get_sampled_token_ith(ctx, i))
+        return int(L.llama_sampler_sample(samplers[s], ctx, i))
+
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, n_vocab) for _ in range(prompt_tokens)] for _ in range(c)]
+    batch = L.llama_batch_init(max(n_batch, c), 0, c)
 
     def put(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
         batch.token[i] = tok
@@ -67,7 +85,7 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int, gen_tokens: i
         if L.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed in prefill")
         for s, i in list(last_idx.items()):
-            nxt[s] = L.llama_sampler_sample(samplers[s], ctx, i)
+            nxt[s] = sample(s, i)
         last_idx.clear()
     t1 = time.perf_counter()
     for step in range(gen_tokens - 1):
@@ -77,16 +95,16 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int, gen_tokens: i
         if L.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed in decode")
         for s in range(c):
-            nxt[s] = L.llama_sampler_sample(samplers[s], ctx, s)
+            nxt[s] = sample(s, s)
     t2 = time.perf_counter()
-    for ch in samplers:
-        L.llama_sampler_free(ch)
     L.llama_batch_free(batch)
     L.llama_free(ctx)
+    for ch in samplers:
+        L.llama_sampler_free(ch)
     L.llama_model_free(model)
     generated = c * gen_tokens
     return {
-        "mode": "ceiling", "concurrency": c, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+        "mode": "ceiling", "gpu_sampling": gpu_sampling, "concurrency": c, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
         "prefill_tok_s": c * prompt_tokens / (t1 - t0),
         "decode_tok_s": c * (gen_tokens - 1) / max(t2 - t1, 1e-9),
         "e2e_tok_s": generated / (t2 - t0),

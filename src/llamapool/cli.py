@@ -91,6 +91,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.ceiling:  # llama.cpp's CUDA libraries must load before numpy/pyzmq (see worker/__main__)
+        import llama_cpp  # noqa: F401
     from llamapool.bench import main as bench_main
 
     return bench_main(args)

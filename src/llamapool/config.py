@@ -47,6 +47,7 @@ class ModelConfig:
     n_ubatch: int = 512  # llama.cpp physical micro-batch
     prefill_chunk: int = 512  # max prompt tokens one sequence adds to a step (chunked prefill)
     flash_attn: bool = True
+    gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,8 @@ class Heartbeat:
     active: int = 0
     steps: int = 0
     busy_for: float = 0.0  # seconds the current engine step has been running (0 when idle)
+    decode_s: float = 0.0  # cumulative seconds inside llama_decode
+    step_s: float = 0.0  # cumulative seconds of whole engine steps
 
 
 @dataclass(slots=True)

@@ -81,6 +81,8 @@ class WorkerState:
     jobs: dict[int, Job] = field(default_factory=dict)
     steps: int = 0
     busy_for: float = 0.0
+    decode_s: float = 0.0
+    step_s: float = 0.0
     last_sent: float = 0.0
 
     @property
@@ -284,7 +286,7 @@ class Router:
         if isinstance(msg, Step):
             self._on_step(w, msg)
         elif isinstance(msg, Heartbeat):
-            w.steps, w.busy_for = msg.steps, msg.busy_for
+            w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
         elif isinstance(msg, Shutdown):  # drained and leaving
             self._lose_worker(w, "it shut down")
 
@@ -419,6 +421,7 @@ class Router:
                     slots=w.hello.slots, active=len(w.jobs), model=w.hello.model,
                     visible_devices=w.hello.visible_devices, steps=w.steps,
                     n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
+                    decode_s=round(w.decode_s, 3), step_s=round(w.step_s, 3),
                 )
             else:
                 info.setdefault("state", "starting")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ class EngineConfig:
     gpu: bool = False
     threads: int = 0
     flash_attn: bool = True
+    gpu_sampling: bool = True  # on a GPU: sample on the device (llama.cpp backend sampling)
 
 
 @dataclass(eq=False)
@@ -131,6 +133,13 @@ def visible_gpus() -> list[str]:
     return found
 
 
+def quiet_llama_logs() -> None:
+    """Keep llama.cpp's warnings and errors (the evidence after a crash), drop its info chatter."""
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+
+
 class Engine:
     """Owns the model, the context, its KV cache and all sequences."""
 
@@ -138,6 +147,7 @@ class Engine:
         self.cfg = cfg
         if not os.path.isfile(cfg.model_path):
             raise EngineError(f"model file {cfg.model_path} does not exist")
+        quiet_llama_logs()
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = -1 if cfg.gpu else 0
@@ -158,6 +168,17 @@ class Engine:
         )
         if cfg.threads > 0:
             cp.n_threads = cp.n_threads_batch = cfg.threads
+        # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
+        # graph on the GPU, so only the sampled token comes back, not n_vocab logits per sequence.
+        # Greedy chains stay attached; a request with other parameters attaches its own chain.
+        self.gpu_sampling = cfg.gpu and cfg.gpu_sampling
+        self._greedy: dict[int, Any] = {}
+        if self.gpu_sampling:
+            self._greedy = {i: self._greedy_chain() for i in range(cfg.slots)}
+            self._seq_cfg = (L.llama_sampler_seq_config * cfg.slots)(
+                *[L.llama_sampler_seq_config(i, ch) for i, ch in self._greedy.items()])
+            cp.samplers = ctypes.cast(self._seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
+            cp.n_samplers = cfg.slots
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise EngineError(
@@ -173,6 +194,8 @@ class Engine:
         self.active: dict[int, Sequence] = {}
         self._piece = ctypes.create_string_buffer(256)
         self.steps = 0
+        self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
+        self.step_s = 0.0  # whole steps, Python work included
 
     @property
     def desc(self) -> str:
@@ -188,7 +211,15 @@ class Engine:
         for seq in list(self.active.values()):
             self._release(seq)
         L.llama_free(self.ctx)
+        for ch in self._greedy.values():
+            L.llama_sampler_free(ch)
         L.llama_model_free(self.model)
+
+    @staticmethod
+    def _greedy_chain() -> Any:
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+        return chain
 
     # ------------------------------------------------------------ requests in and out
 
@@ -238,9 +269,15 @@ class Engine:
                 continue
             seq_id = self.free_ids.popleft()
             L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            p = run.params
+            sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
+            if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
+                sampler = self._sampler(p)
+                if self.gpu_sampling:
+                    self._attach(seq_id, sampler)
             self.active[seq_id] = Sequence(
-                rid=run.rid, seq_id=seq_id, tokens=tokens, params=run.params, stream=run.stream,
-                sampler=self._sampler(run.params), text=TextStream(run.params.stop),
+                rid=run.rid, seq_id=seq_id, tokens=tokens, params=p, stream=run.stream,
+                sampler=sampler, text=TextStream(p.stop),
             )
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
@@ -256,6 +293,11 @@ class Engine:
                 f"(model.ctx_per_slot)"
             )
         return tokens
+
+    def _attach(self, seq_id: int, chain: Any) -> None:
+        """Put ``chain`` on ``seq_id`` in the decode graph (the next decode re-plans the graph)."""
+        if not L.llama_set_sampler(self.ctx, seq_id, chain):
+            raise EngineError(f"llama.cpp refused a sampler for sequence {seq_id}", permanent=False)
 
     def _sampler(self, p: SamplingParams) -> Any:
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
@@ -305,7 +347,12 @@ class Engine:
                 seq.n_past = end
                 budget -= k
         b.raw.n_tokens = b.n
+        t0 = time.perf_counter()
         rc = L.llama_decode(self.ctx, b.raw)
+        if self.gpu_sampling and rc == 0:
+            L.llama_synchronize(self.ctx)
+        t1 = time.perf_counter()
+        self.decode_s += t1 - t0
         self.steps += 1
         if rc != 0:
             for seq in list(self.active.values()):
@@ -316,10 +363,14 @@ class Engine:
             if seq.out_idx >= 0:
                 self._sample(seq, out)
         out.active = len(self.active)
+        self.step_s += time.perf_counter() - t0
         return out
 
     def _sample(self, seq: Sequence, out: Step) -> None:
-        tok = L.llama_sampler_sample(seq.sampler, self.ctx, seq.out_idx)
+        if self.gpu_sampling:
+            tok = L.llama_get_sampled_token_ith(self.ctx, seq.out_idx)
+        else:
+            tok = L.llama_sampler_sample(seq.sampler, self.ctx, seq.out_idx)
         p = seq.params
         if not p.ignore_eos and L.llama_vocab_is_eog(self.vocab, tok):
             self._finish(seq, "stop", out)
@@ -343,7 +394,12 @@ class Engine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        L.llama_sampler_free(seq.sampler)
+        if seq.sampler is not None:
+            if self.gpu_sampling:  # give the sequence id its greedy chain back
+                L.llama_sampler_free(self._greedy[seq.seq_id])
+                self._greedy[seq.seq_id] = self._greedy_chain()
+                self._attach(seq.seq_id, self._greedy[seq.seq_id])
+            L.llama_sampler_free(seq.sampler)
         L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
         del self.active[seq.seq_id]
         self.free_ids.append(seq.seq_id)

@@ -52,6 +52,7 @@ class WorkerSpec:
     flash_attn: bool
     heartbeat_interval: float
     heartbeat_liveness: int
+    gpu_sampling: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -126,6 +127,7 @@ def serve(spec: WorkerSpec) -> int:
                 model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
                 n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, prefill_chunk=spec.prefill_chunk,
                 gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
+                gpu_sampling=spec.gpu_sampling,
             )
         )
     except EngineError as e:
@@ -181,6 +183,7 @@ def serve(spec: WorkerSpec) -> int:
             sock.send(codec.encode(Heartbeat(
                 active=len(engine.active) + len(engine.waiting), steps=loop.steps,
                 busy_for=(now - started) if started else 0.0,
+                decode_s=engine.decode_s, step_s=engine.step_s,
             )))
             next_beat = now + spec.heartbeat_interval
         for s, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
