@@ -45,7 +45,7 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int, gen_tokens: i
         L.llama_sampler_chain_add(ch, L.llama_sampler_init_greedy())
         samplers.append(ch)
     if gpu_sampling:
-        seq_cfg = (L.llama_sampler_seq_config * c)(*[L.llama_sampler_seq_config(i, ch)
+        seq_cfg = (L.llama_sampler_seq_config * c)(*[L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p))
                                                      for i, ch in enumerate(samplers)])
         cp.samplers = ctypes.cast(seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
         cp.n_samplers = c

@@ -44,6 +44,7 @@ class EngineConfig:
     threads: int = 0
     flash_attn: bool = True
     gpu_sampling: bool = True  # on a GPU: sample on the device (llama.cpp backend sampling)
+    backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
 
 
 @dataclass(eq=False)
@@ -171,12 +172,13 @@ class Engine:
         # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
         # graph on the GPU, so only the sampled token comes back, not n_vocab logits per sequence.
         # Greedy chains stay attached; a request with other parameters attaches its own chain.
-        self.gpu_sampling = cfg.gpu and cfg.gpu_sampling
+        self.gpu_sampling = (cfg.gpu and cfg.gpu_sampling) if cfg.backend_sampling is None \
+            else cfg.backend_sampling
         self._greedy: dict[int, Any] = {}
         if self.gpu_sampling:
             self._greedy = {i: self._greedy_chain() for i in range(cfg.slots)}
             self._seq_cfg = (L.llama_sampler_seq_config * cfg.slots)(
-                *[L.llama_sampler_seq_config(i, ch) for i, ch in self._greedy.items()])
+                *[L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p)) for i, ch in self._greedy.items()])
             cp.samplers = ctypes.cast(self._seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
             cp.n_samplers = cfg.slots
         self.ctx = L.llama_init_from_model(self.model, cp)
