@@ -137,3 +137,55 @@ def test_backend_sampling_path_gives_the_same_greedy_text(model_path: str, engin
         assert len(eng.free_ids) == 4
     finally:
         eng.close()
+
+
+SYSTEM = " ".join(["the model server worker router pool token"] * 12)  # a shared system prompt
+
+
+def test_a_shared_prompt_prefix_is_reused_not_recomputed(model_path: str) -> None:
+    def fresh(prefix_cache: bool) -> Engine:
+        return Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, n_batch=512, n_ubatch=512,
+                                   threads=2, prefix_cache=prefix_cache))
+
+    cached, plain = fresh(True), fresh(False)
+    try:
+        n_prefix = len(cached.tokenize(SYSTEM))
+        runs = [Run(i, SYSTEM + f" question {i}", GREEDY, False) for i in range(3)]
+        texts = {}
+        for r in runs:  # one after another: each later one finds the prefix in a free slot's KV
+            texts.update(run_all(cached, [r]))
+        assert cached.reused_tokens >= 2 * (n_prefix - 2)
+        assert texts == {r.rid: run_all(plain, [r])[r.rid] for r in runs}
+        assert plain.reused_tokens == 0
+        # an active sequence's computed prompt is shared too (llama_memory_seq_cp)
+        cached.submit(Run(10, SYSTEM + " first", GREEDY, False), Step())
+        cached.step()
+        before = cached.reused_tokens
+        cached.submit(Run(11, SYSTEM + " second", GREEDY, False), Step())
+        cached.step()
+        assert cached.reused_tokens - before >= n_prefix - 2
+    finally:
+        cached.close()
+        plain.close()
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model_path: str) -> None:
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=2048, n_batch=2048, n_ubatch=512,
+                              prefill_chunk=64, threads=2, prefix_cache=False))
+    try:
+        for i in range(3):
+            eng.submit(Run(i, f"short {i}", SamplingParams(max_tokens=100, temperature=0.0,
+                                                           ignore_eos=True), True), Step())
+        eng.step()  # nobody decodes yet: the short prompts go in whole
+        eng.submit(Run(9, [5] * 1500, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                       False), Step())
+        sizes = []
+        while any(s.prefilling for s in eng.active.values()) or eng.waiting:
+            before = {s.rid: s.generated for s in eng.active.values() if s.rid < 9}
+            eng.step()
+            sizes.append(eng.batch.n)
+            after = {s.rid: s.generated for s in eng.active.values() if s.rid < 9}
+            assert all(after[r] == before[r] + 1 for r in before), "every decoder got its token"
+        assert max(sizes) <= 3 + 64 and len(sizes) >= 1500 // 64
+    finally:
+        eng.close()

@@ -39,7 +39,8 @@ class EngineConfig:
     ctx_per_slot: int = 2048
     n_batch: int = 2048
     n_ubatch: int = 512
-    prefill_chunk: int = 512
+    prefill_chunk: int = 512  # prompt tokens per step while other sequences are decoding
+    prefix_cache: bool = True  # reuse KV of a shared prompt prefix instead of recomputing it
     gpu: bool = False
     threads: int = 0
     flash_attn: bool = True
@@ -195,6 +196,8 @@ class Engine:
         self.waiting: deque[Run] = deque()  # runs beyond the free slots
         self.active: dict[int, Sequence] = {}
         self._piece = ctypes.create_string_buffer(256)
+        self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
+        self.reused_tokens = 0
         self.steps = 0
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.step_s = 0.0  # whole steps, Python work included
@@ -269,8 +272,7 @@ class Engine:
             except ValueError as e:
                 out.failed.append([run.rid, ErrorCode.INVALID_REQUEST, str(e), "prompt"])
                 continue
-            seq_id = self.free_ids.popleft()
-            L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            seq_id, reused = self._take_slot(tokens)
             p = run.params
             sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
             if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
@@ -279,8 +281,45 @@ class Engine:
                     self._attach(seq_id, sampler)
             self.active[seq_id] = Sequence(
                 rid=run.rid, seq_id=seq_id, tokens=tokens, params=p, stream=run.stream,
-                sampler=sampler, text=TextStream(p.stop),
+                sampler=sampler, text=TextStream(p.stop), n_past=reused,
             )
+            self.reused_tokens += reused
+
+    def _take_slot(self, tokens: list[int]) -> tuple[int, int]:
+        """A free sequence id for ``tokens`` and how many of its leading tokens are already in KV.
+
+        The KV of every active sequence's computed prompt, and of recently finished sequences
+        kept in free slots, is searched for the longest common prefix; a prefix held by another
+        sequence is shared with ``llama_memory_seq_cp`` (in a unified KV cache the cells are
+        shared, not copied). At least the last prompt token is always computed, for its logits.
+        """
+        src, best = -1, 0
+        if self.cfg.prefix_cache:
+            want = np.asarray(tokens, dtype=np.int32)
+            held = [(sid, arr) for sid, arr in self.cached.items()]
+            held += [(s.seq_id, np.asarray(s.tokens[: s.n_past], dtype=np.int32))
+                     for s in self.active.values() if s.n_past]
+            for sid, have in held:
+                n = min(len(have), len(want) - 1)
+                if n <= best:
+                    continue
+                diff = np.flatnonzero(have[:n] != want[:n])
+                common = int(diff[0]) if diff.size else n
+                if common > best:
+                    src, best = sid, common
+        if best and src in self.free_ids:
+            seq_id = src
+            self.free_ids.remove(seq_id)
+            L.llama_memory_seq_rm(self.mem, seq_id, best, -1)
+        else:
+            # the free slot whose cached prefix is least worth keeping
+            seq_id = min(self.free_ids, key=lambda i: len(self.cached.get(i, ())))
+            self.free_ids.remove(seq_id)
+            L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            if best:
+                L.llama_memory_seq_cp(self.mem, src, seq_id, 0, best)
+        self.cached.pop(seq_id, None)
+        return seq_id, best
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -339,9 +378,13 @@ class Engine:
                 seq.out_idx = b.add([seq.last], seq.n_past, seq.seq_id, True)
                 seq.n_past += 1
                 budget -= 1
+        # Chunked prefill: while sequences are decoding, prompts get at most prefill_chunk tokens
+        # a step, so a long prompt cannot stall everyone's next token; otherwise the whole batch.
+        if b.n:
+            budget = min(budget, self.cfg.prefill_chunk)
         for seq in order:
             if seq.prefilling and budget > 0:
-                k = min(len(seq.tokens) - seq.n_past, self.cfg.prefill_chunk, budget)
+                k = min(len(seq.tokens) - seq.n_past, budget)
                 end = seq.n_past + k
                 idx = b.add(seq.tokens[seq.n_past : end], seq.n_past, seq.seq_id, end == len(seq.tokens))
                 if end == len(seq.tokens):
@@ -402,6 +445,9 @@ class Engine:
                 self._greedy[seq.seq_id] = self._greedy_chain()
                 self._attach(seq.seq_id, self._greedy[seq.seq_id])
             L.llama_sampler_free(seq.sampler)
-        L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
+        if self.cfg.prefix_cache and seq.n_past:  # keep its prompt's KV for a later request
+            self.cached[seq.seq_id] = np.asarray(seq.tokens[: seq.n_past], dtype=np.int32)
+        else:
+            L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
         del self.active[seq.seq_id]
         self.free_ids.append(seq.seq_id)
