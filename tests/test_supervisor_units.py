@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from llamapool.config import ConfigError
-from llamapool.router.policy import pick_worker
+from llamapool.router.policy import pick_worker, prefix_keys, remember
 from llamapool.supervisor import gpus
 from llamapool.supervisor.env import cpu_threads, worker_env
 
@@ -114,8 +115,9 @@ def test_supervisor_plans_one_worker_per_gpu_from_faked_nvml(tmp_path) -> None: 
 # ------------------------------------------------------------ routing policy
 
 
-def _w(name: str, free: int, routable: bool = True) -> Any:
-    return SimpleNamespace(name=name, free=free, routable=routable)
+def _w(name: str, free: int, routable: bool = True, prefixes: tuple[int, ...] = ()) -> Any:
+    return SimpleNamespace(name=name, free=free, routable=routable,
+                           prefixes=OrderedDict((k, None) for k in prefixes))
 
 
 def test_policy_prefers_most_free_slots() -> None:
@@ -126,3 +128,30 @@ def test_policy_breaks_ties_by_name_and_skips_full_or_unroutable() -> None:
     assert pick_worker([_w("b", 2), _w("a", 2)]).name == "a"
     assert pick_worker([_w("a", 0), _w("b", 5, routable=False)]) is None
     assert pick_worker([]) is None
+
+
+def test_policy_prefers_the_worker_holding_the_longest_shared_prefix() -> None:
+    system = "You are a helpful assistant. " * 40
+    keys = prefix_keys(system + "question A")
+    assert len(keys) == 3 and prefix_keys(system + "question B")[:3] == keys[:3]
+    a, b = _w("a", 6), _w("b", 8)
+    remember(a, prefix_keys(system + "earlier question"))
+    assert pick_worker([a, b], keys, slack=4) is a, "affinity wins while a is not much busier"
+    assert pick_worker([a, b], keys, slack=1) is b, "but not when a is well above the least loaded"
+
+
+def test_policy_affinity_never_picks_a_worker_out_of_routing_or_full() -> None:
+    keys = prefix_keys([7] * 300)
+    held = _w("a", 5, routable=False, prefixes=keys)
+    full = _w("b", 0, prefixes=keys)
+    other = _w("c", 1)
+    assert pick_worker([held, full, other], keys, slack=100) is other
+
+
+def test_remembered_prefixes_are_bounded() -> None:
+    from llamapool.router import policy
+
+    w = _w("a", 1)
+    for i in range(policy.MAX_REMEMBERED + 10):
+        remember(w, (i,))
+    assert len(w.prefixes) == policy.MAX_REMEMBERED and 0 not in w.prefixes

@@ -37,6 +37,8 @@ class ServerConfig:
     drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests get to finish
     max_message_bytes: int = 4 * 1024 * 1024
     min_ready_workers: int = 1  # systemd READY=1 once this many workers are ready
+    affinity_slack: int = 4  # prefer a worker holding the prompt's prefix unless it has this many
+    # fewer free slots than the least-loaded worker
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{key}: must be a string, got {value!r}")
     if key in _POSITIVE and value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value!r}")
-    if key == "workers.threads" and value < 0:
+    if key in ("workers.threads", "server.affinity_slack") and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
 

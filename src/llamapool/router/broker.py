@@ -9,7 +9,7 @@ the router over an inproc PAIR socket (``control``) with small Python tuples.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +36,7 @@ from llamapool.protocol.messages import (
     StatusRequest,
     Step,
 )
-from llamapool.router.policy import pick_worker
+from llamapool.router.policy import pick_worker, prefix_keys, remember
 
 TICK = 0.1  # seconds between housekeeping passes
 
@@ -51,6 +51,7 @@ class RouterConfig:
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3
     step_timeout: float = 60.0
+    affinity_slack: int = 2  # a worker holding the prompt's prefix may have this many fewer free slots
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class Job:
     queued_at: float
     deadline: float | None
     worker: str | None = None
+    keys: tuple[int, ...] = ()  # prompt prefix hashes, for KV-cache affinity
     delivered: int = 0  # tokens already streamed to the client
     ending: str | None = None  # error code to answer with once the worker confirms the abort
 
@@ -84,6 +86,7 @@ class WorkerState:
     decode_s: float = 0.0
     step_s: float = 0.0
     last_sent: float = 0.0
+    prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     @property
     def free(self) -> int:
@@ -206,7 +209,8 @@ class Router:
         deadline = now + msg.timeout if msg.timeout else None
         jobs = []
         for i, prompt in enumerate(msg.prompts):
-            job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline)
+            job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline,
+                      keys=prefix_keys(prompt))
             self.next_rid += 1
             self.jobs[job.rid] = job
             self.queue.append(job)
@@ -339,12 +343,14 @@ class Router:
 
     def _dispatch(self) -> None:
         while self.queue:
-            w = pick_worker(self.workers.values())
+            job = self.queue[0]
+            w = pick_worker(self.workers.values(), job.keys, self.cfg.affinity_slack)
             if w is None:
                 return
-            job = self.queue.popleft()
+            self.queue.popleft()
             job.worker = w.name
             w.jobs[job.rid] = job
+            remember(w, job.keys)
             self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream))
 
     # ------------------------------------------------------------ time

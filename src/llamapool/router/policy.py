@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
+
+from llamapool.protocol.messages import Prompt
+
+TEXT_PREFIXES = (64, 256, 1024, 4096)  # characters
+TOKEN_PREFIXES = (16, 64, 256, 1024)  # token ids
+MAX_REMEMBERED = 4096  # prefix keys remembered per worker
 
 
 class Candidate(Protocol):
     name: str
+    prefixes: OrderedDict[int, None]
 
     @property
     def free(self) -> int: ...
@@ -16,15 +24,45 @@ class Candidate(Protocol):
     def routable(self) -> bool: ...
 
 
-W = TypeVar("W", bound="Candidate")
+W = TypeVar("W", bound=Candidate)
 
 
-def pick_worker(workers: Iterable[W]) -> W | None:
-    """The routable worker with the most free slots; ties go to the lowest name. None if all full."""
-    best: W | None = None
-    for w in workers:
-        if not w.routable or w.free <= 0:
-            continue
-        if best is None or w.free > best.free or (w.free == best.free and w.name < best.name):
-            best = w
+def prefix_keys(prompt: Prompt) -> tuple[int, ...]:
+    """Hashes of the prompt's leading pieces, shortest first (the router cannot tokenize)."""
+    if isinstance(prompt, str):
+        return tuple(hash(prompt[:n]) for n in TEXT_PREFIXES if len(prompt) >= n)
+    return tuple(hash(tuple(prompt[:n])) for n in TOKEN_PREFIXES if len(prompt) >= n)
+
+
+def pick_worker(workers: Iterable[W], keys: tuple[int, ...] = (), slack: int = 0) -> W | None:
+    """The routable worker with the most free slots (ties: lowest name), or None if all are full.
+
+    With prefix ``keys``: a worker that recently ran a prompt with the longest shared prefix is
+    preferred while its free slots are within ``slack`` of the least-loaded worker's, since its
+    KV cache may still hold that prefix. Workers out of routing are never chosen.
+    """
+    open_ = [w for w in workers if w.routable and w.free > 0]
+    if not open_:
+        return None
+    best = max(open_, key=lambda w: (w.free, _neg(w.name)))
+    for key in reversed(keys):
+        holders = [w for w in open_ if key in w.prefixes]
+        if holders:
+            w = max(holders, key=lambda w: (w.free, _neg(w.name)))
+            if w.free >= best.free - slack:
+                return w
+            break
     return best
+
+
+def remember(w: Candidate, keys: tuple[int, ...]) -> None:
+    for key in keys:
+        w.prefixes[key] = None
+        w.prefixes.move_to_end(key)
+    while len(w.prefixes) > MAX_REMEMBERED:
+        w.prefixes.popitem(last=False)
+
+
+def _neg(name: str) -> tuple[int, ...]:
+    """Order names so that max() picks the lowest one."""
+    return tuple(-ord(c) for c in name)

@@ -140,7 +140,7 @@ class Supervisor:
             frontend=cfg.frontend, backend=cfg.backend, max_queue=s.max_queue,
             queue_timeout=s.queue_timeout, max_message_bytes=s.max_message_bytes,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-            step_timeout=w.step_timeout,
+            step_timeout=w.step_timeout, affinity_slack=s.affinity_slack,
         )
 
     # ------------------------------------------------------------ spawning and reaping
