@@ -50,6 +50,8 @@ class ModelConfig:
     prefill_chunk: int = 512  # max prompt tokens one sequence adds to a step (chunked prefill)
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
+    prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
+    engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,9 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
     parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()}
     model: ModelConfig = parts["model"]
-    if not model.path:
+    if model.engine not in ("llama", "echo"):
+        raise ConfigError(f"model.engine: must be \"llama\" or \"echo\", got {model.engine!r}")
+    if not model.path and model.engine == "llama":
         raise ConfigError("model.path: is required")
     if base_dir is not None and not Path(model.path).is_absolute():
         parts["model"] = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))

@@ -158,6 +158,7 @@ class Heartbeat:
     busy_for: float = 0.0  # seconds the current engine step has been running (0 when idle)
     decode_s: float = 0.0  # cumulative seconds inside llama_decode
     step_s: float = 0.0  # cumulative seconds of whole engine steps
+    reused_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
 
 
 @dataclass(slots=True)

@@ -85,6 +85,7 @@ class WorkerState:
     busy_for: float = 0.0
     decode_s: float = 0.0
     step_s: float = 0.0
+    reused_tokens: int = 0
     last_sent: float = 0.0
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
@@ -291,6 +292,7 @@ class Router:
             self._on_step(w, msg)
         elif isinstance(msg, Heartbeat):
             w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
+            w.reused_tokens = msg.reused_tokens
         elif isinstance(msg, Shutdown):  # drained and leaving
             self._lose_worker(w, "it shut down")
 
@@ -428,6 +430,7 @@ class Router:
                     visible_devices=w.hello.visible_devices, steps=w.steps,
                     n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
                     decode_s=round(w.decode_s, 3), step_s=round(w.step_s, 3),
+                    reused_tokens=w.reused_tokens,
                 )
             else:
                 info.setdefault("state", "starting")

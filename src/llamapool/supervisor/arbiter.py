@@ -155,7 +155,7 @@ class Supervisor:
             slots=w.slots, ctx_per_slot=m.ctx_per_slot, n_batch=m.n_batch, n_ubatch=m.n_ubatch,
             prefill_chunk=m.prefill_chunk, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-            gpu_sampling=m.gpu_sampling,
+            gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
         )
 
     def _start(self, slot: WorkerSlot) -> None:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import zmq
 
@@ -53,6 +54,8 @@ class WorkerSpec:
     heartbeat_interval: float
     heartbeat_liveness: int
     gpu_sampling: bool = True
+    prefix_cache: bool = True
+    engine: str = "llama"  # "echo": the router-benchmark engine, no model
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -65,11 +68,8 @@ class WorkerSpec:
 class EngineLoop(threading.Thread):
     """The one thread that calls llama.cpp: admits, steps, aborts, reports."""
 
-    def __init__(self, engine: object, zctx: zmq.Context, out_addr: str):
+    def __init__(self, engine: Any, zctx: zmq.Context, out_addr: str):
         super().__init__(name="engine", daemon=True)
-        from llamapool.worker.engine import Engine
-
-        assert isinstance(engine, Engine)
         self.engine = engine
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._zctx, self._out_addr = zctx, out_addr
@@ -118,16 +118,20 @@ class EngineLoop(threading.Thread):
 
 def serve(spec: WorkerSpec) -> int:
     """Load the model, say hello, and serve until told to shut down."""
+    gpu = spec.device != "cpu"
+    if spec.engine == "echo":
+        from llamapool.worker.echo import EchoEngine
+
+        return _serve(spec, EchoEngine(spec.slots), [])
     from llamapool.worker.engine import Engine, EngineConfig, EngineError, visible_gpus
 
-    gpu = spec.device != "cpu"
     try:
         engine = Engine(
             EngineConfig(
                 model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
                 n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, prefill_chunk=spec.prefill_chunk,
                 gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
-                gpu_sampling=spec.gpu_sampling,
+                gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache,
             )
         )
     except EngineError as e:
@@ -142,7 +146,11 @@ def serve(spec: WorkerSpec) -> int:
             file=sys.stderr, flush=True,
         )
         return EXIT_PERMANENT
+    return _serve(spec, engine, seen)
 
+
+def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
+    """The I/O loop: hello, then forward router messages in and step reports out."""
     zctx = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
@@ -183,7 +191,7 @@ def serve(spec: WorkerSpec) -> int:
             sock.send(codec.encode(Heartbeat(
                 active=len(engine.active) + len(engine.waiting), steps=loop.steps,
                 busy_for=(now - started) if started else 0.0,
-                decode_s=engine.decode_s, step_s=engine.step_s,
+                decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
             )))
             next_beat = now + spec.heartbeat_interval
         for s, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
