@@ -75,6 +75,8 @@ def main() -> int:
     ap.add_argument("--model", default="")
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 4], help="client processes to try")
     ap.add_argument("--skip-two", action="store_true")
+    ap.add_argument("--skip-one", action="store_true")
+    ap.add_argument("--skip-scenarios", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,34 +107,63 @@ def main() -> int:
     ctx = P + G + 16
     cmax = max(args.concurrency)
 
-    # ---- one GPU: service at each C, then the ceiling at each C (same process layout as a user's)
-    proc, ep, logf = start(config(tmp, "one", model, "[0]", cmax, ctx), tmp, "one")
-    st = wait_ready(ep, 1, proc, logf)
-    record({"mode": "status-1gpu", "workers": st["workers"]})
     from llamapool import Client
+    from llamapool.bench_scenarios import run as scenario
 
-    def engine_counters() -> dict[str, Any]:
+    def engine_counters(ep: str) -> dict[str, Any]:
         with Client(ep) as cl:
             w = cl.status()["workers"][0]
         return {"steps": w.get("steps"), "decode_s": w.get("decode_s"), "step_s": w.get("step_s")}
 
-    for procs in args.procs:
+    def daemon(tag: str, extra: str = "", slots: int = 64, ctx_slot: int = ctx, devices: str = "[0]",
+               n: int = 1) -> tuple[subprocess.Popen[bytes], str, Path]:
+        proc, ep, logf = start(config(tmp, tag, model, devices, slots, ctx_slot).replace(
+            "[model]\n", "[model]\n" + extra), tmp, tag)
+        wait_ready(ep, n, proc, logf)
+        return proc, ep, logf
+
+    def stop(proc: subprocess.Popen[bytes], logf: Path) -> None:
+        proc.terminate()
+        proc.wait(120)
+        errs = [ln for ln in logf.read_text(errors="replace").splitlines() if "CUDA error" in ln]
+        if errs:
+            record({"mode": "cuda-errors", "log": str(logf), "lines": errs[:5]})
+
+    if not args.skip_one:
+        # ---- one GPU: service (slots = C, as a user would size it) and the ceilings, per C
         for c in args.concurrency:
-            before = engine_counters()
-            r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False, procs=procs))
-            time.sleep(1.2)  # one heartbeat, so the counters include the whole run
-            after = engine_counters()
-            eng = {k: round((after[k] or 0) - (before[k] or 0), 3) for k in after}
-            record({**asdict(r), "gpus": 1, "procs": procs, "engine": eng})
-    proc.terminate()
-    proc.wait(120)
-    for gs in (False, True):
-        for c in args.concurrency:
-            record({**measure(model, c, P, G, gpu=True, gpu_sampling=gs), "gpus": 1})
+            proc, ep, logf = daemon(f"c{c}", slots=c)
+            for procs in args.procs:
+                before = engine_counters(ep)
+                r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False, procs=procs))
+                time.sleep(1.2)  # one heartbeat, so the counters include the whole run
+                after = engine_counters(ep)
+                eng = {k: round((after[k] or 0) - (before[k] or 0), 3) for k in after}
+                record({**asdict(r), "gpus": 1, "procs": procs, "engine": eng})
+            stop(proc, logf)
+            for gs in (True, False):
+                record({**measure(model, c, P, G, gpu=True, gpu_sampling=gs), "gpus": 1})
+    if not args.skip_scenarios:
+        # ---- chunked prefill: an 8000-token prompt while 63 others stream
+        for chunk in (512, 256):
+            proc, ep, logf = daemon(f"long{chunk}", f"prefill_chunk = {chunk}\n", slots=64, ctx_slot=8448)
+            record({**scenario("long-prompt", ep), "prefill_chunk": chunk})
+            stop(proc, logf)
+        # ---- prefix reuse: 64 requests sharing a 1000-token system prompt
+        for on in (False, True):
+            proc, ep, logf = daemon(f"prefix{on}", f"prefix_cache = {str(on).lower()}\n", slots=64,
+                                    ctx_slot=1100)
+            record({**scenario("shared-prefix", ep), "prefix_cache": on})
+            stop(proc, logf)
 
     # ---- two GPUs: scaling, isolation checks
     if len(inventory) >= 2 and not args.skip_two:
         half = 64
+        proc, ep, logf = daemon("scale1", slots=half)
+        r1 = asyncio.run(run_service(ep, half, args.waves * half, P, G, progress=False,
+                                     procs=max(args.procs)))
+        record({**asdict(r1), "gpus": 1, "scaling_baseline": True})
+        stop(proc, logf)
         proc, ep, logf = start(config(tmp, "two", model, '"auto"', half, ctx), tmp, "two")
         st = wait_ready(ep, 2, proc, logf)
         smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
@@ -152,7 +183,7 @@ def main() -> int:
         record({"mode": "isolation-2gpu", "checks": checks, "nvidia_smi": smi})
         r2 = asyncio.run(run_service(ep, 2 * half, args.waves * 2 * half, P, G, progress=False,
                                      procs=max(args.procs)))
-        record({**asdict(r2), "gpus": 2})
+        record({**asdict(r2), "gpus": 2, "scaling_vs_one_gpu": round(r2.tok_s / r1.tok_s, 3)})
         proc.terminate()
         proc.wait(120)
         errs = [ln for ln in logf.read_text(errors="replace").splitlines() if "CUDA error" in ln]
