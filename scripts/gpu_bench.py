@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--skip-two", action="store_true")
     ap.add_argument("--skip-one", action="store_true")
     ap.add_argument("--skip-scenarios", action="store_true")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
+                    help="also run C=max at this [model] setting, e.g. nochunk='prefill_chunk = 2048'")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,6 +145,17 @@ def main() -> int:
             stop(proc, logf)
             for gs in (True, False):
                 record({**measure(model, c, P, G, gpu=True, gpu_sampling=gs), "gpus": 1})
+    for v in args.variant:
+        name, _, extra = v.partition("=")
+        c = max(args.concurrency)
+        proc, ep, logf = daemon(f"v-{name}", extra.replace(";", "\n") + "\n", slots=c)
+        before = engine_counters(ep)
+        r = asyncio.run(run_service(ep, c, args.waves * c, P, G, progress=False, procs=max(args.procs)))
+        time.sleep(1.2)
+        after = engine_counters(ep)
+        record({**asdict(r), "variant": name, "extra": extra,
+                "engine": {k: round((after[k] or 0) - (before[k] or 0), 3) for k in after}})
+        stop(proc, logf)
     if not args.skip_scenarios:
         # ---- chunked prefill: an 8000-token prompt while 63 others stream
         for chunk in (512, 256):
