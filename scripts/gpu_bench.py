@@ -7,7 +7,6 @@ then the 2-GPU scaling, plus the per-GPU isolation checks. Writes JSON lines to 
 
 from __future__ import annotations
 
-import llama_cpp  # noqa: F401, I001 - first: CUDA model loads segfaulted after numpy/pyzmq imports
 import argparse
 import asyncio
 import json
@@ -19,6 +18,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+import llama_cpp  # noqa: F401 - first: CUDA model loads segfaulted after numpy/pyzmq imports
 
 
 def log(msg: str) -> None:
@@ -107,7 +108,6 @@ def main() -> int:
                 "gen_s": round(time.monotonic() - t0, 1)})
     P, G = args.prompt_tokens, args.gen_tokens
     ctx = P + G + 16
-    cmax = max(args.concurrency)
 
     from llamapool import Client
     from llamapool.bench_scenarios import run as scenario

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from llamapool import OverloadedError, RequestTimeoutError, UnavailableError
 from tests.loadgen import Load
 
-
 LONG_CTX = {"ctx_per_slot": 4096}  # room for requests long enough to keep a slot busy for seconds
 
 

@@ -17,7 +17,7 @@ def _cuda_build() -> bool:
         out = subprocess.run(["python3", "-c", "import llama_cpp; print(llama_cpp.llama_supports_gpu_offload())"],
                              capture_output=True, text=True, timeout=120)
         return out.stdout.strip() == "True"
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 

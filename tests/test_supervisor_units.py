@@ -68,7 +68,7 @@ def test_device_selection() -> None:
     assert gpus.select(found, "cpu") == []
     assert gpus.select(found, [1]) == [found[1]]
     assert gpus.select(found, ["GPU-11111111-aaaa"]) == [found[0]]
-    with pytest.raises(ConfigError, match="workers.devices"):
+    with pytest.raises(ConfigError, match=r"workers\.devices"):
         gpus.select(found, [7])
 
 

@@ -104,7 +104,8 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int, gen_tokens: i
     L.llama_model_free(model)
     generated = c * gen_tokens
     return {
-        "mode": "ceiling", "gpu_sampling": gpu_sampling, "concurrency": c, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+        "mode": "ceiling", "gpu_sampling": gpu_sampling, "concurrency": c,
+        "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
         "prefill_tok_s": c * prompt_tokens / (t1 - t0),
         "decode_tok_s": c * (gen_tokens - 1) / max(t2 - t1, 1e-9),
         "e2e_tok_s": generated / (t2 - t0),

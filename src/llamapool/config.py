@@ -152,7 +152,8 @@ def _section(name: str, cls: type, raw: Any) -> Any:
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
         f = known[key]
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        factory: Any = f.default_factory
+        default = f.default if f.default is not dataclasses.MISSING else factory()
         kw[key] = _coerce(f"{name}.{key}", value, default)
     return cls(**kw)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -56,7 +56,7 @@ class Stream:
         self._client, self._rid, self._deadline = client, rid, deadline
         self._pending = Pending(1)
         self.completion: Completion | None = None
-        self._it = self._run()
+        self._it: Generator[StreamChunk, None, None] = self._run()
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self._it
@@ -64,7 +64,7 @@ class Stream:
     def __next__(self) -> StreamChunk:
         return next(self._it)
 
-    def _run(self) -> Iterator[StreamChunk]:
+    def _run(self) -> Generator[StreamChunk, None, None]:
         conn = self._client._conn()
         finished = False
         try:
@@ -142,7 +142,7 @@ class Client:
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Stream:
         """Stream a completion as text deltas."""
-        conn, rid, deadline = self._submit([prompt], False, True, timeout, params)
+        _, rid, deadline = self._submit([prompt], False, True, timeout, params)
         return Stream(self, rid, deadline)
 
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,

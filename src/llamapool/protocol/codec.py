@@ -267,7 +267,7 @@ def decode(
         )
     try:
         d = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises many kinds
+    except Exception as e:
         raise ProtocolError(ErrorCode.MALFORMED, f"frame is not valid msgpack: {e}") from None
     if not isinstance(d, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"message must be a map, got {type(d).__name__}")

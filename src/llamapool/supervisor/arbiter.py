@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,14 +96,17 @@ class Supervisor:
         self.control = self.zctx.socket(zmq.PAIR)
         self.control.bind("inproc://llamapool-control")
         self.router = Router(self._router_config(self.cfg), self.zctx, "inproc://llamapool-control",
-                             on_event=lambda e: self.loop.call_soon_threadsafe(self._on_router, e))
+                             on_event=self._from_router_thread)
         self.router.bind()
         self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
         self.router_thread.start()
         self._log(f"frontend {self.cfg.frontend}; model {self.cfg.model.path}")
-        for sig, handler in ((signal.SIGTERM, self.drain), (signal.SIGINT, self.drain),
-                             (signal.SIGQUIT, self.fast_stop), (signal.SIGHUP, self.reload)):
-            self.loop.add_signal_handler(sig, lambda h=handler: self._spawn_task(h()))
+        handlers: dict[signal.Signals, Callable[[], Coroutine[Any, Any, None]]] = {
+            signal.SIGTERM: self.drain, signal.SIGINT: self.drain,
+            signal.SIGQUIT: self.fast_stop, signal.SIGHUP: self.reload,
+        }
+        for sig, handler in handlers.items():
+            self.loop.add_signal_handler(sig, self._spawn_task_of, handler)
         self.slots = self._plan(self.cfg)
         for slot in self.slots:
             self._start(slot)
@@ -241,6 +245,12 @@ class Supervisor:
 
     # ------------------------------------------------------------ router events
 
+    def _from_router_thread(self, event: tuple[Any, ...]) -> None:
+        self.loop.call_soon_threadsafe(self._on_router, event)
+
+    def _spawn_task_of(self, handler: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._spawn_task(handler())
+
     def _on_router(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
         slot = next((s for s in self.slots if len(event) > 1 and s.name == event[1]), None)
@@ -270,6 +280,7 @@ class Supervisor:
             return
         self.stopping = True
         self.notify.stopping()
+        self.notify.extend_timeout(self.cfg.server.drain_timeout + 15)
         self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
         self._command("drain")
         try:
@@ -309,6 +320,8 @@ class Supervisor:
         for slot in list(self.slots):
             if self.stopping:
                 return
+            # each replacement may drain for drain_timeout and load for start_timeout
+            self.notify.extend_timeout(new.server.drain_timeout + new.workers.start_timeout)
             await self._replace(slot)
         self._log("reload done")
         self.notify.ready()
@@ -385,12 +398,12 @@ class Supervisor:
                 rows = gpumod.health(self.nvml, self.gpus)
                 self._command("gpus", rows)
                 for row in rows:
-                    slot = next((s for s in self.slots if s.gpu and s.gpu.uuid == row["uuid"]), None)
-                    if row.get("lost") and slot is not None and slot.state != "failed":
-                        slot.state, slot.reason = "failed", f"GPU lost: {row.get('error')}"
-                        if slot.proc is not None:
-                            self._spawn_task(self._kill(slot, slot.proc.pid, slot.reason))
-                        self._publish(slot)
+                    lost = next((s for s in self.slots if s.gpu and s.gpu.uuid == row["uuid"]), None)
+                    if row.get("lost") and lost is not None and lost.state != "failed":
+                        lost.state, lost.reason = "failed", f"GPU lost: {row.get('error')}"
+                        if lost.proc is not None:
+                            self._spawn_task(self._kill(lost, lost.proc.pid, lost.reason))
+                        self._publish(lost)
             await asyncio.sleep(min(1.0, wd) if wd else 1.0)
 
     # ------------------------------------------------------------ helpers

@@ -33,7 +33,7 @@ def load_nvml() -> Any | None:
 
         pynvml.nvmlInit()
         return pynvml
-    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+    except Exception:
         return None
 
 
@@ -88,7 +88,7 @@ def health(nvml: Any | None, gpus: list[Gpu]) -> list[dict[str, Any]]:
             )
             with contextlib.suppress(Exception):  # ECC counters need ECC-capable boards
                 row["ecc_uncorrected"] = int(nvml.nvmlDeviceGetTotalEccErrors(h, 1, 1))
-        except Exception as e:  # noqa: BLE001 - GPU_IS_LOST, UNKNOWN, ...
+        except Exception as e:
             row.update(lost=True, error=str(e))
         rows.append(row)
     return rows

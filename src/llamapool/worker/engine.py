@@ -83,13 +83,14 @@ class _Batch:
         self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
             *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
         )
-        self.raw = L.llama_batch()
-        self.raw.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.raw.embd = None
-        self.raw.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.raw.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        self.raw.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
-        self.raw.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        raw: Any = L.llama_batch()  # ctypes pointers; llama-cpp-python's stubs type them as arrays
+        raw.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw.embd = None
+        raw.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        raw.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.raw = raw
         self.n = 0
 
     def add(self, tokens: list[int], start_pos: int, seq_id: int, want_last: bool) -> int:

@@ -12,7 +12,7 @@ class TextStream:
     cut before it and :attr:`stopped` is set. ``finish`` flushes what was held back.
     """
 
-    __slots__ = ("_dec", "_stops", "_hold", "text", "sent", "stopped")
+    __slots__ = ("_dec", "_hold", "_stops", "sent", "stopped", "text")
 
     def __init__(self, stops: tuple[str, ...] = ()) -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
