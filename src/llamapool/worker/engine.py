@@ -197,6 +197,8 @@ class Engine:
         self.waiting: deque[Run] = deque()  # runs beyond the free slots
         self.active: dict[int, Sequence] = {}
         self._piece = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes, filled as tokens are seen
+        self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0
         self.steps = 0
@@ -369,29 +371,36 @@ class Engine:
         if not self.active:
             out.active = 0
             return out
+        t_step = time.perf_counter()
         b = self.batch
-        b.n = 0
-        budget = self.cfg.n_batch
-        order = sorted(self.active.values(), key=lambda s: s.prefilling)  # decoders first
-        for seq in order:
-            seq.out_idx = -1
-            if not seq.prefilling:
-                seq.out_idx = b.add([seq.last], seq.n_past, seq.seq_id, True)
+        decoding = [s for s in self.active.values() if not s.prefilling]
+        k = len(decoding)
+        if k:  # one token per decoding sequence, filled in a few vectorised writes
+            b.token[:k] = [s.last for s in decoding]
+            b.pos[:k] = [s.n_past for s in decoding]
+            b.seq[:k] = [s.seq_id for s in decoding]
+            b.logits[:k] = 1
+            for i, seq in enumerate(decoding):
+                seq.out_idx = i
                 seq.n_past += 1
-                budget -= 1
+        b.n = k
         # Chunked prefill: while sequences are decoding, prompts get at most prefill_chunk tokens
         # a step, so a long prompt cannot stall everyone's next token; otherwise the whole batch.
-        if b.n:
-            budget = min(budget, self.cfg.prefill_chunk)
-        for seq in order:
-            if seq.prefilling and budget > 0:
-                k = min(len(seq.tokens) - seq.n_past, budget)
-                end = seq.n_past + k
+        budget = min(self.cfg.n_batch - k, self.cfg.prefill_chunk) if k else self.cfg.n_batch
+        order = decoding
+        for seq in self.active.values():
+            if not seq.prefilling:
+                continue
+            seq.out_idx = -1
+            if budget > 0:
+                n = min(len(seq.tokens) - seq.n_past, budget)
+                end = seq.n_past + n
                 idx = b.add(seq.tokens[seq.n_past : end], seq.n_past, seq.seq_id, end == len(seq.tokens))
                 if end == len(seq.tokens):
                     seq.out_idx = idx
+                    order = [*order, seq]
                 seq.n_past = end
-                budget -= k
+                budget -= n
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
         rc = L.llama_decode(self.ctx, b.raw)
@@ -406,10 +415,9 @@ class Engine:
                 self._release(seq)
             return out
         for seq in order:
-            if seq.out_idx >= 0:
-                self._sample(seq, out)
+            self._sample(seq, out)
         out.active = len(self.active)
-        self.step_s += time.perf_counter() - t0
+        self.step_s += time.perf_counter() - t_step
         return out
 
     def _sample(self, seq: Sequence, out: Step) -> None:
@@ -418,19 +426,25 @@ class Engine:
         else:
             tok = L.llama_sampler_sample(seq.sampler, self.ctx, seq.out_idx)
         p = seq.params
-        if not p.ignore_eos and L.llama_vocab_is_eog(self.vocab, tok):
+        if not p.ignore_eos and tok in self._eog:
             self._finish(seq, "stop", out)
             return
         seq.generated += 1
         seq.last = tok
-        n = L.llama_token_to_piece(self.vocab, tok, self._piece, 256, 0, False)
-        delta = seq.text.push(self._piece.raw[: max(n, 0)])
+        delta = seq.text.push(self._piece_of(tok))
         if seq.text.stopped:
             self._finish(seq, "stop", out, delta)
         elif seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
             self._finish(seq, "length", out, delta)
         elif delta and seq.stream:
             out.deltas.append([seq.rid, delta, seq.generated])
+
+    def _piece_of(self, tok: int) -> bytes:
+        piece = self._pieces.get(tok)
+        if piece is None:
+            n = L.llama_token_to_piece(self.vocab, tok, self._piece, 256, 0, False)
+            piece = self._pieces[tok] = self._piece.raw[: max(n, 0)]
+        return piece
 
     def _finish(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
         delta += seq.text.finish()
