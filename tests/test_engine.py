@@ -189,3 +189,33 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model_path: str)
         assert max(sizes) <= 3 + 64 and len(sizes) >= 1500 // 64
     finally:
         eng.close()
+
+
+def test_pipelined_steps_honour_stop_strings_and_aborts(model_path: str, engine: Engine) -> None:
+    """With GPU-style pipelining a stop string found after the next batch was launched must still
+    end the text before it, and the extra token computed must never be sent."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, n_batch=256, n_ubatch=256,
+                              threads=2, backend_sampling=True))
+    try:
+        free = run_all(engine, [Run(1, "Hello world", GREEDY, True)])[1]
+        stop = free[8:10]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
+        eng.submit(Run(2, "Hello world", params, True), Step())
+        eng.submit(Run(3, "Hello world", GREEDY, True), Step())
+        streamed: dict[int, str] = {2: "", 3: ""}
+        done: dict[int, list] = {}
+        while eng.busy:
+            step = eng.step()
+            for rid, text, _n in step.deltas:
+                streamed[rid] += text
+            for d in step.done:
+                done[d[0]] = d
+            if 3 in streamed and len(streamed[3]) > 4 and 3 not in done:
+                out = Step()
+                eng.abort(3, out)
+                done[3] = out.done[0]
+        assert done[2][1] == "stop" and done[2][2] == free[: free.find(stop)] == streamed[2]
+        assert done[3][1] == "cancelled"
+        assert len(eng.free_ids) == 4 and not eng.active
+    finally:
+        eng.close()

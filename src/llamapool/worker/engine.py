@@ -199,6 +199,7 @@ class Engine:
         self._piece = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # token -> its bytes, filled as tokens are seen
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0
         self.steps = 0
@@ -216,6 +217,7 @@ class Engine:
         return bool(self.active or self.waiting)
 
     def close(self) -> None:
+        L.llama_synchronize(self.ctx)
         for seq in list(self.active.values()):
             self._release(seq)
         L.llama_free(self.ctx)
@@ -340,6 +342,7 @@ class Engine:
 
     def _attach(self, seq_id: int, chain: Any) -> None:
         """Put ``chain`` on ``seq_id`` in the decode graph (the next decode re-plans the graph)."""
+        L.llama_synchronize(self.ctx)  # never change the graph's samplers under a batch in flight
         if not L.llama_set_sampler(self.ctx, seq_id, chain):
             raise EngineError(f"llama.cpp refused a sampler for sequence {seq_id}", permanent=False)
 
@@ -365,13 +368,39 @@ class Engine:
     # ------------------------------------------------------------ one step
 
     def step(self) -> Step:
-        """Admit waiting runs, decode one batch, sample, and report what happened."""
+        """Admit waiting runs, decode one batch, sample, and report what happened.
+
+        With GPU sampling the step is pipelined: the tokens of the batch in flight are read, the
+        next batch is launched at once (``llama_decode`` returns before the GPU is done), and
+        only then is the text of the tokens just read worked out, while the GPU computes. A
+        sequence that a stop string ends meanwhile has one token computed in vain, never sent.
+        """
         out = Step()
         self._admit(out)
-        if not self.active:
-            out.active = 0
-            return out
         t_step = time.perf_counter()
+        if self.gpu_sampling:
+            ready = self._collect(out)
+            if self.active:
+                self._launch(self._build(), out)
+            for seq, tok in ready:
+                if self.active.get(seq.seq_id) is seq:
+                    self._emit(seq, tok, out)
+        elif self.active:
+            order = self._build()
+            if self._launch(order, out):
+                for seq in order:
+                    taken = self._take(seq, out)
+                    if taken is not None:
+                        self._emit(seq, taken, out)
+        out.active = len(self.active)
+        self.step_s += time.perf_counter() - t_step
+        return out
+
+    def _build(self) -> list[Sequence]:
+        """Fill the batch: every decoding sequence's next token, then prompt chunks.
+
+        Returns the sequences with an output in this batch, in batch order.
+        """
         b = self.batch
         decoding = [s for s in self.active.values() if not s.prefilling]
         k = len(decoding)
@@ -401,26 +430,43 @@ class Engine:
                     order = [*order, seq]
                 seq.n_past = end
                 budget -= n
+        return order
+
+    def _launch(self, order: list[Sequence], out: Step) -> bool:
+        """Start decoding the batch; on failure every active sequence fails with the reason."""
+        b = self.batch
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
         rc = L.llama_decode(self.ctx, b.raw)
-        if self.gpu_sampling and rc == 0:
-            L.llama_synchronize(self.ctx)
-        t1 = time.perf_counter()
-        self.decode_s += t1 - t0
+        self.decode_s += time.perf_counter() - t0
         self.steps += 1
         if rc != 0:
+            self.inflight = []
             for seq in list(self.active.values()):
                 out.failed.append([seq.rid, ErrorCode.INTERNAL, f"llama_decode returned {rc}", None])
                 self._release(seq)
-            return out
-        for seq in order:
-            self._sample(seq, out)
-        out.active = len(self.active)
-        self.step_s += time.perf_counter() - t_step
-        return out
+            return False
+        self.inflight = order
+        return True
 
-    def _sample(self, seq: Sequence, out: Step) -> None:
+    def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
+        """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""
+        if not self.inflight:
+            return []
+        t0 = time.perf_counter()
+        L.llama_synchronize(self.ctx)
+        self.decode_s += time.perf_counter() - t0
+        ready = []
+        for seq in self.inflight:
+            if self.active.get(seq.seq_id) is seq:
+                tok = self._take(seq, out)
+                if tok is not None:
+                    ready.append((seq, tok))
+        self.inflight = []
+        return ready
+
+    def _take(self, seq: Sequence, out: Step) -> int | None:
+        """The sequence's new token, or None when it ended (end of generation, length)."""
         if self.gpu_sampling:
             tok = L.llama_get_sampled_token_ith(self.ctx, seq.out_idx)
         else:
@@ -428,14 +474,19 @@ class Engine:
         p = seq.params
         if not p.ignore_eos and tok in self._eog:
             self._finish(seq, "stop", out)
-            return
+            return None
         seq.generated += 1
         seq.last = tok
+        if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
+            self._finish(seq, "length", out, seq.text.push(self._piece_of(tok)))
+            return None
+        return int(tok)
+
+    def _emit(self, seq: Sequence, tok: int, out: Step) -> None:
+        """Detokenise the token into the sequence's text; a stop string ends the sequence."""
         delta = seq.text.push(self._piece_of(tok))
         if seq.text.stopped:
             self._finish(seq, "stop", out, delta)
-        elif seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
-            self._finish(seq, "length", out, delta)
         elif delta and seq.stream:
             out.deltas.append([seq.rid, delta, seq.generated])
 
