@@ -70,7 +70,7 @@ def test_loads(model: Any) -> None:
     _, llm = model
     assert llm.n_vocab() == 512
     assert llm.n_embd() == 64
-    assert llm.metadata["llama.context_length"] == "4096"
+    assert llm.metadata["llama.context_length"] == "32768"
     assert llm.metadata["general.architecture"] == "llama"
     assert llm.token_bos() == 1 and llm.token_eos() == 2
 

@@ -133,3 +133,33 @@ def test_async_client_generate_stream_and_many(daemon) -> None:  # type: ignore[
             assert len(st["workers"]) == 2
 
     asyncio.run(go())
+
+
+def test_breaking_out_of_a_stream_loop_cancels_at_once(daemon) -> None:  # type: ignore[no-untyped-def]
+    with daemon.client() as c:
+        for _chunk in c.stream("Once upon a time", max_tokens=400, ignore_eos=True):
+            break
+        end = time.monotonic() + 3
+        while time.monotonic() < end and c.status()["running"]:
+            time.sleep(0.02)
+        assert c.status()["running"] == 0
+
+
+def test_client_errors_are_raised_before_anything_is_sent(daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from llamapool import Client, UnavailableError
+
+    with daemon.client() as c:
+        with pytest.raises(BadRequestError) as e:
+            c.generate("x", timeout=-1)
+        assert e.value.field == "timeout"
+        with pytest.raises(BadRequestError):
+            c.generate("x", max_tokens=2**70)
+        with pytest.raises(BadRequestError) as e:
+            c.generate("x", max_tokens=None)
+        assert e.value.field == "params.max_tokens"
+        with pytest.raises(ValueError):
+            c.generate_many([])
+    t0 = time.monotonic()
+    with Client(f"ipc://{tmp_path / 'nobody.sock'}") as c, pytest.raises(UnavailableError):
+        c.generate("anyone?")
+    assert time.monotonic() - t0 < 1.0

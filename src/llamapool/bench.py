@@ -144,10 +144,13 @@ async def run_service(endpoint: str, concurrency: int, requests: int, prompt_tok
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[8])
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[8],
+                   help="concurrent streaming clients; several values run one after another")
     p.add_argument("-n", "--requests", type=int, default=0, help="requests per run (default 4 x C)")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length in tokens")
+    p.add_argument("--gen-tokens", type=int, default=128, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--router-only", action="store_true",
+                   help="no model: the daemon with an echo engine vs a bare pyzmq ROUTER-DEALER echo")
     p.add_argument("--ceiling", metavar="MODEL", help="also measure the engine alone on this GGUF")
     p.add_argument("--gpu", action="store_true", help="ceiling on the GPU (all layers offloaded)")
     p.add_argument("--threads", type=int, default=0, help="ceiling CPU threads (0 = llama.cpp default)")
@@ -158,6 +161,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.router_only:
+        from llamapool.bench_router import run as router_only
+
+        row = router_only(requests=args.requests or 400, concurrency=max(args.concurrency),
+                          gen_tokens=args.gen_tokens)
+        print(json.dumps(row, indent=2) if args.json else
+              f"router-only: daemon {row['daemon_tok_s']} tok/s vs bare pyzmq echo {row['bare_tok_s']} tok/s "
+              f"= {row['daemon_over_bare']:.3f}")
+        return 0
     from llamapool.cli import _endpoint
 
     endpoint = _endpoint(args)

@@ -33,6 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params["ignore_eos"] = True
     with Client(_endpoint(args), timeout=args.timeout) as client:
         try:
+            client.status(timeout=5)  # fail fast when no daemon answers
             stream = client.stream(args.prompt, **params)
             for chunk in stream:
                 sys.stdout.write(chunk.text)
@@ -155,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"llamapool: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from llamapool.client.errors import LlamapoolError
+
+        if not isinstance(e, LlamapoolError):
+            raise
+        print(f"llamapool: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -100,7 +100,7 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
-               n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 4096,
+               n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 32768,
                qtype: str = "f32", seed: int = 0) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
 

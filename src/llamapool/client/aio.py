@@ -10,7 +10,15 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from llamapool.client.calls import DEFAULT_TIMEOUT, Pending, decode_reply, generate_frame, new_id
+from llamapool.client.calls import (
+    DEFAULT_TIMEOUT,
+    Pending,
+    check_endpoint,
+    check_timeout,
+    decode_reply,
+    generate_frame,
+    new_id,
+)
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
@@ -47,7 +55,8 @@ class AsyncClient:
         return q
 
     def _budget(self, timeout: float | None) -> tuple[float | None, float | None]:
-        t = self.timeout if timeout is None else timeout
+        t = check_timeout(self.timeout if timeout is None else timeout)
+        check_endpoint(self.endpoint)
         return t, (None if t is None else t + 1.0)
 
     async def _next(self, q: asyncio.Queue[Message], wait: float | None) -> Message:

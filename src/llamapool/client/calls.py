@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from llamapool.client.errors import LlamapoolError, from_reply
+from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
 from llamapool.client.types import Completion, StreamChunk, Usage
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Chunk, Error, Generate, Message, Prompt, Result
+from llamapool.protocol.messages import Chunk, Error, ErrorCode, Generate, Message, Prompt, Result
 
 DEFAULT_TIMEOUT = 300.0
 PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed",
                "stop", "ignore_eos")
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout > 0:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"field 'timeout' must be > 0, got {timeout}",
+                              "timeout")
+    return timeout
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Fail at once, rather than at the timeout, when an ipc:// endpoint has no socket file."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        if not os.path.exists(endpoint[len("ipc://"):]):
+            raise UnavailableError(ErrorCode.UNAVAILABLE,
+                                   f"no llamapool daemon at {endpoint} (the socket file does not exist)")
 
 
 def new_id() -> str:
@@ -28,15 +44,22 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
     for k in params:
         if k not in PARAM_NAMES:
             raise TypeError(f"unknown generation parameter {k!r} (known: {', '.join(PARAM_NAMES)})")
+    if not prompts:
+        raise ValueError("no prompts given")
+    # None means "the default" only where the protocol has no value for it
+    sent = {k: v for k, v in params.items() if v is not None or k not in ("seed", "stop")}
     d: dict[str, Any] = {"v": codec.PROTOCOL_VERSION, "type": Generate.TYPE, "id": rid,
-                         "stream": stream, "params": {k: v for k, v in params.items() if v is not None}}
+                         "stream": stream, "params": sent}
     if batch:
         d["prompts"] = prompts
     else:
         d["prompt"] = prompts[0]
     if timeout is not None:
         d["timeout"] = timeout
-    return msgpack.packb(d, use_bin_type=True)
+    try:
+        return msgpack.packb(d, use_bin_type=True)
+    except (OverflowError, TypeError) as e:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
 
 
 @dataclass

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import zmq
 
-from llamapool.client.calls import DEFAULT_TIMEOUT, Pending, decode_reply, generate_frame, new_id
+from llamapool.client.calls import (
+    DEFAULT_TIMEOUT,
+    Pending,
+    check_endpoint,
+    check_timeout,
+    decode_reply,
+    generate_frame,
+    new_id,
+)
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
@@ -49,37 +58,44 @@ class _Conn:
 class Stream:
     """Iterator of :class:`StreamChunk`; ``completion`` is set once it is exhausted.
 
-    Leaving the iteration early (``break``, ``close()``) cancels the request on the daemon.
+    Leaving the iteration early (``break``, ``close()``, or dropping the stream) cancels the
+    request on the daemon. It holds no reference cycle, so a ``break`` out of
+    ``for chunk in client.stream(...)`` cancels at once.
     """
 
-    def __init__(self, client: Client, rid: str, deadline: float | None):
-        self._client, self._rid, self._deadline = client, rid, deadline
+    def __init__(self, client: Client, conn: _Conn, rid: str, deadline: float | None):
+        self._client, self._conn, self._rid, self._deadline = client, conn, rid, deadline
         self._pending = Pending(1)
+        self._open = True
         self.completion: Completion | None = None
-        self._it: Generator[StreamChunk, None, None] = self._run()
 
-    def __iter__(self) -> Iterator[StreamChunk]:
-        return self._it
+    def __iter__(self) -> Stream:
+        return self
 
     def __next__(self) -> StreamChunk:
-        return next(self._it)
-
-    def _run(self) -> Generator[StreamChunk, None, None]:
-        conn = self._client._conn()
-        finished = False
+        if not self._open:
+            raise StopIteration
         try:
             while not self._pending.done:
-                chunk = self._pending.feed(conn.recv_for(self._rid, self._deadline))
+                chunk = self._pending.feed(self._conn.recv_for(self._rid, self._deadline))
                 if chunk is not None:
-                    yield chunk
-            finished = True
-            self.completion = self._pending.completions()[0]
-        finally:
-            if not finished:
-                self._client._cancel(conn, self._rid)
+                    return chunk
+        except BaseException:
+            self.close()
+            raise
+        self._open = False
+        self.completion = self._pending.completions()[0]  # raises the final error, if any
+        raise StopIteration
 
     def close(self) -> None:
-        self._it.close()
+        """Cancel the request if it has not finished."""
+        if self._open:
+            self._open = False
+            self._client._cancel(self._conn, self._rid)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> Stream:
         return self
@@ -109,13 +125,14 @@ class Client:
         return conn
 
     def _deadline(self, timeout: float | None) -> tuple[float | None, float | None]:
-        t = self.timeout if timeout is None else timeout
+        t = check_timeout(self.timeout if timeout is None else timeout)
         return t, (None if t is None else time.monotonic() + t + 1.0)
 
     def _submit(self, prompts: list[Prompt], batch: bool, stream: bool, timeout: float | None,
                 params: dict[str, Any]) -> tuple[_Conn, str, float | None]:
         rid = new_id()
         t, deadline = self._deadline(timeout)
+        check_endpoint(self.endpoint)
         conn = self._conn()
         conn.sock.send(generate_frame(rid, prompts, batch, stream, t, params))
         return conn, rid, deadline
@@ -131,7 +148,9 @@ class Client:
     def _cancel(self, conn: _Conn, rid: str) -> None:
         conn.dropped.add(rid)
         conn.held.pop(rid, None)
-        conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
+        with contextlib.suppress(zmq.ZMQError):  # the client may be closed already
+            conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}),
+                           zmq.NOBLOCK)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
         """Generate a completion for one prompt (text or token ids)."""
@@ -142,8 +161,8 @@ class Client:
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Stream:
         """Stream a completion as text deltas."""
-        _, rid, deadline = self._submit([prompt], False, True, timeout, params)
-        return Stream(self, rid, deadline)
+        conn, rid, deadline = self._submit([prompt], False, True, timeout, params)
+        return Stream(self, conn, rid, deadline)
 
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                       return_exceptions: bool = False, **params: Any

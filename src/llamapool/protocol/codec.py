@@ -184,7 +184,9 @@ def _generate(d: dict[str, Any]) -> Generate:
     _check_keys(d, frozenset({"v", "type", "id", "prompt", "prompts", "params", "stream", "timeout"}))
     rid = _str(d, "id")
     try:
-        if ("prompt" in d) == ("prompts" in d):
+        if "prompt" in d and "prompts" in d:
+            raise _invalid("prompt", "and 'prompts' are both given; give exactly one")
+        if "prompt" not in d and "prompts" not in d:
             raise _invalid("prompt", "is missing (give exactly one of 'prompt' or 'prompts')")
         batch = "prompts" in d
         if batch:
@@ -268,7 +270,8 @@ def decode(
     try:
         d = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:
-        raise ProtocolError(ErrorCode.MALFORMED, f"frame is not valid msgpack: {e}") from None
+        raise ProtocolError(ErrorCode.MALFORMED,
+                            f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
     if not isinstance(d, dict):
         raise ProtocolError(ErrorCode.MALFORMED, f"message must be a map, got {type(d).__name__}")
     mid = d.get("id") if isinstance(d.get("id"), str) else None

@@ -8,6 +8,8 @@ the router over an inproc PAIR socket (``control``) with small Python tuples.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -200,6 +202,9 @@ class Router:
         if self.draining:
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
             return
+        if self._hopeless():
+            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, self._hopeless()))
+            return
         if len(self.queue) + len(msg.prompts) > self.cfg.max_queue:
             self._reply(client, Error(
                 msg.id, ErrorCode.OVERLOADED,
@@ -355,6 +360,15 @@ class Router:
             remember(w, job.keys)
             self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream))
 
+    def _hopeless(self) -> str:
+        """Why no worker can ever take work (every worker failed for good), or "" if one may."""
+        if self.workers or not self.sup_info:
+            return ""
+        if all(i.get("state") == "failed" for i in self.sup_info.values()):
+            reasons = sorted({str(i.get("reason")) for i in self.sup_info.values()})
+            return f"no worker can serve: every worker failed ({'; '.join(reasons)}); see llamapool status"
+        return ""
+
     # ------------------------------------------------------------ time
 
     def _housekeeping(self, now: float) -> None:
@@ -371,8 +385,12 @@ class Router:
             elif now - w.last_sent >= self.cfg.heartbeat_interval:
                 w.last_sent = now
                 self._send_worker(w, Heartbeat())
+        hopeless = self._hopeless()
         for job in list(self.jobs.values()):
-            if job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
+            if job.worker is None and hopeless:
+                self.queue.remove(job)
+                self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, hopeless))
+            elif job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
                 self.queue.remove(job)
                 self._finish(job, self._error(
                     job, ErrorCode.UNAVAILABLE,
@@ -451,3 +469,7 @@ class Router:
         self.front.close(linger=500)
         self.back.close(linger=500)
         self.control.close(linger=0)
+        for endpoint in (self.cfg.frontend, self.cfg.backend):  # leave no stale socket file behind
+            if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+                with contextlib.suppress(OSError):
+                    os.unlink(endpoint[len("ipc://"):])

@@ -389,7 +389,9 @@ class Supervisor:
                         now - slot.started_at > self.cfg.workers.start_timeout:
                     self._spawn_task(self._kill(slot, slot.proc.pid, "no hello within "
                                                 f"workers.start_timeout={self.cfg.workers.start_timeout:g}s"))
-            if not self._announced_ready:
+            if all(slot.state == "failed" for slot in self.slots):
+                self.notify.status("every worker failed: " + "; ".join(sorted({str(s.reason) for s in self.slots})))
+            elif not self._announced_ready:
                 self.notify.extend_timeout(10)
             if wd is not None and now - self.router.loop_progress < max(1.0, wd):
                 self.notify.watchdog()
