@@ -18,6 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+SHAPES = {
+    "small": {"n_embd": 512, "n_layer": 4, "n_head": 8, "n_head_kv": 4, "n_ff": 1536, "n_vocab": 4096},
+    "medium": {"n_embd": 1024, "n_layer": 8, "n_head": 16, "n_head_kv": 4, "n_ff": 2816, "n_vocab": 8192},
+}
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -25,15 +30,16 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--model", help="GGUF to use (default: a random 512-wide 4-layer q8_0 model)")
+    ap.add_argument("--model", help="GGUF to use (default: a random model of --shape)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="medium",
+                    help="random model: small (512 wide, 4 layers) or medium (1024 wide, 8 layers)")
     args = ap.parse_args()
 
     from llamapool.bench import prompts_for, run_service
     from llamapool.modelgen import make_model
 
     tmp = Path(tempfile.mkdtemp(prefix="lp-bench-"))
-    model = args.model or str(make_model(tmp / "bench.gguf", n_embd=512, n_layer=4, n_head=8,
-                                         n_head_kv=4, n_ff=1536, n_vocab=4096, qtype="q8_0"))
+    model = args.model or str(make_model(tmp / "bench.gguf", qtype="q8_0", **SHAPES[args.shape]))
     ctx_per_slot = args.prompt_tokens + args.gen_tokens + 16
     cfg = tmp / "bench.toml"
     cfg.write_text(
@@ -75,7 +81,7 @@ def main() -> int:
     base_wall = time.perf_counter() - t0
     base_tok_s = generated / base_wall
     report = {
-        "machine": f"{cores} CPU cores", "model": Path(model).name, "requests": args.requests,
+        "machine": f"{cores} CPU cores", "model": args.model or f"random q8_0, {args.shape}: {SHAPES[args.shape]}", "requests": args.requests,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "service": {"workers": "2 CPU x 4 slots", "clients": args.concurrency, "tok_s": round(svc.tok_s, 1),
                     "tokens": svc.tokens, "wall_s": round(svc.wall_s, 2),
