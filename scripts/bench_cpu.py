@@ -81,7 +81,8 @@ def main() -> int:
     base_wall = time.perf_counter() - t0
     base_tok_s = generated / base_wall
     report = {
-        "machine": f"{cores} CPU cores", "model": args.model or f"random q8_0, {args.shape}: {SHAPES[args.shape]}", "requests": args.requests,
+        "machine": f"{cores} CPU cores",
+        "model": args.model or f"random q8_0, {args.shape}: {SHAPES[args.shape]}", "requests": args.requests,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "service": {"workers": "2 CPU x 4 slots", "clients": args.concurrency, "tok_s": round(svc.tok_s, 1),
                     "tokens": svc.tokens, "wall_s": round(svc.wall_s, 2),
