@@ -104,6 +104,19 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
+def launch(folder: Path, model_file: str, env: dict[str, str] | None = None,
+           **sections: dict[str, Any]) -> Daemon:
+    """``llamapool serve`` as a subprocess, with its config, runtime dir and log in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = write_config(folder / "llamapool.toml", model_file, folder / "run", **sections)
+    log = folder / "daemon.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
+                                stdout=fh, stderr=subprocess.STDOUT, env=full_env)
+    return Daemon(proc, cfg, f"ipc://{folder / 'run' / 'frontend.sock'}", log)
+
+
 @pytest.fixture
 def start_daemon(tmp_path: Path, model_path: str) -> Iterator[Callable[..., Daemon]]:
     """Start ``llamapool serve`` as a subprocess; stops it (and checks no worker is left) after."""
@@ -111,14 +124,7 @@ def start_daemon(tmp_path: Path, model_path: str) -> Iterator[Callable[..., Daem
 
     def start(wait_workers: int | None = 2, env: dict[str, str] | None = None,
               **sections: dict[str, Any]) -> Daemon:
-        runtime = tmp_path / f"run{len(started)}"
-        cfg = write_config(tmp_path / f"llamapool{len(started)}.toml", model_path, runtime, **sections)
-        log = tmp_path / f"daemon{len(started)}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
-                                    stdout=fh, stderr=subprocess.STDOUT, env=full_env)
-        d = Daemon(proc, cfg, f"ipc://{runtime / 'frontend.sock'}", log)
+        d = launch(tmp_path / f"d{len(started)}", model_path, env, **sections)
         started.append(d)
         if wait_workers:
             d.wait_ready(wait_workers)

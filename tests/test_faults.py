@@ -270,19 +270,10 @@ frames = st.one_of(
 
 @pytest.fixture(scope="module")
 def fuzz_target(tmp_path_factory, model_path):  # type: ignore[no-untyped-def]
-    import subprocess
-    import sys
+    from tests.conftest import launch
 
-    from tests.conftest import Daemon, write_config
-
-    tmp = tmp_path_factory.mktemp("fuzz")
-    cfg = write_config(tmp / "c.toml", model_path, tmp / "run",
-                       model={"ctx_per_slot": 64, "n_batch": 64, "n_ubatch": 64})
-    log = tmp / "daemon.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
-                                stdout=fh, stderr=subprocess.STDOUT)
-    d = Daemon(proc, cfg, f"ipc://{tmp / 'run' / 'frontend.sock'}", log)
+    d = launch(tmp_path_factory.mktemp("fuzz"), model_path,
+               model={"ctx_per_slot": 64, "n_batch": 64, "n_ubatch": 64})
     d.wait_ready(2)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

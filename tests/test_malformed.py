@@ -64,22 +64,12 @@ CASES: list[tuple[str, list[bytes], str, str | None]] = [
 
 @pytest.fixture(scope="module")
 def shared_daemon(tmp_path_factory, model_path):  # type: ignore[no-untyped-def]
-    import signal
-    import subprocess
-    import sys
+    from tests.conftest import launch
 
-    from tests.conftest import Daemon, write_config
-
-    tmp = tmp_path_factory.mktemp("malformed")
-    cfg = write_config(tmp / "c.toml", model_path, tmp / "run")
-    log = tmp / "daemon.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
-                                stdout=fh, stderr=subprocess.STDOUT)
-    d = Daemon(proc, cfg, f"ipc://{tmp / 'run' / 'frontend.sock'}", log)
+    d = launch(tmp_path_factory.mktemp("malformed"), model_path)
     d.wait_ready(2)
     yield d
-    assert d.stop(signal.SIGTERM) == 0
+    assert d.stop() == 0
 
 
 @pytest.mark.parametrize("name, frames, code, field", CASES, ids=[c[0] for c in CASES])

@@ -225,13 +225,7 @@ class Router:
 
     def _finish(self, job: Job, msg: Message) -> None:
         """Send the one final reply of ``job`` and forget it."""
-        self.jobs.pop(job.rid, None)
-        key = (job.client, job.id)
-        rest = [j for j in self.by_request.get(key, ()) if j is not job]
-        if rest:
-            self.by_request[key] = rest
-        else:
-            self.by_request.pop(key, None)
+        self._forget(job)
         self._reply(job.client, msg)
 
     def _error(self, job: Job, code: str, message: str) -> Error:
@@ -257,6 +251,7 @@ class Router:
                 self._send_worker(w, Abort(job.rid))
 
     def _forget(self, job: Job) -> None:
+        """Drop ``job`` without a reply (its client is gone, or the reply was sent)."""
         self.jobs.pop(job.rid, None)
         key = (job.client, job.id)
         rest = [j for j in self.by_request.get(key, ()) if j is not job]

@@ -6,10 +6,7 @@ import os
 from collections.abc import Mapping
 
 from llamapool.supervisor.gpus import Gpu
-
-SYSTEMD_VARS = (
-    "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
-)
+from llamapool.supervisor.sdnotify import scrub_env
 
 
 def worker_env(
@@ -19,7 +16,7 @@ def worker_env(
 
     The device variables are applied last so no config can point two workers at one GPU.
     """
-    env = {k: v for k, v in base.items() if k not in SYSTEMD_VARS}
+    env = scrub_env(base)  # only the main process talks to systemd
     env.update(extra)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = gpu.uuid if gpu is not None else ""
