@@ -169,3 +169,22 @@ def test_scrub_env() -> None:
     assert out == {"PATH": "/usr/bin", "HOME": "/var/lib/llamapool"}
     assert out is not env and "NOTIFY_SOCKET" in env  # a copy; the input is untouched
     assert not Notifier.from_env(out).enabled
+
+
+def test_systemd_unit_passes_systemd_analyze_verify() -> None:
+    """configs/systemd/llamapool.service is accepted by ``systemd-analyze verify``."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "verify-systemd-unit.sh"
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout
+    unit = (script.parent.parent / "configs" / "systemd" / "llamapool.service").read_text()
+    for line in ("Type=notify", "KillMode=mixed", "Restart=on-failure", "RuntimeDirectory=llamapool",
+                 "ExecReload=/bin/kill -HUP $MAINPID"):
+        assert line in unit
+    assert "PrivateDevices=yes" not in unit and "MemoryDenyWriteExecute=yes" not in unit
