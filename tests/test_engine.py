@@ -219,3 +219,18 @@ def test_pipelined_steps_honour_stop_strings_and_aborts(model_path: str, engine:
         assert len(eng.free_ids) == 4 and not eng.active
     finally:
         eng.close()
+
+
+def test_a_burst_of_arrivals_gets_the_whole_batch_for_its_prompts(model_path: str) -> None:
+    """More sequences waiting for their first token than decoding: prefill is not capped."""
+    eng = Engine(EngineConfig(model_path, slots=8, ctx_per_slot=512, n_batch=512, n_ubatch=512,
+                              prefill_chunk=16, threads=2, prefix_cache=False))
+    try:
+        eng.submit(Run(0, "first", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), False), Step())
+        eng.step()  # "first" is decoding now
+        for i in range(1, 5):
+            eng.submit(Run(i, [5 + i] * 100, SamplingParams(max_tokens=2, ignore_eos=True), False), Step())
+        eng.step()
+        assert eng.batch.n > 1 + 16, "four prompts against one decoder: not capped at prefill_chunk"
+    finally:
+        eng.close()

@@ -414,8 +414,12 @@ class Engine:
                 seq.n_past += 1
         b.n = k
         # Chunked prefill: while sequences are decoding, prompts get at most prefill_chunk tokens
-        # a step, so a long prompt cannot stall everyone's next token; otherwise the whole batch.
-        budget = min(self.cfg.n_batch - k, self.cfg.prefill_chunk) if k else self.cfg.n_batch
+        # a step, so a long prompt cannot stall everyone's next token. When more sequences wait
+        # for their first token than are decoding (a burst of arrivals), the waiting majority's
+        # time to first token wins over the few decoders' next token: the whole batch is theirs.
+        budget = self.cfg.n_batch - k
+        if k and len(self.active) - k <= k:
+            budget = min(budget, self.cfg.prefill_chunk)
         order = decoding
         for seq in self.active.values():
             if not seq.prefilling:
