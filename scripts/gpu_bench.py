@@ -158,7 +158,7 @@ def main() -> int:
         stop(proc, logf)
     if not args.skip_scenarios:
         # ---- chunked prefill: an 8000-token prompt while 63 others stream
-        for chunk in (512, 256):
+        for chunk in (256, 512):
             proc, ep, logf = daemon(f"long{chunk}", f"prefill_chunk = {chunk}\n", slots=64, ctx_slot=8448)
             record({**scenario("long-prompt", ep), "prefill_chunk": chunk})
             stop(proc, logf)

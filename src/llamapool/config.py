@@ -47,7 +47,7 @@ class ModelConfig:
     ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
     n_batch: int = 2048  # llama.cpp logical batch: tokens per llama_decode
     n_ubatch: int = 512  # llama.cpp physical micro-batch
-    prefill_chunk: int = 512  # max prompt tokens one sequence adds to a step (chunked prefill)
+    prefill_chunk: int = 256  # prompt tokens per step while others decode (chunked prefill)
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes

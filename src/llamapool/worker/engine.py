@@ -39,7 +39,7 @@ class EngineConfig:
     ctx_per_slot: int = 2048
     n_batch: int = 2048
     n_ubatch: int = 512
-    prefill_chunk: int = 512  # prompt tokens per step while other sequences are decoding
+    prefill_chunk: int = 256  # prompt tokens per step while other sequences are decoding
     prefix_cache: bool = True  # reuse KV of a shared prompt prefix instead of recomputing it
     gpu: bool = False
     threads: int = 0
