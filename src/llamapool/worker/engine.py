@@ -244,7 +244,10 @@ class Engine:
         return list(buf[:n])
 
     def submit(self, run: Run, out: Step) -> None:
-        """Queue a run; it takes a slot at the next step. Bad prompts fail at once into ``out``."""
+        """Queue a run; it takes a slot at the next step (a bad prompt fails into that step's report).
+
+        ``out`` is the report being built; the interface is shared with the echo engine.
+        """
         self.waiting.append(run)
 
     def abort(self, rid: int, out: Step) -> None:

@@ -24,7 +24,6 @@ import zmq
 from llamapool.protocol import codec
 from llamapool.protocol.messages import (
     Abort,
-    ErrorCode,
     Heartbeat,
     Hello,
     Message,
@@ -236,4 +235,4 @@ def main(argv: list[str] | None = None) -> int:
     return serve(WorkerSpec.from_json(args[0]))
 
 
-__all__ = ["EXIT_PERMANENT", "ErrorCode", "WorkerSpec", "main", "serve"]
+__all__ = ["EXIT_PERMANENT", "WorkerSpec", "main", "serve"]
