@@ -23,6 +23,13 @@ def default_runtime_dir() -> Path:
     return Path(f"/tmp/llamapool-{os.getuid()}")
 
 
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an ``ipc://`` endpoint (None for other transports and abstract sockets)."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        return endpoint[len("ipc://"):]
+    return None
+
+
 def default_frontend() -> str:
     return f"ipc://{default_runtime_dir() / 'frontend.sock'}"
 

@@ -11,6 +11,7 @@ import msgpack
 
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
 from llamapool.client.types import Completion, StreamChunk, Usage
+from llamapool.config import ipc_path
 from llamapool.protocol import codec
 from llamapool.protocol.messages import Chunk, Error, ErrorCode, Generate, Message, Prompt, Result
 
@@ -28,10 +29,10 @@ def check_timeout(timeout: float | None) -> float | None:
 
 def check_endpoint(endpoint: str) -> None:
     """Fail at once, rather than at the timeout, when an ipc:// endpoint has no socket file."""
-    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-        if not os.path.exists(endpoint[len("ipc://"):]):
-            raise UnavailableError(ErrorCode.UNAVAILABLE,
-                                   f"no llamapool daemon at {endpoint} (the socket file does not exist)")
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        raise UnavailableError(ErrorCode.UNAVAILABLE,
+                               f"no llamapool daemon at {endpoint} (the socket file does not exist)")
 
 
 def new_id() -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from llamapool.config import ipc_path
 from llamapool.protocol import codec
 from llamapool.protocol.messages import (
     Abort,
@@ -53,7 +54,7 @@ class RouterConfig:
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3
     step_timeout: float = 60.0
-    affinity_slack: int = 2  # a worker holding the prompt's prefix may have this many fewer free slots
+    affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
 
 
 @dataclass(eq=False)
@@ -202,8 +203,9 @@ class Router:
         if self.draining:
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
             return
-        if self._hopeless():
-            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, self._hopeless()))
+        hopeless = self._hopeless()
+        if hopeless:
+            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, hopeless))
             return
         if len(self.queue) + len(msg.prompts) > self.cfg.max_queue:
             self._reply(client, Error(
@@ -465,6 +467,7 @@ class Router:
         self.back.close(linger=500)
         self.control.close(linger=0)
         for endpoint in (self.cfg.frontend, self.cfg.backend):  # leave no stale socket file behind
-            if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+            path = ipc_path(endpoint)
+            if path is not None:
                 with contextlib.suppress(OSError):
-                    os.unlink(endpoint[len("ipc://"):])
+                    os.unlink(path)

@@ -54,7 +54,7 @@ class Sequence:
 
     rid: int
     seq_id: int
-    tokens: list[int]  # the prompt
+    tokens: np.ndarray  # the prompt, int32
     params: SamplingParams
     stream: bool
     sampler: Any
@@ -93,7 +93,7 @@ class _Batch:
         self.raw = raw
         self.n = 0
 
-    def add(self, tokens: list[int], start_pos: int, seq_id: int, want_last: bool) -> int:
+    def add(self, tokens: list[int] | np.ndarray, start_pos: int, seq_id: int, want_last: bool) -> int:
         """Append ``tokens`` of one sequence; return the batch index of the last one."""
         k, n = len(tokens), self.n
         self.token[n : n + k] = tokens
@@ -280,7 +280,8 @@ class Engine:
             except ValueError as e:
                 out.failed.append([run.rid, ErrorCode.INVALID_REQUEST, str(e), "prompt"])
                 continue
-            seq_id, reused = self._take_slot(tokens)
+            prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
+            seq_id, reused = self._take_slot(prompt)
             p = run.params
             sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
             if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
@@ -288,13 +289,13 @@ class Engine:
                 if self.gpu_sampling:
                     self._attach(seq_id, sampler)
             self.active[seq_id] = Sequence(
-                rid=run.rid, seq_id=seq_id, tokens=tokens, params=p, stream=run.stream,
+                rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
                 sampler=sampler, text=TextStream(p.stop), n_past=reused,
             )
             self.reused_tokens += reused
 
-    def _take_slot(self, tokens: list[int]) -> tuple[int, int]:
-        """A free sequence id for ``tokens`` and how many of its leading tokens are already in KV.
+    def _take_slot(self, want: np.ndarray) -> tuple[int, int]:
+        """A free sequence id for the prompt ``want`` and how many of its leading tokens are already in KV.
 
         The KV of every active sequence's computed prompt, and of recently finished sequences
         kept in free slots, is searched for the longest common prefix; a prefix held by another
@@ -303,10 +304,8 @@ class Engine:
         """
         src, best = -1, 0
         if self.cfg.prefix_cache:
-            want = np.asarray(tokens, dtype=np.int32)
-            held = [(sid, arr) for sid, arr in self.cached.items()]
-            held += [(s.seq_id, np.asarray(s.tokens[: s.n_past], dtype=np.int32))
-                     for s in self.active.values() if s.n_past]
+            held = list(self.cached.items())
+            held += [(s.seq_id, s.tokens[: s.n_past]) for s in self.active.values() if s.n_past]
             for sid, have in held:
                 n = min(len(have), len(want) - 1)
                 if n <= best:
@@ -519,7 +518,7 @@ class Engine:
                 self._attach(seq.seq_id, self._greedy[seq.seq_id])
             L.llama_sampler_free(seq.sampler)
         if self.cfg.prefix_cache and seq.n_past:  # keep its prompt's KV for a later request
-            self.cached[seq.seq_id] = np.asarray(seq.tokens[: seq.n_past], dtype=np.int32)
+            self.cached[seq.seq_id] = seq.tokens[: seq.n_past]
         else:
             L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
         del self.active[seq.seq_id]
