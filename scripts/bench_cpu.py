@@ -44,7 +44,7 @@ def main() -> int:
     cfg = tmp / "bench.toml"
     cfg.write_text(
         f'[server]\nruntime_dir = "{tmp / "run"}"\n'
-        f'[model]\npath = "{model}"\nctx_per_slot = {ctx_per_slot}\nn_batch = 512\nn_ubatch = 512\n'
+        f'[model]\npath = "{model}"\nctx_per_slot = {ctx_per_slot}\nmax_batch_tokens = 512\nn_ubatch = 512\n'
         '[workers]\ndevices = "cpu"\ncpu_workers = 2\nslots = 4\n'
     )
     cores = len(os.sched_getaffinity(0))

@@ -62,7 +62,7 @@ def wait_ready(endpoint: str, n: int, proc: subprocess.Popen[bytes], logf: Path,
 
 def config(tmp: Path, tag: str, model: str, devices: str, slots: int, ctx: int) -> str:
     return (f'[server]\nruntime_dir = "{tmp / ("run-" + tag)}"\nqueue_timeout = 600.0\n'
-            f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\nn_batch = 2048\nn_ubatch = 512\n'
+            f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\nmax_batch_tokens = 2048\nn_ubatch = 512\n'
             f'[workers]\ndevices = {devices}\nslots = {slots}\n')
 
 

@@ -74,7 +74,7 @@ class Daemon:
 def write_config(path: Path, model_file: str, runtime: Path, **sections: dict[str, Any]) -> Path:
     base: dict[str, dict[str, Any]] = {
         "server": {"runtime_dir": str(runtime), "queue_timeout": 30.0, "drain_timeout": 20.0},
-        "model": {"path": model_file, "ctx_per_slot": 512, "n_batch": 512, "n_ubatch": 512},
+        "model": {"path": model_file, "ctx_per_slot": 512, "max_batch_tokens": 512, "n_ubatch": 512},
         "workers": {"devices": "cpu", "cpu_workers": 2, "slots": 4, "threads": 1},
     }
     for name, values in sections.items():

@@ -15,7 +15,7 @@ def test_default_config_loads_unedited() -> None:
     cfg = load_config(ROOT / "configs" / "default.toml")
     assert cfg.model.path == str(ROOT / "models" / "demo.gguf")
     assert cfg.workers.devices == "auto" and cfg.workers.slots == 8 and cfg.workers.cpu_workers == 2
-    assert cfg.model.n_batch == 2048 and cfg.model.n_ubatch == 512
+    assert cfg.model.max_batch_tokens == 2048 and cfg.model.n_ubatch == 512
     assert cfg.frontend.startswith("ipc://") and cfg.frontend.endswith("frontend.sock")
 
 
@@ -38,7 +38,9 @@ def test_issue_example_keys_work() -> None:
     ({"model": {"path": "m"}, "workers": {"devices": "gpu"}}, "workers.devices"),
     ({"model": {"path": "m"}, "workers": {"devices": [-1]}}, "workers.devices"),
     ({"model": {"path": "m"}, "workers": {"env": {"A": [1]}}}, "workers.env"),
-    ({"model": {"path": "m", "n_batch": 256, "n_ubatch": 512}}, "model.n_ubatch"),
+    ({"model": {"path": "m", "max_batch_tokens": 8}, "workers": {"slots": 8}}, "model.max_batch_tokens"),
+    ({"model": {"path": "m", "n_batch": 256}}, "model.n_batch: renamed to model.max_batch_tokens"),
+    ({"model": {"path": "m", "prefill_chunk": 256}}, "model.prefill_chunk: replaced by model.max_batch_tokens"),
     ({"model": {"path": "m"}, "server": {"queue_timeout": -1}}, "server.queue_timeout"),
     ({"model": {"path": "m"}, "server": {"frontend": 5}}, "server.frontend"),
     ({"model": {"path": "m"}, "model2": 1}, "model2"),

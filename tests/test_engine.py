@@ -15,8 +15,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(model_path: str) -> Iterator[Engine]:
-    eng = Engine(EngineConfig(model_path, slots=8, ctx_per_slot=256, n_batch=256, n_ubatch=256,
-                              prefill_chunk=16, threads=2))
+    eng = Engine(EngineConfig(model_path, slots=8, ctx_per_slot=256, max_batch_tokens=24, n_ubatch=256,
+                              threads=2))
     yield eng
     eng.close()
 
@@ -124,7 +124,7 @@ def test_held_back_prefix_is_released_when_it_is_not_a_stop() -> None:
 
 def test_backend_sampling_path_gives_the_same_greedy_text(model_path: str, engine: Engine) -> None:
     """The GPU-sampling code path (llama.cpp backend sampler chains), exercised on the CPU backend."""
-    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, n_batch=256, n_ubatch=256,
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
                               threads=2, backend_sampling=True))
     try:
         runs = [Run(i, p, GREEDY, False) for i, p in enumerate(PROMPTS[:4])]
@@ -144,7 +144,7 @@ SYSTEM = " ".join(["the model server worker router pool token"] * 12)  # a share
 
 def test_a_shared_prompt_prefix_is_reused_not_recomputed(model_path: str) -> None:
     def fresh(prefix_cache: bool) -> Engine:
-        return Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, n_batch=512, n_ubatch=512,
+        return Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, max_batch_tokens=512, n_ubatch=512,
                                    threads=2, prefix_cache=prefix_cache))
 
     cached, plain = fresh(True), fresh(False)
@@ -169,14 +169,14 @@ def test_a_shared_prompt_prefix_is_reused_not_recomputed(model_path: str) -> Non
         plain.close()
 
 
-def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model_path: str) -> None:
-    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=2048, n_batch=2048, n_ubatch=512,
-                              prefill_chunk=64, threads=2, prefix_cache=False))
+def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(model_path: str) -> None:
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=2048, max_batch_tokens=64, n_ubatch=512,
+                              threads=2, prefix_cache=False))
     try:
         for i in range(3):
             eng.submit(Run(i, f"short {i}", SamplingParams(max_tokens=100, temperature=0.0,
                                                            ignore_eos=True), True), Step())
-        eng.step()  # nobody decodes yet: the short prompts go in whole
+        eng.step()
         eng.submit(Run(9, [5] * 1500, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                        False), Step())
         sizes = []
@@ -186,7 +186,76 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model_path: str)
             sizes.append(eng.batch.n)
             after = {s.rid: s.generated for s in eng.active.values() if s.rid < 9}
             assert all(after[r] == before[r] + 1 for r in before), "every decoder got its token"
-        assert max(sizes) <= 3 + 64 and len(sizes) >= 1500 // 64
+        assert max(sizes) == 64, "decode tokens and the prompt chunk fill the budget, never more"
+        assert len(sizes) == -(-1500 // (64 - 3))
+    finally:
+        eng.close()
+
+
+def test_prompt_chunks_go_to_the_oldest_request_first(model_path: str) -> None:
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, max_batch_tokens=100, n_ubatch=512,
+                              threads=2, prefix_cache=False))
+    try:
+        once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        eng.submit(Run(1, [7] * 250, once, False), Step())
+        eng.submit(Run(2, [8] * 250, once, False), Step())
+        eng.step()  # the oldest takes the whole budget; the younger waits (no slot without tokens)
+        first = next(s for s in eng.active.values() if s.rid == 1)
+        assert first.n_past == 100 and [r.rid for r in eng.waiting] == [2]
+        eng.step()
+        assert first.n_past == 200 and [r.rid for r in eng.waiting] == [2]
+        eng.step()  # the oldest completes; the budget it leaves admits the younger
+        second = next(s for s in eng.active.values() if s.rid == 2)
+        assert (first.n_past, second.n_past) == (250, 50) and not eng.waiting
+    finally:
+        eng.close()
+
+
+def test_waiting_prompts_take_every_slot_that_frees(model_path: str) -> None:
+    """Under steady load no slot stays idle while a prompt waits and the budget has room."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
+                              threads=2, prefix_cache=False))
+    try:
+        for i in range(24):
+            eng.submit(Run(i, [10 + i] * 20, SamplingParams(max_tokens=2 + i % 5, temperature=0.0,
+                                                             ignore_eos=True), False), Step())
+        finished = 0
+        while eng.busy:
+            done = eng.step().done
+            finished += len(done)
+            if eng.waiting:  # only the slots freed by this very step's tokens are free now
+                assert len(eng.free_ids) <= len(done), "a slot stayed free while prompts were waiting"
+        assert finished == 24
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("backend_sampling", [False, True])
+def test_batch_sequence_ids_are_contiguous_so_decode_tokens_form_one_micro_batch(
+        model_path: str, backend_sampling: bool) -> None:
+    """llama.cpp splits a per-sequence-KV batch at gaps in sequence ids: free slots between busy ones
+    get one padding token, and a slot's cached prefix survives the padding."""
+    eng = Engine(EngineConfig(model_path, slots=6, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
+                              threads=2, backend_sampling=backend_sampling))
+    try:
+        lengths = [3, 30, 3, 30, 3, 30]
+        for i, n in enumerate(lengths):
+            eng.submit(Run(i, f"prompt {i} " * 4, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                 ignore_eos=True), False), Step())
+        texts: dict[int, str] = {}
+        padded_steps = 0
+        while eng.busy:
+            for d in eng.step().done:
+                texts[d[0]] = d[2]
+            ids = sorted(set(eng.batch.seq[: eng.batch.n].tolist()))
+            assert ids == list(range(ids[0], ids[-1] + 1)) if ids else True
+            padded_steps += any(i not in eng.active for i in ids)
+        assert padded_steps > 0, "the short sequences' slots were padded while the long ones ran"
+        for i, n in enumerate(lengths):  # same text as alone, and the padded slots' prefixes are reused
+            alone = run_all(eng, [Run(100 + i, f"prompt {i} " * 4, SamplingParams(
+                max_tokens=n, temperature=0.0, ignore_eos=True), False)])
+            assert alone[100 + i] == texts[i]
+        assert eng.reused_tokens > 0
     finally:
         eng.close()
 
@@ -194,7 +263,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model_path: str)
 def test_pipelined_steps_honour_stop_strings_and_aborts(model_path: str, engine: Engine) -> None:
     """With GPU-style pipelining a stop string found after the next batch was launched must still
     end the text before it, and the extra token computed must never be sent."""
-    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, n_batch=256, n_ubatch=256,
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
                               threads=2, backend_sampling=True))
     try:
         free = run_all(engine, [Run(1, "Hello world", GREEDY, True)])[1]
@@ -217,20 +286,5 @@ def test_pipelined_steps_honour_stop_strings_and_aborts(model_path: str, engine:
         assert done[2][1] == "stop" and done[2][2] == free[: free.find(stop)] == streamed[2]
         assert done[3][1] == "cancelled"
         assert len(eng.free_ids) == 4 and not eng.active
-    finally:
-        eng.close()
-
-
-def test_a_burst_of_arrivals_gets_the_whole_batch_for_its_prompts(model_path: str) -> None:
-    """More sequences waiting for their first token than decoding: prefill is not capped."""
-    eng = Engine(EngineConfig(model_path, slots=8, ctx_per_slot=512, n_batch=512, n_ubatch=512,
-                              prefill_chunk=16, threads=2, prefix_cache=False))
-    try:
-        eng.submit(Run(0, "first", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), False), Step())
-        eng.step()  # "first" is decoding now
-        for i in range(1, 5):
-            eng.submit(Run(i, [5 + i] * 100, SamplingParams(max_tokens=2, ignore_eos=True), False), Step())
-        eng.step()
-        assert eng.batch.n > 1 + 16, "four prompts against one decoder: not capped at prefill_chunk"
     finally:
         eng.close()

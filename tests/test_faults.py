@@ -273,7 +273,7 @@ def fuzz_target(tmp_path_factory, model_path):  # type: ignore[no-untyped-def]
     from tests.conftest import launch
 
     d = launch(tmp_path_factory.mktemp("fuzz"), model_path,
-               model={"ctx_per_slot": 64, "n_batch": 64, "n_ubatch": 64})
+               model={"ctx_per_slot": 64, "max_batch_tokens": 64, "n_ubatch": 64})
     d.wait_ready(2)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

@@ -52,9 +52,8 @@ class ServerConfig:
 class ModelConfig:
     path: str = ""
     ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
-    n_batch: int = 2048  # llama.cpp logical batch: tokens per llama_decode
+    max_batch_tokens: int = 2048  # per-step token budget: one per decoding sequence, the rest prompt chunks
     n_ubatch: int = 512  # llama.cpp physical micro-batch
-    prefill_chunk: int = 256  # prompt tokens per step while others decode (chunked prefill)
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
@@ -100,11 +99,18 @@ class Config:
 
 _POSITIVE = {
     "server.max_queue", "server.queue_timeout", "server.drain_timeout", "server.max_message_bytes",
-    "model.ctx_per_slot", "model.n_batch", "model.n_ubatch", "model.prefill_chunk",
+    "model.ctx_per_slot", "model.max_batch_tokens", "model.n_ubatch",
     "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
     "workers.flap_limit",
+}
+
+
+_REPLACED = {
+    "model.n_batch": "renamed to model.max_batch_tokens (the per-step token budget)",
+    "model.prefill_chunk": "replaced by model.max_batch_tokens: one token budget per step, shared by "
+                           "decoding sequences and prompt chunks (see docs/benchmarks.md); remove it",
 }
 
 
@@ -156,6 +162,8 @@ def _section(name: str, cls: type, raw: Any) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     kw = {}
     for key, value in raw.items():
+        if f"{name}.{key}" in _REPLACED:
+            raise ConfigError(f"{name}.{key}: {_REPLACED[f'{name}.{key}']}")
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
         f = known[key]
@@ -179,8 +187,12 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
         raise ConfigError("model.path: is required")
     if base_dir is not None and not Path(model.path).is_absolute():
         parts["model"] = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))
-    if model.n_ubatch > model.n_batch:
-        raise ConfigError("model.n_ubatch: must be <= model.n_batch")
+    workers: WorkersConfig = parts["workers"]
+    if model.max_batch_tokens <= workers.slots:
+        raise ConfigError(
+            f"model.max_batch_tokens: must be > workers.slots ({workers.slots}): every step gives each "
+            f"busy slot a token and prompts need the rest, got {model.max_batch_tokens}"
+        )
     return Config(source=source, **parts)
 
 

@@ -156,8 +156,8 @@ class Supervisor:
             len(self.slots), w.threads))
         return WorkerSpec(
             name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
-            slots=w.slots, ctx_per_slot=m.ctx_per_slot, n_batch=m.n_batch, n_ubatch=m.n_ubatch,
-            prefill_chunk=m.prefill_chunk, threads=threads, flash_attn=m.flash_attn,
+            slots=w.slots, ctx_per_slot=m.ctx_per_slot, max_batch_tokens=m.max_batch_tokens,
+            n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
         )

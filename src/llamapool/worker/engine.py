@@ -12,7 +12,7 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as L
@@ -37,15 +37,15 @@ class EngineConfig:
     model_path: str
     slots: int = 8
     ctx_per_slot: int = 2048
-    n_batch: int = 2048
+    max_batch_tokens: int = 2048  # the per-step token budget: decode tokens + prompt chunks
     n_ubatch: int = 512
-    prefill_chunk: int = 256  # prompt tokens per step while other sequences are decoding
     prefix_cache: bool = True  # reuse KV of a shared prompt prefix instead of recomputing it
     gpu: bool = False
     threads: int = 0
     flash_attn: bool = True
     gpu_sampling: bool = True  # on a GPU: sample on the device (llama.cpp backend sampling)
     backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
+    kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see below)
 
 
 @dataclass(eq=False)
@@ -63,7 +63,7 @@ class Sequence:
     generated: int = 0
     last: int = -1  # last sampled token, fed at the next step
     out_idx: int = -1  # batch index of this sequence's logits in the current step
-    delta: list[str] = field(default_factory=list)
+    order: int = 0  # admission order: prompt chunks go to the oldest first
 
     @property
     def prefilling(self) -> bool:
@@ -71,7 +71,7 @@ class Sequence:
 
 
 class _Batch:
-    """A ``llama_batch`` whose arrays are numpy-owned, so filling it is vectorised."""
+    """A ``llama_batch`` whose arrays are numpy-owned, so filling it is vectorised (``n``: tokens in it)."""
 
     def __init__(self, capacity: int):
         self.token = np.zeros(capacity, dtype=np.int32)
@@ -92,18 +92,6 @@ class _Batch:
         raw.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.raw = raw
         self.n = 0
-
-    def add(self, tokens: list[int] | np.ndarray, start_pos: int, seq_id: int, want_last: bool) -> int:
-        """Append ``tokens`` of one sequence; return the batch index of the last one."""
-        k, n = len(tokens), self.n
-        self.token[n : n + k] = tokens
-        self.pos[n : n + k] = np.arange(start_pos, start_pos + k, dtype=np.int32)
-        self.seq[n : n + k] = seq_id
-        self.logits[n : n + k] = 0
-        if want_last:
-            self.logits[n + k - 1] = 1
-        self.n = n + k
-        return n + k - 1
 
 
 def visible_gpus() -> list[str]:
@@ -161,10 +149,14 @@ class Engine:
             raise EngineError(f"llama.cpp could not load model {cfg.model_path} (corrupt or unsupported)")
         cp = L.llama_context_default_params()
         cp.n_ctx = cfg.slots * cfg.ctx_per_slot
-        cp.n_batch = cfg.n_batch
-        cp.n_ubatch = cfg.n_ubatch
+        # A step holds at most the budget plus one padding token per free slot (see _build).
+        cp.n_batch = cfg.max_batch_tokens + cfg.slots
+        cp.n_ubatch = min(cfg.n_ubatch, cp.n_batch)
         cp.n_seq_max = cfg.slots
-        cp.kv_unified = True
+        # One KV stream per sequence: attention for a token reads only its own sequence's cells.
+        # A unified cache makes every token attend over (masked) cells of all sequences, so a
+        # step costs B x total context: 2.8x slower at 64 sequences of 1,024 tokens on an H200.
+        cp.kv_unified = cfg.kv_unified
         cp.no_perf = True
         cp.flash_attn_type = (
             L.LLAMA_FLASH_ATTN_TYPE_AUTO if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -192,7 +184,7 @@ class Engine:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.mem = L.llama_get_memory(self.ctx)
-        self.batch = _Batch(cfg.n_batch)
+        self.batch = _Batch(cp.n_batch)
         self.free_ids: deque[int] = deque(range(cfg.slots))
         self.waiting: deque[Run] = deque()  # runs beyond the free slots
         self.active: dict[int, Sequence] = {}
@@ -202,6 +194,8 @@ class Engine:
         self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0
+        self.copied_streams = 0  # prefix shares that copied a KV stream buffer
+        self._admitted = 0
         self.steps = 0
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.step_s = 0.0  # whole steps, Python work included
@@ -272,35 +266,39 @@ class Engine:
                 return seq
         return None
 
-    def _admit(self, out: Step) -> None:
-        while self.waiting and self.free_ids:
-            run = self.waiting.popleft()
-            try:
-                tokens = self._prompt_tokens(run.prompt)
-            except ValueError as e:
-                out.failed.append([run.rid, ErrorCode.INVALID_REQUEST, str(e), "prompt"])
-                continue
-            prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
-            seq_id, reused = self._take_slot(prompt)
-            p = run.params
-            sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
-            if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
-                sampler = self._sampler(p)
-                if self.gpu_sampling:
-                    self._attach(seq_id, sampler)
-            self.active[seq_id] = Sequence(
-                rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
-                sampler=sampler, text=TextStream(p.stop), n_past=reused,
-            )
-            self.reused_tokens += reused
+    def _admit(self, out: Step) -> Sequence | None:
+        """Give the oldest waiting run a slot (None when its prompt is bad: it fails into ``out``)."""
+        run = self.waiting.popleft()
+        try:
+            tokens = self._prompt_tokens(run.prompt)
+        except ValueError as e:
+            out.failed.append([run.rid, ErrorCode.INVALID_REQUEST, str(e), "prompt"])
+            return None
+        prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
+        seq_id, reused = self._take_slot(prompt)
+        p = run.params
+        sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
+        if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
+            sampler = self._sampler(p)
+            if self.gpu_sampling:
+                self._attach(seq_id, sampler)
+        self._admitted += 1
+        seq = self.active[seq_id] = Sequence(
+            rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
+            sampler=sampler, text=TextStream(p.stop), n_past=reused, order=self._admitted,
+        )
+        self.reused_tokens += reused
+        return seq
 
     def _take_slot(self, want: np.ndarray) -> tuple[int, int]:
         """A free sequence id for the prompt ``want`` and how many of its leading tokens are already in KV.
 
         The KV of every active sequence's computed prompt, and of recently finished sequences
-        kept in free slots, is searched for the longest common prefix; a prefix held by another
-        sequence is shared with ``llama_memory_seq_cp`` (in a unified KV cache the cells are
-        shared, not copied). At least the last prompt token is always computed, for its logits.
+        kept in free slots, is searched for the longest common prefix. A prefix kept in a free
+        slot is used in place; one held by an active sequence (in another KV stream) is shared
+        by copying that stream into the new slot's (``llama_memory_seq_cp`` copies the whole
+        stream buffer at the next decode, on the device) and trimming the copy to the prefix.
+        At least the last prompt token is always computed, for its logits.
         """
         src, best = -1, 0
         if self.cfg.prefix_cache:
@@ -317,14 +315,16 @@ class Engine:
         if best and src in self.free_ids:
             seq_id = src
             self.free_ids.remove(seq_id)
-            L.llama_memory_seq_rm(self.mem, seq_id, best, -1)
         else:
-            # the free slot whose cached prefix is least worth keeping
-            seq_id = min(self.free_ids, key=lambda i: len(self.cached.get(i, ())))
+            # the free slot whose cached prefix is least worth keeping, lowest id first
+            seq_id = min(self.free_ids, key=lambda i: (len(self.cached.get(i, ())), i))
             self.free_ids.remove(seq_id)
             L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
             if best:
-                L.llama_memory_seq_cp(self.mem, src, seq_id, 0, best)
+                L.llama_memory_seq_cp(self.mem, src, seq_id, -1, -1)
+                self.copied_streams += 1
+        if best:
+            L.llama_memory_seq_rm(self.mem, seq_id, best, -1)
         self.cached.pop(seq_id, None)
         return seq_id, best
 
@@ -378,18 +378,18 @@ class Engine:
         sequence that a stop string ends meanwhile has one token computed in vain, never sent.
         """
         out = Step()
-        self._admit(out)
         t_step = time.perf_counter()
         if self.gpu_sampling:
             ready = self._collect(out)
-            if self.active:
-                self._launch(self._build(), out)
+            order = self._build(out)
+            if self.batch.n:
+                self._launch(order, out)
             for seq, tok in ready:
                 if self.active.get(seq.seq_id) is seq:
                     self._emit(seq, tok, out)
-        elif self.active:
-            order = self._build()
-            if self._launch(order, out):
+        else:
+            order = self._build(out)
+            if self.batch.n and self._launch(order, out):
                 for seq in order:
                     taken = self._take(seq, out)
                     if taken is not None:
@@ -398,45 +398,82 @@ class Engine:
         self.step_s += time.perf_counter() - t_step
         return out
 
-    def _build(self) -> list[Sequence]:
-        """Fill the batch: every decoding sequence's next token, then prompt chunks.
+    def _build(self, out: Step) -> list[Sequence]:
+        """Schedule this step's tokens and fill the batch; return the sequences with an output.
 
-        Returns the sequences with an output in this batch, in batch order.
+        The step has a budget of ``max_batch_tokens``. Every decoding sequence gets its one
+        token and every sequence still prefilling gets at least one prompt token; the rest of
+        the budget goes to prompt chunks, oldest request first, and then admits waiting runs
+        into free slots, oldest first. With per-sequence KV streams llama.cpp splits a batch
+        into micro-batches of consecutive sequence ids, so the batch is filled in sequence-id
+        order and a free slot between busy ones gets one padding token (written past its
+        cached prefix, no output): the decode tokens of the step then form one micro-batch.
         """
-        b = self.batch
+        budget = self.cfg.max_batch_tokens
         decoding = [s for s in self.active.values() if not s.prefilling]
-        k = len(decoding)
-        if k:  # one token per decoding sequence, filled in a few vectorised writes
-            b.token[:k] = [s.last for s in decoding]
-            b.pos[:k] = [s.n_past for s in decoding]
-            b.seq[:k] = [s.seq_id for s in decoding]
-            b.logits[:k] = 1
-            for i, seq in enumerate(decoding):
-                seq.out_idx = i
-                seq.n_past += 1
-        b.n = k
-        # Chunked prefill: while sequences are decoding, prompts get at most prefill_chunk tokens
-        # a step, so a long prompt cannot stall everyone's next token. When more sequences wait
-        # for their first token than are decoding (a burst of arrivals), the waiting majority's
-        # time to first token wins over the few decoders' next token: the whole batch is theirs.
-        budget = self.cfg.n_batch - k
-        if k and len(self.active) - k <= k:
-            budget = min(budget, self.cfg.prefill_chunk)
-        order = decoding
-        for seq in self.active.values():
-            if not seq.prefilling:
-                continue
-            seq.out_idx = -1
-            if budget > 0:
-                n = min(len(seq.tokens) - seq.n_past, budget)
-                end = seq.n_past + n
-                idx = b.add(seq.tokens[seq.n_past : end], seq.n_past, seq.seq_id, end == len(seq.tokens))
-                if end == len(seq.tokens):
-                    seq.out_idx = idx
-                    order = [*order, seq]
-                seq.n_past = end
+        prefilling = sorted((s for s in self.active.values() if s.prefilling), key=lambda s: s.order)
+        budget -= len(decoding) + len(prefilling)
+        chunk: dict[int, int] = {s.seq_id: 1 for s in decoding}
+        for seq in prefilling:  # one token each, then the rest of the budget, oldest first
+            n = 1 + min(len(seq.tokens) - seq.n_past - 1, max(budget, 0))
+            chunk[seq.seq_id] = n
+            budget -= n - 1
+        while budget > 0 and self.waiting and self.free_ids:
+            new = self._admit(out)
+            if new is not None:
+                chunk[new.seq_id] = n = min(len(new.tokens) - new.n_past, budget)
                 budget -= n
-        return order
+        b = self.batch
+        b.n = 0
+        if not chunk:
+            return []
+        lo, hi = min(chunk), max(chunk)
+        lens = np.ones(hi - lo + 1, dtype=np.int64)
+        one_at: list[int] = []  # entries of one token (decode or padding): filled vectorised
+        one_tok: list[int] = []
+        one_pos: list[int] = []
+        chunks: list[tuple[int, Sequence]] = []
+        outputs: list[tuple[int, Sequence]] = []
+        for k, sid in enumerate(range(lo, hi + 1)):
+            held = self.active.get(sid)
+            if held is None:  # a free slot between busy ones: pad it past its cached prefix
+                keep = self.cached.get(sid)
+                n = len(keep) if keep is not None else 0
+                L.llama_memory_seq_rm(self.mem, sid, n, -1)
+                one_at.append(k)
+                one_tok.append(int(keep[-1]) if keep is not None and n else 0)
+                one_pos.append(n)
+            elif not held.prefilling:
+                one_at.append(k)
+                one_tok.append(held.last)
+                one_pos.append(held.n_past)
+                held.n_past += 1
+                outputs.append((k, held))
+            else:
+                lens[k] = chunk[sid]
+                chunks.append((k, held))
+        start = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=start[1:])
+        total = int(start[-1])
+        b.seq[:total] = np.repeat(np.arange(lo, hi + 1, dtype=np.int32), lens)
+        b.logits[:total] = 0
+        at = start[one_at]
+        b.token[at] = one_tok
+        b.pos[at] = one_pos
+        for k, seq in chunks:
+            o, n, p = int(start[k]), int(lens[k]), seq.n_past
+            b.token[o : o + n] = seq.tokens[p : p + n]
+            b.pos[o : o + n] = np.arange(p, p + n, dtype=np.int32)
+            seq.n_past = p + n
+            seq.out_idx = -1
+            if seq.n_past == len(seq.tokens):
+                outputs.append((k, seq))
+        outputs.sort(key=lambda e: e[0])
+        for k, seq in outputs:
+            seq.out_idx = int(start[k + 1]) - 1
+            b.logits[seq.out_idx] = 1
+        b.n = total
+        return [seq for _, seq in outputs]
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:
         """Start decoding the batch; on failure every active sequence fails with the reason."""

@@ -45,9 +45,8 @@ class WorkerSpec:
     model_path: str
     slots: int
     ctx_per_slot: int
-    n_batch: int
+    max_batch_tokens: int
     n_ubatch: int
-    prefill_chunk: int
     threads: int
     flash_attn: bool
     heartbeat_interval: float
@@ -128,7 +127,7 @@ def serve(spec: WorkerSpec) -> int:
         engine = Engine(
             EngineConfig(
                 model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
-                n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, prefill_chunk=spec.prefill_chunk,
+                max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
                 gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
                 gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache,
             )
