@@ -62,7 +62,7 @@ def wait_ready(endpoint: str, n: int, proc: subprocess.Popen[bytes], logf: Path,
 
 def config(tmp: Path, tag: str, model: str, devices: str, slots: int, ctx: int) -> str:
     return (f'[server]\nruntime_dir = "{tmp / ("run-" + tag)}"\nqueue_timeout = 600.0\n'
-            f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\nmax_batch_tokens = 2048\nn_ubatch = 512\n'
+            f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\n'
             f'[workers]\ndevices = {devices}\nslots = {slots}\n')
 
 
@@ -78,6 +78,8 @@ def main() -> int:
     ap.add_argument("--skip-two", action="store_true")
     ap.add_argument("--skip-one", action="store_true")
     ap.add_argument("--skip-scenarios", action="store_true")
+    ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--scenario-budgets", type=int, nargs="+", default=[2048])
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
                     help="also run C=max at this [model] setting, e.g. nochunk='prefill_chunk = 2048'")
     args = ap.parse_args()
@@ -158,12 +160,12 @@ def main() -> int:
         stop(proc, logf)
     if not args.skip_scenarios:
         # ---- chunked prefill: an 8000-token prompt while 63 others stream
-        for chunk in (256, 512):
-            proc, ep, logf = daemon(f"long{chunk}", f"prefill_chunk = {chunk}\n", slots=64, ctx_slot=8448)
-            record({**scenario("long-prompt", ep), "prefill_chunk": chunk})
+        for budget in args.scenario_budgets:
+            proc, ep, logf = daemon(f"long{budget}", f"max_batch_tokens = {budget}\n", slots=64, ctx_slot=8448)
+            record({**scenario("long-prompt", ep), "max_batch_tokens": budget})
             stop(proc, logf)
         # ---- prefix reuse: 64 requests sharing a 1000-token system prompt
-        for on in (False, True):
+        for on in (() if args.skip_prefix else (False, True)):
             proc, ep, logf = daemon(f"prefix{on}", f"prefix_cache = {str(on).lower()}\n", slots=64,
                                     ctx_slot=1100)
             record({**scenario("shared-prefix", ep), "prefix_cache": on})

@@ -52,12 +52,21 @@ class ServerConfig:
 class ModelConfig:
     path: str = ""
     ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
-    max_batch_tokens: int = 2048  # per-step token budget: one per decoding sequence, the rest prompt chunks
-    n_ubatch: int = 512  # llama.cpp physical micro-batch
+    # Per-step token budget: one token per decoding sequence, prompt chunks fill the rest.
+    # 0 = auto: 4096 on a GPU (measured: docs/benchmarks.md), 512 on CPU workers.
+    max_batch_tokens: int = 0
+    n_ubatch: int = 1024  # llama.cpp physical micro-batch
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
+
+
+def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
+    """The per-step token budget a worker uses: the configured one, or the measured default."""
+    if max_batch_tokens:
+        return max_batch_tokens
+    return max(4096 if gpu else 512, 2 * slots)
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ class Config:
 
 _POSITIVE = {
     "server.max_queue", "server.queue_timeout", "server.drain_timeout", "server.max_message_bytes",
-    "model.ctx_per_slot", "model.max_batch_tokens", "model.n_ubatch",
+    "model.ctx_per_slot", "model.n_ubatch",
     "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
@@ -151,7 +160,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             raise ConfigError(f"{key}: must be a string, got {value!r}")
     if key in _POSITIVE and value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value!r}")
-    if key in ("workers.threads", "server.affinity_slack") and value < 0:
+    if key in ("workers.threads", "server.affinity_slack", "model.max_batch_tokens") and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
 
@@ -188,7 +197,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
     if base_dir is not None and not Path(model.path).is_absolute():
         parts["model"] = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))
     workers: WorkersConfig = parts["workers"]
-    if model.max_batch_tokens <= workers.slots:
+    if model.max_batch_tokens and model.max_batch_tokens <= workers.slots:
         raise ConfigError(
             f"model.max_batch_tokens: must be > workers.slots ({workers.slots}): every step gives each "
             f"busy slot a token and prompts need the rest, got {model.max_batch_tokens}"

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from llamapool.config import Config, ConfigError, load_config
+from llamapool.config import Config, ConfigError, load_config, step_budget
 from llamapool.router import Router, RouterConfig
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor.env import cpu_threads, worker_env
@@ -156,7 +156,8 @@ class Supervisor:
             len(self.slots), w.threads))
         return WorkerSpec(
             name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
-            slots=w.slots, ctx_per_slot=m.ctx_per_slot, max_batch_tokens=m.max_batch_tokens,
+            slots=w.slots, ctx_per_slot=m.ctx_per_slot,
+            max_batch_tokens=step_budget(m.max_batch_tokens, w.slots, slot.gpu is not None),
             n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
