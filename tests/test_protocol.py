@@ -96,3 +96,14 @@ def test_error_reply_keeps_the_request_id_when_it_is_readable() -> None:
 def test_stop_accepts_a_single_string() -> None:
     msg = codec.decode(pack(gen(params={"stop": "END"})), codec.CLIENT_TYPES)
     assert isinstance(msg, Generate) and msg.params.stop == ("END",)
+
+
+def test_client_errors_survive_pickling() -> None:
+    """Errors cross process boundaries (multiprocessing pools of clients) with their fields."""
+    import pickle
+
+    from llamapool.client.errors import WorkerLostError
+
+    err = pickle.loads(pickle.dumps(WorkerLostError("worker_lost", "gone", None, 7, 2)))
+    assert isinstance(err, WorkerLostError) and (err.code, err.tokens_delivered, err.index) == ("worker_lost", 7, 2)
+    assert str(err) == "worker_lost: gone"

@@ -17,6 +17,10 @@ class LlamapoolError(Exception):
         self.tokens_delivered = tokens_delivered
         self.index = index
 
+    def __reduce__(self) -> tuple[type[LlamapoolError], tuple[str, str, str | None, int | None, int | None]]:
+        """Picklable, so an error raised in a worker process of the caller's own pool reaches its parent."""
+        return type(self), (self.code, self.message, self.field, self.tokens_delivered, self.index)
+
 
 class BadRequestError(LlamapoolError):
     """The request was malformed or a field was invalid (``.field`` names it)."""
