@@ -70,7 +70,12 @@ def test_two_workers_both_serve_sixteen_concurrent_requests(daemon) -> None:  # 
 
 
 def test_closing_a_stream_frees_its_slot(daemon) -> None:  # type: ignore[no-untyped-def]
+    def engine_steps(c) -> int:  # type: ignore[no-untyped-def]
+        time.sleep(1.2)  # a heartbeat carries the engines' step counters
+        return sum(w.get("steps") or 0 for w in c.status()["workers"])
+
     with daemon.client() as c:
+        before = engine_steps(c)
         stream = c.stream("Hello", max_tokens=400, temperature=0.0, ignore_eos=True)
         next(iter(stream))
         busy = sum(w["active"] for w in c.status()["workers"])
@@ -80,6 +85,8 @@ def test_closing_a_stream_frees_its_slot(daemon) -> None:  # type: ignore[no-unt
         while time.monotonic() < end and sum(w["active"] for w in c.status()["workers"]):
             time.sleep(0.02)
         assert sum(w["active"] for w in c.status()["workers"]) == 0
+        # the worker stopped generating: far fewer steps than the 400 tokens asked for
+        assert engine_steps(c) - before < 100
 
 
 def test_stop_strings_end_the_text_before_them(daemon) -> None:  # type: ignore[no-untyped-def]
