@@ -13,13 +13,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from llamapool.bench.drivers import Target, drive, measure, row
 from llamapool.bench.workloads import DEFAULT_CTX, FIXED, MIN_TOKENS, make_workload
-
-aiohttp = pytest.importorskip("aiohttp")
-from aiohttp import web  # noqa: E402
-
 
 # ---------------------------------------------------------------- workloads
 
