@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,10 +70,10 @@ def section(name: str, timings: list[tuple[str, float]]) -> Iterator[None]:
 
 # ---------------------------------------------------------------- llamapool
 
-def start_daemon(cfg_text: str, tmp: Path, tag: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    cfg = tmp / f"{tag}.toml"
+def start_daemon(cfg_text: str, tmp: Path, tag: str, logs: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+    cfg = logs / f"{tag}.toml"
     cfg.write_text(cfg_text)
-    logf = tmp / f"{tag}.log"
+    logf = logs / f"{tag}.log"
     with open(logf, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
                                 stdout=fh, stderr=subprocess.STDOUT)
@@ -146,7 +147,7 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: str, model: str, slots: int, ctx_per_slot: int, tmp: Path, tag: str, cpu: bool,
+    def __init__(self, binary: str, model: str, slots: int, ctx_per_slot: int, logs: Path, tag: str, cpu: bool,
                  threads: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -155,7 +156,7 @@ class LlamaServer:
                      "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)]
         libs = [str(Path(binary).resolve().parent), str(Path(llama_cpp.__file__).parent / "lib")]
         env = {**os.environ, "LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":")}
-        self.log = tmp / f"{tag}.log"
+        self.log = logs / f"{tag}.log"
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -191,8 +192,9 @@ def main() -> int:
     from llamapool.bench.workloads import DEFAULT_CTX, NAMES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for gpu_bench.jsonl, summary.md and the logs")
-    ap.add_argument("--workloads", nargs="+", choices=NAMES, default=list(NAMES))
+    ap.add_argument("--out", required=True, help="folder for gpu_bench.jsonl, summary.md and logs/")
+    ap.add_argument("--workloads", nargs="*", choices=NAMES, default=list(NAMES),
+                    help="the workloads side by side (none: only --scenarios / --scaling)")
     ap.add_argument("--concurrency", type=int, default=64, help="streams (and slots) per workload")
     ap.add_argument("--long-concurrency", type=int, default=32, help="at most this many streams for 'long'")
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default 4 x C; 2 x C for 'long')")
@@ -230,7 +232,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "gpu_bench.jsonl"
-    tmp = Path(tempfile.mkdtemp(prefix="lp-gpu-"))
+    logs = out / "logs"  # configs and the daemons' and servers' logs
+    logs.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="lp-gpu-"))  # the model and the runtime dirs
     timings: list[tuple[str, float]] = []
     t_start = time.monotonic()
     extra = "".join(ln.strip() + "\n" for ln in args.extra.split(";") if ln.strip())
@@ -265,8 +269,9 @@ def main() -> int:
 
     def daemon(tag: str, slots: int, ctx_slot: int, more: str = "", devs: str = devices,
                n: int = 1) -> tuple[subprocess.Popen[bytes], str, Path, dict[str, Any]]:
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)[:40]
         proc, ep, logf = start_daemon(daemon_config(tmp, tag, model, devs, slots, ctx_slot, extra + more, args.cpu),
-                                      tmp, tag)
+                                      tmp, tag, logs)
         st = wait_ready(ep, n, proc, logf)
         return proc, ep, logf, st
 
@@ -311,7 +316,7 @@ def main() -> int:
                 line["llamapool"] = r
             if peer:
                 with section(f"{name}: llama-server", timings):
-                    srv = LlamaServer(peer, model, c, ctx_slot, tmp, f"{name}-llama-server", args.cpu,
+                    srv = LlamaServer(peer, model, c, ctx_slot, logs, f"{name}-llama-server", args.cpu,
                                       args.peer_threads)
                     try:
                         srv.wait_healthy()
@@ -356,7 +361,7 @@ def main() -> int:
 
     total = time.monotonic() - t_start
     record({"mode": "timing", "total_s": round(total, 1), "sections": {k: round(v, 1) for k, v in timings}})
-    table = sweep_table(summary, args.sweep) if args.sweep else side_by_side(summary)
+    table = "" if not summary else sweep_table(summary, args.sweep) if args.sweep else side_by_side(summary)
     if table:
         (out / "summary.md").write_text(table + "\n")
         print(table)

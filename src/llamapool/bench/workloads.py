@@ -14,8 +14,8 @@ ignores EOS, so each request must return exactly ``max_tokens`` tokens.
 ``mixed`` draws each request's output length first, then its prompt length, both from log-normal
 distributions (``exp(N(ln median, sigma))``, rounded), and clips them so that every request fits the
 context budget: output to ``[16, ctx - 16]``, prompt to ``[16, ctx - output]``. With the default
-budget (4,352 = 4,096 + 256) about 1 prompt in 700 is clipped; the mean prompt is about 710 tokens
-and the mean output about 153.
+budget (4,352 = 4,096 + 256) about 1 request in 250 has its prompt clipped; the mean prompt is about
+700 tokens and the mean output about 154.
 """
 
 from __future__ import annotations
