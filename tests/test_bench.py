@@ -157,7 +157,7 @@ class FakePeer:
                 await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
             else:
                 final = {"index": 0, "content": "", "tokens": [], "stop": True, "tokens_predicted": sent,
-                         "timings": {"predicted_n": sent}}
+                         "timings": {"predicted_n": sent}, "prompt": "word " * 60_000}  # the prompt's text
                 await resp.write(f": ping\n\ndata: {json.dumps(final)}\n\n".encode())
         await resp.write_eof()
         return resp
@@ -208,6 +208,19 @@ def test_cli_http_exit_code_and_procs(peer: FakePeer, tmp_path: Any) -> None:
     out = _bench_cli("--http", peer.url, "-c", "2", "-n", "4", "--gen-tokens", "6", "--prompt-tokens", "5")
     assert out.returncode == 1
     assert "ERRORS 4/4" in out.stdout and "not a figure" in out.stderr
+
+
+# ---------------------------------------------------------------- the ceiling
+
+def test_ceiling_per_sequence_kv_with_workload_lengths(model_path: str) -> None:
+    from llamapool.bench.ceiling import measure as ceiling
+
+    work = make_workload("mixed", 4, 512, seed=2, ctx=160)
+    r = ceiling(model_path, 4, requests=work.requests, kv_unified=False, n_ubatch=64, n_batch=128, threads=1)
+    assert (r["kv_unified"], r["concurrency"], r["gen_tokens_total"]) == (False, 4, work.gen_tokens)
+    assert r["prompt_tokens_total"] == work.prompt_tokens and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0
+    r = ceiling(model_path, 2, 24, 6, kv_unified=True, threads=1)
+    assert (r["kv_unified"], r["gen_tokens_total"], r["prompt_tokens_total"]) == (True, 12, 48)
 
 
 # ---------------------------------------------------------------- router only

@@ -157,20 +157,32 @@ class SdkTransport(_Transport):
 
 
 async def _sse(content: Any) -> AsyncIterator[str]:
-    """The data of each server-sent event in an aiohttp response body."""
+    """The data of each server-sent event in an aiohttp response body.
+
+    Read in chunks, not lines: llama-server's last ``/completion`` event carries the whole prompt as
+    text, longer than aiohttp's line limit for long prompts.
+    """
+    buf = b""
     data: list[str] = []
-    async for raw in content:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
+    async for chunk in content.iter_any():
+        buf += chunk
+        if b"\n" not in chunk:
             continue
-        if line.startswith(":"):  # a comment (llama-server's keep-alive ping)
-            continue
-        name, _, value = line.partition(":")
-        if name == "data":
-            data.append(value[1:] if value.startswith(" ") else value)
+        *lines, buf = buf.split(b"\n")
+        for raw in lines:
+            line = raw.rstrip(b"\r").decode("utf-8", "replace")
+            if not line:
+                if data:
+                    yield "\n".join(data)
+                    data = []
+                continue
+            if line.startswith(":"):  # a comment (llama-server's keep-alive ping)
+                continue
+            name, _, value = line.partition(":")
+            if name == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+    if buf.strip() and buf.startswith(b"data:"):
+        data.append(buf[5:].decode("utf-8", "replace").strip())
     if data:
         yield "\n".join(data)
 
