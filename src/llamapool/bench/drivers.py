@@ -16,7 +16,8 @@ for (generation ignores EOS), is an error; a row with errors is not a figure.
 Transports (the same requests and measurement for each):
 
 - ``sdk``: a llamapool daemon through :class:`llamapool.AsyncClient` (``stream``, greedy, ``ignore_eos``);
-  a chunk carries the request's running token count.
+  a chunk carries the request's running token count, and the final result's ``completion_tokens`` is
+  the request's count.
 - ``http-openai``: ``POST /v1/completions`` with ``"prompt": [token ids]``, ``max_tokens``,
   ``temperature: 0``, ``stream: true``, ``ignore_eos: true`` (llama.cpp's extension) and
   ``stream_options: {include_usage: true}``; server-sent events. A chunk counts as one token (the API
@@ -147,13 +148,30 @@ class SdkTransport(_Transport):
             await self.client.close()
 
     async def run(self, req: Request, on_tokens: OnTokens) -> int:
-        n = 0
-        async for chunk in self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=0.0,
-                                              ignore_eos=True):
-            if chunk.tokens > n:
-                n = chunk.tokens
-                on_tokens(n)
-        return n
+        # AsyncClient.stream, step by step (the same frames, socket and reader task), keeping the final
+        # result: its completion_tokens counts tokens whose text came in no chunk (an empty piece at the end)
+        from llamapool.client.calls import Pending, generate_frame, new_id
+
+        c = self.client
+        rid = new_id()
+        t, wait = c._budget(None)
+        params = {"max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True}
+        q = await c._open(generate_frame(rid, [list(req.prompt)], False, True, t, params), rid)
+        pending = Pending(1)
+        loop = asyncio.get_running_loop()
+        end = None if wait is None else loop.time() + wait
+        finished = False
+        try:
+            while not pending.done:
+                chunk = pending.feed(await c._next(q, None if end is None else end - loop.time()))
+                if chunk is not None:
+                    on_tokens(chunk.tokens)
+            finished = True
+            return int(pending.completions()[0].usage.completion_tokens)  # raises the final error, if any
+        finally:
+            if not finished:
+                await c._cancel(rid)
+            c._waiting.pop(rid, None)
 
 
 async def _sse(content: Any) -> AsyncIterator[str]:
