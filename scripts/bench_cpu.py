@@ -9,7 +9,6 @@ one after another (same model, same prompt and generation lengths, greedy, EOS b
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -35,7 +34,9 @@ def main() -> int:
                     help="random model: small (512 wide, 4 layers) or medium (1024 wide, 8 layers)")
     args = ap.parse_args()
 
-    from llamapool.bench import prompts_for, run_service
+    from llamapool.bench.drivers import Target
+    from llamapool.bench.drivers import run as run_bench
+    from llamapool.bench.workloads import make_workload
     from llamapool.modelgen import make_model
 
     tmp = Path(tempfile.mkdtemp(prefix="lp-bench-"))
@@ -51,7 +52,9 @@ def main() -> int:
     import llama_cpp
 
     n_vocab = llama_cpp.Llama(model, n_ctx=64, verbose=False, vocab_only=True).n_vocab()
-    prompts = prompts_for(args.requests, args.prompt_tokens, n_vocab, seed=1)
+    work = make_workload("short", args.requests, n_vocab, seed=1, prompt_tokens=args.prompt_tokens,
+                         gen_tokens=args.gen_tokens)
+    prompts = [list(r.prompt) for r in work.requests]
 
     daemon = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -64,8 +67,7 @@ def main() -> int:
                 if time.monotonic() > end:
                     raise SystemExit("daemon did not get ready")
                 time.sleep(0.2)
-        svc = asyncio.run(run_service(f"ipc://{tmp / 'run' / 'frontend.sock'}", args.concurrency,
-                                      args.requests, args.prompt_tokens, args.gen_tokens, False, prompts))
+        svc = run_bench(Target("sdk", f"ipc://{tmp / 'run' / 'frontend.sock'}"), work, args.concurrency)
     finally:
         daemon.terminate()
         daemon.wait(60)
@@ -85,13 +87,13 @@ def main() -> int:
         "model": args.model or f"random q8_0, {args.shape}: {SHAPES[args.shape]}", "requests": args.requests,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
         "service": {"workers": "2 CPU x 4 slots", "clients": args.concurrency, "tok_s": round(svc.tok_s, 1),
-                    "tokens": svc.tokens, "wall_s": round(svc.wall_s, 2),
+                    "tokens": svc.gen_tokens, "errors": svc.errors, "wall_s": round(svc.wall_s, 2),
                     "ttft_p50_ms": round(svc.ttft_p50_ms, 1), "itl_p50_ms": round(svc.itl_p50_ms, 2)},
         "llama_sequential": {"tok_s": round(base_tok_s, 1), "tokens": generated, "wall_s": round(base_wall, 2)},
         "ratio_service_over_sequential": round(svc.tok_s / base_tok_s, 2),
     }
     print(json.dumps(report, indent=2))
-    return 0
+    return 1 if svc.errors else 0
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ def main(src: str, dst: str) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(src)]
+    # gpu_bench.py's rows: older runs (one workload, several C) and newer ones (per workload; only
+    # llamapool's 'short' rows and ceilings are plotted)
+    rows = [r for r in (json.loads(line) for line in open(src)) if r.get("workload", "short") == "short"
+            and r.get("service", "llamapool") == "llamapool"]
     series: dict[str, dict[int, float]] = defaultdict(dict)
     for r in rows:
-        if r.get("mode") == "service" and r.get("gpus") == 1 and "variant" not in r:
+        if r.get("mode") == "service" and r.get("gpus", 1) == 1 and "variant" not in r and "sweep_key" not in r:
             series["llamapool service (SDK, streaming)"][r["concurrency"]] = r["tok_s"]
         elif r.get("mode") == "ceiling":
             kind = "GPU" if r["gpu_sampling"] else "CPU"

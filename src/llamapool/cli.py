@@ -94,9 +94,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.ceiling:  # llama.cpp's CUDA libraries must load before numpy/pyzmq (see worker/__main__)
         import llama_cpp  # noqa: F401
-    from llamapool.bench import main as bench_main
+    from llamapool.bench.command import main as bench_main
 
-    return bench_main(args)
+    return bench_main(args, "" if args.http or args.router_only else _endpoint(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=cmd_make_model)
 
-    b = sub.add_parser("bench", help="benchmark a running daemon (and the engine ceiling)")
+    b = sub.add_parser("bench", help="benchmark a running daemon or an HTTP server (and the engine ceiling)")
     endpoint_args(b)
-    from llamapool.bench import add_arguments
+    from llamapool.bench.command import add_arguments
 
     add_arguments(b)
     b.set_defaults(fn=cmd_bench)

@@ -1,4 +1,4 @@
-"""Benchmark scenarios against a running daemon: chunked prefill under load, prefix reuse."""
+"""Benchmark scenarios against a running daemon: a long prompt among streams, prefix reuse."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import time
 from typing import Any
 
-from llamapool.bench import _pct
+from llamapool.bench.drivers import pct as _pct
 
 
 async def _stream(client: Any, prompt: list[int], gen: int, gaps: list[float] | None,

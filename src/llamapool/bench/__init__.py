@@ -1,0 +1,13 @@
+"""Benchmarks: ``llamapool bench`` and what the GPU script builds on.
+
+- :mod:`~llamapool.bench.workloads`: named request sets (``short``, ``rag``, ``long``, ``mixed``), seeded;
+- :mod:`~llamapool.bench.drivers`: one client-side measurement core with two transports, the SDK
+  (a llamapool daemon) and HTTP (an OpenAI-compatible ``/v1/completions`` or llama-server's
+  ``/completion``), and the result row both report;
+- :mod:`~llamapool.bench.ceiling`: the engine alone (llama.cpp, no service) on the same lengths;
+- :mod:`~llamapool.bench.router_only`: the router path with an echo engine against bare pyzmq;
+- :mod:`~llamapool.bench.scenarios`: a long prompt among streams, prompts sharing a prefix;
+- :mod:`~llamapool.bench.command`: the ``llamapool bench`` command.
+
+Nothing here is imported by the daemon, and nothing here imports :mod:`llamapool.cli`.
+"""

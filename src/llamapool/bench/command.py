@@ -1,0 +1,125 @@
+"""``llamapool bench``: drive a running daemon (SDK) or an HTTP server (``--http``) with a named
+workload at C concurrent streams; optionally measure the engine ceiling (same model and lengths, no
+service) in the same run; or, with ``--router-only``, the router path without a model.
+
+Exits 1 when any request failed or came back short: a run with errors is not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from llamapool.bench.workloads import DEFAULT_CTX, NAMES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[8],
+                   help="concurrent streaming clients; several values run one after another")
+    p.add_argument("-n", "--requests", type=int, default=0, help="requests per run (default 4 x C)")
+    p.add_argument("-w", "--workload", choices=NAMES, default="short",
+                   help="short: 128 prompt / 128 output tokens; rag: 1024/128; long: 4096/256; mixed: "
+                        "log-normal lengths, median 512/128, sigma 0.8/0.6, clipped to --ctx")
+    p.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length (mixed: its median)")
+    p.add_argument("--gen-tokens", type=int, help="override the workload's output length (mixed: its median)")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                   help=f"prompt + output budget per request (default {DEFAULT_CTX}); mixed is clipped to it")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same requests")
+    p.add_argument("--n-vocab", type=int, default=0,
+                   help="prompt ids are drawn below this (default: what the server reports)")
+    p.add_argument("--http", metavar="URL",
+                   help="drive an HTTP server instead of the daemon, e.g. http://127.0.0.1:8080")
+    p.add_argument("--api", choices=("completions", "llama"), default="completions",
+                   help="with --http: OpenAI-compatible POST /v1/completions, or llama-server's POST /completion")
+    p.add_argument("--procs", type=int, default=1, help="client processes the streams are spread over")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--router-only", action="store_true",
+                   help="no model: the daemon with an echo engine vs a bare pyzmq ROUTER-DEALER echo")
+    p.add_argument("--ceiling", metavar="MODEL", help="also measure the engine alone on this GGUF")
+    p.add_argument("--gpu", action="store_true", help="ceiling on the GPU (all layers offloaded)")
+    p.add_argument("--threads", type=int, default=0, help="ceiling CPU threads (0 = llama.cpp default)")
+    p.add_argument("--gpu-sampling", action="store_true", help="ceiling samples on the GPU")
+    p.add_argument("--kv-unified", action="store_true",
+                   help="ceiling with one KV cache for all sequences (default: one stream per sequence)")
+    p.add_argument("--n-ubatch", type=int, default=512, help="ceiling's llama.cpp micro-batch")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--out", metavar="FILE", help="append each row to FILE as a JSON line")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _router_only(args: argparse.Namespace) -> int:
+    from llamapool.bench.router_only import run as router_only
+
+    row = router_only(requests=args.requests or 400, concurrency=max(args.concurrency),
+                      gen_tokens=args.gen_tokens or 64)
+    print(json.dumps(row, indent=2) if args.json else
+          f"router-only: daemon {row['daemon_tok_s']} tok/s vs bare pyzmq echo {row['bare_tok_s']} tok/s "
+          f"= {row['daemon_over_bare']:.3f}")
+    _append(args.out, [row])
+    return 0
+
+
+def _append(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if path:
+        with open(path, "a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+
+
+def main(args: argparse.Namespace, endpoint: str = "") -> int:
+    """Run the bench described by ``args``; ``endpoint``: the daemon's (the SDK transport)."""
+    if args.router_only:
+        return _router_only(args)
+    from llamapool.bench.drivers import Target, measure, server_info
+    from llamapool.bench.workloads import make_workload
+
+    if args.http:
+        target = Target("http-openai" if args.api == "completions" else "http-llama", args.http, args.timeout)
+    else:
+        target = Target("sdk", endpoint, args.timeout)
+    info = asyncio.run(server_info(target)) if not args.n_vocab else {}
+    n_vocab = args.n_vocab or info.get("n_vocab")
+    if not n_vocab:
+        print("llamapool bench: the server did not say its vocabulary size; pass --n-vocab", file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    errors = 0
+    for c in args.concurrency:
+        try:
+            work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=args.seed, ctx=args.ctx,
+                                 prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+        except ValueError as e:
+            print(f"llamapool bench: {e}", file=sys.stderr)
+            return 2
+        slot = info.get("ctx_per_slot") or 0
+        if slot and work.longest >= slot:
+            print(f"llamapool bench: warning: requests need up to {work.longest} tokens of context; the daemon "
+                  f"has {slot} per slot (model.ctx_per_slot), so they will fail", file=sys.stderr)
+        res = asyncio.run(measure(target, work, c, args.procs, not args.no_progress))
+        errors += res.errors
+        row = res.as_dict()
+        if args.ceiling:
+            from llamapool.bench.ceiling import measure as ceiling
+
+            ceil = ceiling(args.ceiling, c, gpu=args.gpu, threads=args.threads, gpu_sampling=args.gpu_sampling,
+                           kv_unified=args.kv_unified, n_ubatch=args.n_ubatch, requests=work.requests[:c])
+            row["ceiling_decode_tok_s"] = round(ceil["decode_tok_s"], 1)
+            row["ceiling_e2e_tok_s"] = round(ceil["e2e_tok_s"], 1)
+            row["ceiling_kv_unified"] = ceil["kv_unified"]
+            row["over_ceiling"] = round(res.tok_s / ceil["e2e_tok_s"], 3)
+        rows.append(row)
+        _append(args.out, [row])
+        if not args.json:
+            line = res.line()
+            if args.ceiling:
+                line += f"  | ceiling {row['ceiling_e2e_tok_s']:9.1f} tok/s  over ceiling {row['over_ceiling']:.3f}"
+            print(line, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    if errors:
+        print(f"llamapool bench: {errors} request(s) failed or came back short: not a figure", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,111 @@
+"""Benchmark workloads: seeded lists of requests (random token-id prompts, fixed output lengths).
+
+Every driver sends exactly these requests, so two services measured with the same name, count,
+seed, vocabulary and context budget get the same prompts and the same output lengths. Generation
+ignores EOS, so each request must return exactly ``max_tokens`` tokens.
+
+| name | prompt tokens | output tokens |
+| --- | --- | --- |
+| ``short`` | 128 | 128 |
+| ``rag`` | 1,024 | 128 |
+| ``long`` | 4,096 | 256 |
+| ``mixed`` | log-normal, median 512, sigma 0.8 | log-normal, median 128, sigma 0.6 |
+
+``mixed`` draws each request's output length first, then its prompt length, both from log-normal
+distributions (``exp(N(ln median, sigma))``, rounded), and clips them so that every request fits the
+context budget: output to ``[16, ctx - 16]``, prompt to ``[16, ctx - output]``. With the default
+budget (4,352 = 4,096 + 256) about 1 request in 250 has its prompt clipped; the mean prompt is about
+700 tokens and the mean output about 154.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass
+
+# (prompt tokens, output tokens) of the fixed-length workloads
+FIXED: dict[str, tuple[int, int]] = {"short": (128, 128), "rag": (1024, 128), "long": (4096, 256)}
+NAMES = (*FIXED, "mixed")
+# the mixed workload's log-normal parameters: median and sigma (of the log) for prompt and output
+MIXED_PROMPT_MEDIAN = 512
+MIXED_PROMPT_SIGMA = 0.8
+MIXED_GEN_MEDIAN = 128
+MIXED_GEN_SIGMA = 0.6
+MIN_TOKENS = 16  # the shortest prompt or output ``mixed`` draws
+DEFAULT_CTX = 4096 + 256  # prompt + output budget per request (fits ``long``)
+FIRST_ID = 3  # prompt token ids are drawn from [FIRST_ID, n_vocab): above <unk>, <s>, </s>
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: tuple[Request, ...]
+    seed: int
+    ctx: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.requests)
+
+    @property
+    def gen_tokens(self) -> int:
+        """Tokens the requests ask for (and, EOS being ignored, must get)."""
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def prompt_tokens_p50(self) -> float:
+        return float(statistics.median(len(r.prompt) for r in self.requests)) if self.requests else 0.0
+
+    @property
+    def gen_tokens_p50(self) -> float:
+        return float(statistics.median(r.max_tokens for r in self.requests)) if self.requests else 0.0
+
+    @property
+    def longest(self) -> int:
+        """The most context one request needs: prompt + output."""
+        return max((len(r.prompt) + r.max_tokens for r in self.requests), default=0)
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float) -> int:
+    return round(rng.lognormvariate(math.log(median), sigma))
+
+
+def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = DEFAULT_CTX,
+                  prompt_tokens: int | None = None, gen_tokens: int | None = None) -> Workload:
+    """``n`` requests of workload ``name``; the same arguments always give the same requests.
+
+    ``prompt_tokens``/``gen_tokens`` override the fixed lengths of ``short``/``rag``/``long``, and
+    the medians of ``mixed``. A fixed-length request that does not fit ``ctx`` is an error.
+    """
+    if name not in NAMES:
+        raise ValueError(f"unknown workload {name!r}; one of {', '.join(NAMES)}")
+    if n_vocab <= FIRST_ID:
+        raise ValueError(f"n_vocab {n_vocab} leaves no ordinary token ids")
+    if n < 0 or ctx < 2 * MIN_TOKENS:
+        raise ValueError(f"bad request count {n} or context budget {ctx}")
+    rng = random.Random(f"llamapool-bench/{name}/{seed}")  # str seeds are hashed the same way everywhere
+    lengths: list[tuple[int, int]] = []
+    if name in FIXED:
+        p = prompt_tokens or FIXED[name][0]
+        g = gen_tokens or FIXED[name][1]
+        if p < 1 or g < 1 or p + g > ctx:
+            raise ValueError(f"{name}: {p} prompt + {g} output tokens do not fit the context budget {ctx} "
+                             "(raise --ctx)")
+        lengths = [(p, g)] * n
+    else:
+        pm = prompt_tokens or MIXED_PROMPT_MEDIAN
+        gm = gen_tokens or MIXED_GEN_MEDIAN
+        for _ in range(n):
+            g = min(max(_lognormal(rng, gm, MIXED_GEN_SIGMA), MIN_TOKENS), ctx - MIN_TOKENS)
+            p = min(max(_lognormal(rng, pm, MIXED_PROMPT_SIGMA), MIN_TOKENS), ctx - g)
+            lengths.append((p, g))
+    reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g) for p, g in lengths)
+    return Workload(name, reqs, seed, ctx)

@@ -1,0 +1,232 @@
+"""The benchmark: workloads, the SDK driver against the real daemon, the HTTP driver against a fake
+peer that streams OpenAI-style and llama-server-style events, the CLI, the router-only bench."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from llamapool.bench.drivers import Target, drive, measure, row
+from llamapool.bench.workloads import DEFAULT_CTX, FIXED, MIN_TOKENS, make_workload
+
+# ---------------------------------------------------------------- workloads
+
+def test_workloads_are_seeded_and_within_bounds() -> None:
+    for name, (p, g) in FIXED.items():
+        w = make_workload(name, 6, 1000, seed=3)
+        assert [(len(r.prompt), r.max_tokens) for r in w.requests] == [(p, g)] * 6
+        assert all(3 <= t < 1000 for r in w.requests for t in r.prompt)
+    a = make_workload("mixed", 400, 32000, seed=7)
+    assert a == make_workload("mixed", 400, 32000, seed=7)  # same seed: exactly the same requests
+    assert a.requests != make_workload("mixed", 400, 32000, seed=8).requests
+    assert make_workload("short", 4, 32000, seed=1) != make_workload("short", 4, 32000, seed=2)
+    lens = [(len(r.prompt), r.max_tokens) for r in a.requests]
+    assert all(MIN_TOKENS <= p and MIN_TOKENS <= g and p + g <= DEFAULT_CTX for p, g in lens)
+    assert 350 < a.prompt_tokens_p50 < 700 and 90 < a.gen_tokens_p50 < 180  # medians 512 / 128
+    assert len({p for p, _ in lens}) > 100  # lengths really vary
+    tight = make_workload("mixed", 400, 32000, seed=7, ctx=600)
+    assert all(len(r.prompt) + r.max_tokens <= 600 for r in tight.requests)
+    assert max(len(r.prompt) + r.max_tokens for r in tight.requests) == 600  # some were clipped
+    w = make_workload("rag", 2, 500, prompt_tokens=40, gen_tokens=5)
+    assert [(len(r.prompt), r.max_tokens) for r in w.requests] == [(40, 5)] * 2
+    with pytest.raises(ValueError, match="context budget"):
+        make_workload("long", 1, 32000, ctx=4000)
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("huge", 1, 32000)
+
+
+# ---------------------------------------------------------------- the SDK driver, real daemon
+
+def test_sdk_driver_counts_every_token_and_every_error(start_daemon: Callable[..., Any]) -> None:
+    d = start_daemon()  # 2 CPU workers x 4 slots, ctx_per_slot 512
+    target = Target("sdk", d.endpoint, timeout=60)
+    work = make_workload("short", 8, 500, prompt_tokens=16, gen_tokens=12)
+    tally = asyncio.run(drive(target, work.requests, 4))
+    assert (tally.tokens, tally.errors, tally.done) == (96, 0, 8)
+    assert len(tally.ttft) == 8 and 0 < len(tally.itl) <= 8 * 11
+    res = row(work, target, 4, 1, [tally])
+    assert res.errors == 0 and res.gen_tokens == res.expected_gen_tokens == 96 and res.tok_s > 0
+    assert res.decode_tok_s == pytest.approx(4 / (res.itl_p50_ms / 1e3))
+    # a prompt the daemon refuses (longer than a slot) and replies cut short by the slot's context
+    refused = make_workload("short", 2, 500, prompt_tokens=600, gen_tokens=4, ctx=1000)
+    res = asyncio.run(measure(target, refused, 2))
+    assert res.errors == 2 and res.gen_tokens == 0 and "BadRequestError" in res.error_samples[0]
+    cut = make_workload("short", 2, 500, prompt_tokens=480, gen_tokens=100, ctx=1000)
+    res = asyncio.run(measure(target, cut, 2))
+    assert res.errors == 2 and 0 < res.gen_tokens < 200 and "asked for 100" in res.error_samples[0]
+
+
+def _bench_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llamapool.cli", "bench", "--no-progress", *argv],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ})
+
+
+def test_cli_bench_workload_against_the_daemon(start_daemon: Callable[..., Any]) -> None:
+    d = start_daemon()
+    out = _bench_cli("--endpoint", d.endpoint, "--workload", "short", "-c", "4", "-n", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    [r] = json.loads(out.stdout)
+    assert (r["workload"], r["transport"], r["requests"], r["errors"]) == ("short", "sdk", 8, 0)
+    assert r["gen_tokens"] == 8 * 128 and r["prompt_tokens"] == 8 * 128 and r["tok_s"] > 0
+    out = _bench_cli("--endpoint", d.endpoint, "-c", "2")
+    assert out.returncode == 0 and "short" in out.stdout and "tok/s" in out.stdout, out.stderr
+
+
+# ---------------------------------------------------------------- the HTTP driver, fake peer
+
+class FakePeer:
+    """An HTTP server that streams like llama-server: ``/v1/completions`` and ``/completion``.
+
+    ``mode``: "ok"; "truncate" (the stream stops half way, no final event); "status" (HTTP 500);
+    "holdback" (every 4th token is sent with the next one, as llama-server does inside a UTF-8
+    character: fewer events than tokens, the final counts are right).
+    """
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.bodies: list[dict[str, Any]] = []
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_post("/completion", self._handle)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "meta": {"n_vocab": 100}}]})
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        openai = request.path == "/v1/completions"
+        n = body.get("max_tokens" if openai else "n_predict")
+        ok = (isinstance(body.get("prompt"), list) and all(isinstance(t, int) for t in body["prompt"])
+              and isinstance(n, int) and body.get("stream") is True and body.get("ignore_eos") is True
+              and body.get("temperature") == 0)
+        if not ok or self.mode == "status":
+            return web.json_response({"error": {"message": "bad request"}}, status=400 if not ok else 500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        sent = 0
+        last = n // 2 if self.mode == "truncate" else n
+        for i in range(1, last + 1):
+            await asyncio.sleep(0.001)
+            if self.mode == "holdback" and i % 4 == 2 and i < n:
+                continue  # held back: goes out with the next token
+            text = "ab"[i % 2]
+            if openai:
+                ev: dict[str, Any] = {"choices": [{"text": text, "index": 0, "finish_reason": None}],
+                                      "object": "text_completion"}
+            else:
+                ev = {"index": 0, "content": text, "tokens": [7], "stop": False, "tokens_predicted": i}
+            await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+            sent = i
+        if self.mode != "truncate":
+            if openai:
+                final = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+                         "usage": {"completion_tokens": sent, "prompt_tokens": len(body["prompt"])}}
+                await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            else:
+                final = {"index": 0, "content": "", "tokens": [], "stop": True, "tokens_predicted": sent,
+                         "timings": {"predicted_n": sent}, "prompt": "word " * 60_000}  # the prompt's text
+                await resp.write(f": ping\n\ndata: {json.dumps(final)}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[FakePeer]:
+    p = FakePeer()
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("transport", ["http-openai", "http-llama"])
+@pytest.mark.parametrize("mode", ["ok", "holdback"])
+def test_http_driver_counts_tokens(peer: FakePeer, transport: str, mode: str) -> None:
+    peer.mode = mode
+    peer.bodies.clear()
+    work = make_workload("short", 6, 100, prompt_tokens=10, gen_tokens=9)
+    target = Target(transport, peer.url, timeout=30)
+    tally = asyncio.run(drive(target, work.requests, 3))
+    assert (tally.tokens, tally.errors, tally.done, len(tally.ttft)) == (54, 0, 6, 6)
+    if mode == "ok" or transport == "http-llama":
+        assert len(tally.itl) == 6 * 8  # one gap per token after the first (a 2-token event: 2 half gaps)
+    else:  # OpenAI events do not say how many tokens they carry: one per event, the count from usage
+        assert len(tally.itl) < 6 * 8
+    assert sorted(tuple(b["prompt"]) for b in peer.bodies) == sorted(r.prompt for r in work.requests)
+
+
+@pytest.mark.parametrize("transport", ["http-openai", "http-llama"])
+@pytest.mark.parametrize("mode", ["truncate", "status"])
+def test_http_driver_reports_broken_replies_as_errors(peer: FakePeer, transport: str, mode: str) -> None:
+    peer.mode = mode
+    work = make_workload("short", 4, 100, prompt_tokens=10, gen_tokens=8)
+    res = asyncio.run(measure(Target(transport, peer.url, timeout=30), work, 2))
+    assert res.errors == 4 and res.requests == 4
+    assert ("HTTP 500" if mode == "status" else "stream ended") in res.error_samples[0]
+
+
+def test_cli_http_exit_code_and_procs(peer: FakePeer, tmp_path: Any) -> None:
+    peer.mode = "ok"
+    out_file = tmp_path / "rows.jsonl"
+    out = _bench_cli("--http", peer.url, "--api", "llama", "-c", "4", "-n", "8", "--gen-tokens", "6",
+                     "--prompt-tokens", "5", "--procs", "2", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    [r] = [json.loads(x) for x in out_file.read_text().splitlines()]
+    assert (r["transport"], r["procs"], r["errors"], r["gen_tokens"]) == ("http-llama", 2, 0, 48)
+    peer.mode = "truncate"
+    out = _bench_cli("--http", peer.url, "-c", "2", "-n", "4", "--gen-tokens", "6", "--prompt-tokens", "5")
+    assert out.returncode == 1
+    assert "ERRORS 4/4" in out.stdout and "not a figure" in out.stderr
+
+
+# ---------------------------------------------------------------- the ceiling
+
+def test_ceiling_per_sequence_kv_with_workload_lengths(model_path: str) -> None:
+    from llamapool.bench.ceiling import measure as ceiling
+
+    work = make_workload("mixed", 4, 512, seed=2, ctx=160)
+    r = ceiling(model_path, 4, requests=work.requests, kv_unified=False, n_ubatch=64, n_batch=128, threads=1)
+    assert (r["kv_unified"], r["concurrency"], r["gen_tokens_total"]) == (False, 4, work.gen_tokens)
+    assert r["prompt_tokens_total"] == work.prompt_tokens and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0
+    r = ceiling(model_path, 2, 24, 6, kv_unified=True, threads=1)
+    assert (r["kv_unified"], r["gen_tokens_total"], r["prompt_tokens_total"]) == (True, 12, 48)
+
+
+# ---------------------------------------------------------------- router only
+
+def test_router_only_bench_runs() -> None:
+    from llamapool.bench.router_only import run
+
+    r = run(requests=40, concurrency=8, gen_tokens=8, workers=1)
+    assert r["bare_tok_s"] > 0 and r["daemon_tok_s"] > 0 and r["mode"] == "router-only"
