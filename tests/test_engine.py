@@ -288,3 +288,22 @@ def test_pipelined_steps_honour_stop_strings_and_aborts(model_path: str, engine:
         assert len(eng.free_ids) == 4 and not eng.active
     finally:
         eng.close()
+
+
+def test_tokens_ready_before_a_prompt_step_are_flushed_before_it_is_launched(model_path: str) -> None:
+    """A batch with a prompt chunk runs as several micro-batches and llama_decode blocks on all but
+    the last: the tokens already read go out first, so a prefill step never delays them."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, max_batch_tokens=256, n_ubatch=64,
+                              threads=2, backend_sampling=True))
+    try:
+        eng.submit(Run(1, "Hello", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True), True), Step())
+        for _ in range(3):
+            eng.step()
+        flushed: list[Step] = []
+        assert eng.step(flushed.append).deltas and not flushed, "decode-only steps are not flushed early"
+        eng.submit(Run(2, [7] * 200, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), True), Step())
+        rest = eng.step(flushed.append)
+        assert len(flushed) == 1 and [d[0] for d in flushed[0].deltas] == [1]
+        assert not rest.deltas, "nothing is left to send after the launch"
+    finally:
+        eng.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from llamapool.protocol.messages import Run, Step
 
@@ -49,7 +50,7 @@ class EchoEngine:
             seq = self.active.pop(rid)
             out.done.append([rid, "cancelled", "x" * seq.generated, seq.prompt_tokens, seq.generated])
 
-    def step(self) -> Step:
+    def step(self, flush: Any = None) -> Step:
         out = Step()
         while self.waiting and len(self.active) < self.slots:
             run = self.waiting.popleft()

@@ -12,6 +12,7 @@ import os
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,6 +196,7 @@ class Engine:
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0
         self.copied_streams = 0  # prefix shares that copied a KV stream buffer
+        self._split = False  # the batch being built runs as several micro-batches
         self._admitted = 0
         self.steps = 0
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
@@ -369,24 +371,36 @@ class Engine:
 
     # ------------------------------------------------------------ one step
 
-    def step(self) -> Step:
+    def step(self, flush: Callable[[Step], None] | None = None) -> Step:
         """Admit waiting runs, decode one batch, sample, and report what happened.
 
         With GPU sampling the step is pipelined: the tokens of the batch in flight are read, the
         next batch is launched at once (``llama_decode`` returns before the GPU is done), and
         only then is the text of the tokens just read worked out, while the GPU computes. A
         sequence that a stop string ends meanwhile has one token computed in vain, never sent.
+
+        A batch with prompt chunks is several micro-batches, and ``llama_decode`` returns only
+        when all but the last have run (each waits for the one before to copy its inputs). So
+        before launching such a batch, the text of the tokens just read is worked out and handed
+        to ``flush`` (the worker sends it at once): otherwise every client would wait a whole
+        prefill step longer for tokens that are ready.
         """
         out = Step()
         t_step = time.perf_counter()
         if self.gpu_sampling:
             ready = self._collect(out)
             order = self._build(out)
+            heavy = flush is not None and self._split
+            if heavy:
+                self._emit_ready(ready, out)
+                out.active = len(self.active)
+                assert flush is not None
+                flush(out)
+                out = Step()
             if self.batch.n:
                 self._launch(order, out)
-            for seq, tok in ready:
-                if self.active.get(seq.seq_id) is seq:
-                    self._emit(seq, tok, out)
+            if not heavy:
+                self._emit_ready(ready, out)
         else:
             order = self._build(out)
             if self.batch.n and self._launch(order, out):
@@ -397,6 +411,11 @@ class Engine:
         out.active = len(self.active)
         self.step_s += time.perf_counter() - t_step
         return out
+
+    def _emit_ready(self, ready: list[tuple[Sequence, int]], out: Step) -> None:
+        for seq, tok in ready:
+            if self.active.get(seq.seq_id) is seq:
+                self._emit(seq, tok, out)
 
     def _build(self, out: Step) -> list[Sequence]:
         """Schedule this step's tokens and fill the batch; return the sequences with an output.
@@ -425,6 +444,7 @@ class Engine:
                 budget -= n
         b = self.batch
         b.n = 0
+        self._split = False
         if not chunk:
             return []
         lo, hi = min(chunk), max(chunk)
@@ -473,6 +493,9 @@ class Engine:
             seq.out_idx = int(start[k + 1]) - 1
             b.logits[seq.out_idx] = 1
         b.n = total
+        # more than one micro-batch: a sequence with several tokens (per-sequence KV splits
+        # into equal shares per sequence), or more tokens than one micro-batch holds
+        self._split = bool(chunks) or total > self.cfg.n_ubatch
         return [seq for _, seq in outputs]
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:

@@ -93,17 +93,27 @@ class EngineLoop(threading.Thread):
                 out_sock.send(codec.encode(Shutdown()))
                 break
             if eng.busy:
+                def flush(part: Step, report: Step = report) -> None:
+                    """Send what is ready before a step that blocks (see Engine.step)."""
+                    self._merge(report, part)
+                    report.active = len(eng.active) + len(eng.waiting)
+                    out_sock.send(codec.encode(report))
+                    report.deltas, report.done, report.failed = [], [], []
+
                 self.step_started = time.monotonic()
-                stepped = eng.step()
+                self._merge(report, eng.step(flush))
                 self.step_started = 0.0
                 self.steps += 1
-                report.deltas += stepped.deltas
-                report.done += stepped.done
-                report.failed += stepped.failed
             report.active = len(eng.active) + len(eng.waiting)
             if report.deltas or report.done or report.failed:
                 out_sock.send(codec.encode(report))
         out_sock.close(linger=1000)
+
+    @staticmethod
+    def _merge(report: Step, part: Step) -> None:
+        report.deltas += part.deltas
+        report.done += part.done
+        report.failed += part.failed
 
     def _handle(self, msg: Message, report: Step) -> None:
         if isinstance(msg, Run):
