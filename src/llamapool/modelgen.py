@@ -110,14 +110,15 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 32768,
-               qtype: str = "f32", seed: int = 0) -> Path:
+               qtype: str = "f32", seed: int = 0, chat_template: str | None = CHATML_TEMPLATE) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
 
     Weights are N(0, 1/fan_in) (token embeddings N(0, 1)), norms are 1, so activations stay
     O(1) and the logits are neither flat nor NaN. ``qtype`` ("f32", "f16", "q8_0") applies to
     the matrices; norms are always f32. Same arguments and seed give the same bytes. Tensors are
     generated and written one at a time, and the file appears atomically (written to a temp
-    file beside it, then renamed).
+    file beside it, then renamed). ``chat_template`` goes into ``tokenizer.chat_template`` (ChatML
+    by default, whose control tokens are in the vocab; None: the model has no chat template).
     """
     import gguf
 
@@ -190,7 +191,8 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)
         w.add_eot_token_id(n_vocab - 1)  # <|im_end|>
-        w.add_chat_template(CHATML_TEMPLATE)
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
         # Declare all tensors up front, then generate and stream them one at a time in the same order,
         # so at most one tensor is in memory (GGUFWriter.add_tensor would hold them all until written).
         for name, shape, std in specs:
