@@ -287,3 +287,29 @@ def test_configured_template_wins_and_its_exceptions_are_bad_requests(  # type: 
             done = c.chat(chat, **GREEDY)
             assert done.usage.prompt_tokens == len(ids)
             assert done.text == c.generate(ids, **GREEDY).text
+
+
+def test_leaving_an_async_chat_stream_cancels_it(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    # 16,000 tokens take the tiny model over 10 s on a CPU; a cancelled stream frees its slot in far less
+    d = start_daemon(wait_workers=1, model={"ctx_per_slot": 16384}, workers={"cpu_workers": 1})
+    long: dict[str, Any] = {"max_tokens": 16000, "ignore_eos": True}
+
+    async def freed(ac: AsyncClient) -> bool:
+        for _ in range(20):
+            if sum(w["active"] for w in (await ac.status())["workers"]) == 0:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def go() -> None:
+        async with AsyncClient(d.endpoint) as ac:
+            async for _chunk in ac.chat_stream(CHAT, **long):
+                assert sum(w["active"] for w in (await ac.status())["workers"]) == 1
+                break
+            assert await freed(ac), "break did not cancel the request"
+            async with ac.chat_stream(CHAT, **long) as s:
+                await s.__anext__()
+            assert await freed(ac), "leaving 'async with' did not cancel the request"
+            assert s.completion is None
+
+    asyncio.run(go())
