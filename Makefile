@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-$(MODEL): | $(BIN)/.installed
+$(MODEL): src/llamapool/modelgen.py | $(BIN)/.installed
 	$(BIN)/llamapool make-model $(MODEL)
 
 run: install $(MODEL)

@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncClient", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
+    "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
     "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "Usage",
     "WorkerLostError", "__version__",
 ]

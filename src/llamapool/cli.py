@@ -1,4 +1,4 @@
-"""The ``llamapool`` command: serve, generate, status, make-model, bench."""
+"""The ``llamapool`` command: serve, generate, chat, status, make-model, bench."""
 
 from __future__ import annotations
 
@@ -48,6 +48,65 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"\nerror: {e}", file=sys.stderr)
             return 1
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A chat REPL: one user message per input line, replies streamed; the history is kept.
+
+    Works with a pipe on stdin (each line is a turn). ``/reset`` forgets the history (not the
+    system message), ``/exit`` or end of input quits. Ctrl-C during a reply cancels it.
+    """
+    from llamapool import Client, LlamapoolError
+
+    params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "seed": args.seed}
+    start: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    tty = sys.stdin.isatty()
+    failed = False
+    with Client(_endpoint(args), timeout=args.timeout) as client:
+        try:
+            client.status(timeout=5)  # fail fast when no daemon answers
+        except LlamapoolError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        while True:
+            try:
+                line = input("> ") if tty else sys.stdin.readline()
+            except (EOFError, KeyboardInterrupt):
+                break
+            if not tty and not line:
+                break
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            if line.strip() in ("/exit", "/quit"):
+                break
+            if line.strip() == "/reset":
+                history = list(start)
+                continue
+            history.append({"role": "user", "content": line})
+            stream = None
+            try:
+                stream = client.chat_stream(history, **params)
+                for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                done = stream.completion
+                assert done is not None
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                history.append({"role": "assistant", "content": done.text})
+                if done.finish_reason == "length":
+                    print(f"[reply cut at {done.usage.completion_tokens} tokens]", file=sys.stderr)
+            except (LlamapoolError, KeyboardInterrupt) as e:
+                if stream is not None:
+                    stream.close()
+                history.pop()  # the turn did not happen
+                print(f"\n[{'interrupted' if isinstance(e, KeyboardInterrupt) else f'error: {e}'}]",
+                      file=sys.stderr)
+                failed = failed or isinstance(e, LlamapoolError)
+    return 1 if failed else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -121,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with the model (one message per line; keeps the history)")
+    endpoint_args(c)
+    c.add_argument("--system", help="system message that starts the conversation")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.8)
+    c.add_argument("--seed", type=int)
+    c.add_argument("--timeout", type=float, default=300.0)
+    c.set_defaults(fn=cmd_chat)
 
     st = sub.add_parser("status", help="show the workers")
     endpoint_args(st)

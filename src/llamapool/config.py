@@ -60,6 +60,7 @@ class ModelConfig:
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
+    chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
 
 
 def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
@@ -195,7 +196,17 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
     if not model.path and model.engine == "llama":
         raise ConfigError("model.path: is required")
     if base_dir is not None and not Path(model.path).is_absolute():
-        parts["model"] = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))
+        parts["model"] = model = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))
+    if model.chat_template:
+        from llamapool.worker.chat import check_template_file  # Jinja2 only, no llama.cpp
+
+        if base_dir is not None and not Path(model.chat_template).is_absolute():
+            parts["model"] = model = dataclasses.replace(
+                model, chat_template=str((base_dir / model.chat_template).resolve()))
+        try:
+            check_template_file(model.chat_template)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     workers: WorkersConfig = parts["workers"]
     if model.max_batch_tokens and model.max_batch_tokens <= workers.slots:
         raise ConfigError(

@@ -20,7 +20,15 @@ if TYPE_CHECKING:
 
 QTYPES = ("f32", "f16", "q8_0")
 SPACE = "\u2581"  # SentencePiece's word-boundary marker
-MIN_VOCAB = 300  # <unk> <s> </s>, 256 byte tokens, and room for "▁" and the ASCII characters
+MIN_VOCAB = 300  # <unk> <s> </s>, 256 byte tokens, the ChatML tokens, and room for "▁" and ASCII
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # control tokens, last in the vocab; <|im_end|> ends a turn
+# ChatML, as Hugging Face ChatML models write it (tokenizer.chat_template)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 _CHUNK = 1 << 22  # elements generated (and quantized) at a time
 _WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one "
@@ -78,7 +86,7 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
     <unk>, <s>, </s>, the 256 byte-fallback tokens <0x00>..<0xFF>, then unique normal pieces with
     decreasing scores: single characters first, then common words (and every piece on the way to
-    them), then synthetic letter n-grams.
+    them), then synthetic letter n-grams; last, the ChatML control tokens <|im_start|> <|im_end|>.
     """
     import gguf
 
@@ -87,28 +95,30 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     tt = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)] + [int(tt.BYTE)] * 256
-    n_normal = n_vocab - len(tokens)
+    n_normal = n_vocab - len(tokens) - len(CHATML_TOKENS)
     normal: dict[str, None] = {}  # insertion-ordered set
     for p in _pieces():
         normal.setdefault(p)
         if len(normal) == n_normal:
             break
     else:
-        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal)})")
-    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal)]
-    return tokens + list(normal), scores, types + [int(tt.NORMAL)] * n_normal
+        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal) + len(CHATML_TOKENS)})")
+    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal + len(CHATML_TOKENS))]
+    return (tokens + list(normal) + list(CHATML_TOKENS), scores,
+            types + [int(tt.NORMAL)] * n_normal + [int(tt.CONTROL)] * len(CHATML_TOKENS))
 
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 32768,
-               qtype: str = "f32", seed: int = 0) -> Path:
+               qtype: str = "f32", seed: int = 0, chat_template: str | None = CHATML_TEMPLATE) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
 
     Weights are N(0, 1/fan_in) (token embeddings N(0, 1)), norms are 1, so activations stay
     O(1) and the logits are neither flat nor NaN. ``qtype`` ("f32", "f16", "q8_0") applies to
     the matrices; norms are always f32. Same arguments and seed give the same bytes. Tensors are
     generated and written one at a time, and the file appears atomically (written to a temp
-    file beside it, then renamed).
+    file beside it, then renamed). ``chat_template`` goes into ``tokenizer.chat_template`` (ChatML
+    by default, whose control tokens are in the vocab; None: the model has no chat template).
     """
     import gguf
 
@@ -180,6 +190,9 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
         w.add_unk_token_id(0)
         w.add_add_bos_token(True)
         w.add_add_eos_token(False)
+        w.add_eot_token_id(n_vocab - 1)  # <|im_end|>
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
         # Declare all tensors up front, then generate and stream them one at a time in the same order,
         # so at most one tensor is in memory (GGUFWriter.add_tensor would hold them all until written).
         for name, shape, std in specs:

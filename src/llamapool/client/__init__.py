@@ -1,6 +1,6 @@
 """Client SDK: talk to a llamapool daemon over ZeroMQ."""
 
-from llamapool.client.aio import AsyncClient
+from llamapool.client.aio import AsyncClient, AsyncStream
 from llamapool.client.errors import (
     BadRequestError,
     InternalError,
@@ -14,7 +14,7 @@ from llamapool.client.sync import Client, Stream
 from llamapool.client.types import Completion, StreamChunk, Usage
 
 __all__ = [
-    "AsyncClient", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
+    "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
     "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "Usage",
     "WorkerLostError",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -13,6 +13,7 @@ import zmq.asyncio
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
     Pending,
+    chat_prompt,
     check_endpoint,
     check_timeout,
     decode_reply,
@@ -24,6 +25,39 @@ from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
 from llamapool.protocol.messages import Message, Prompt, StatusReply
+
+
+class AsyncStream:
+    """Async iterator of :class:`StreamChunk`; ``completion`` is set once it is exhausted.
+
+    Leaving the iteration early (``break``, ``await aclose()``, or ``async with``) cancels the
+    request on the daemon.
+    """
+
+    def __init__(self, chunks: AsyncGenerator[StreamChunk, None], done: list[Completion]):
+        self._chunks = chunks
+        self._done = done  # filled by the generator; no reference back to this object, so a
+        # ``break`` drops the generator at once and its finaliser sends the cancel
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._done[0] if self._done else None
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not finished."""
+        await self._chunks.aclose()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class AsyncClient:
@@ -98,9 +132,26 @@ class AsyncClient:
             return [r for r in pending.results if r is not None]
         return pending.completions()
 
-    async def stream(self, prompt: Prompt, *, timeout: float | None = None,
-                     **params: Any) -> AsyncIterator[StreamChunk]:
-        """Async iterator of chunks; leaving it early cancels the request."""
+    async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+                   **params: Any) -> Completion:
+        """The model's reply to a chat (see :meth:`llamapool.Client.chat`)."""
+        return await self.generate(chat_prompt(messages), timeout=timeout, **params)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+                    **params: Any) -> AsyncStream:
+        """:meth:`chat`, streamed: ``async for chunk in client.chat_stream(...)``."""
+        return self.stream(chat_prompt(messages), timeout=timeout, **params)
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> AsyncStream:
+        """Async iterator of chunks (``completion`` is set at the end); leaving it early cancels the request.
+
+        The request is sent when the iteration starts.
+        """
+        done: list[Completion] = []
+        return AsyncStream(self._stream(prompt, timeout, params, done), done)
+
+    async def _stream(self, prompt: Prompt, timeout: float | None, params: dict[str, Any],
+                      done: list[Completion]) -> AsyncGenerator[StreamChunk, None]:
         rid = new_id()
         t, wait = self._budget(timeout)
         q = await self._open(generate_frame(rid, [prompt], False, True, t, params), rid)
@@ -114,7 +165,7 @@ class AsyncClient:
                 if chunk is not None:
                     yield chunk
             finished = True
-            pending.completions()  # raise the final error, if any
+            done.append(pending.completions()[0])  # or raise the final error
         finally:
             if not finished:
                 await self._cancel(rid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,14 @@ def check_endpoint(endpoint: str) -> None:
     if path is not None and not os.path.exists(path):
         raise UnavailableError(ErrorCode.UNAVAILABLE,
                                f"no llamapool daemon at {endpoint} (the socket file does not exist)")
+
+
+def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:
+    """Chat messages as the protocol's chat prompt (the daemon checks them and names a bad field)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} maps, "
+                        f"got {type(messages).__name__}")
+    return [dict(m) if isinstance(m, Mapping) else m for m in messages]
 
 
 def new_id() -> str:

@@ -57,6 +57,7 @@ _BY_CODE: dict[str, type[LlamapoolError]] = {
     ErrorCode.TIMEOUT: RequestTimeoutError,
     ErrorCode.UNAVAILABLE: UnavailableError,
     ErrorCode.WORKER_LOST: WorkerLostError,
+    ErrorCode.NO_CHAT_TEMPLATE: BadRequestError,
 }
 
 

@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -15,6 +15,7 @@ import zmq
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
     Pending,
+    chat_prompt,
     check_endpoint,
     check_timeout,
     decode_reply,
@@ -105,7 +106,7 @@ class Stream:
 
 
 class Client:
-    """Blocking llamapool client: ``generate``, ``stream``, ``generate_many``, ``status``."""
+    """Blocking llamapool client: ``generate``, ``stream``, ``chat``, ``chat_stream``, ``generate_many``, ``status``."""
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT):
         self.endpoint = endpoint or default_frontend()
@@ -163,6 +164,17 @@ class Client:
         """Stream a completion as text deltas."""
         conn, rid, deadline = self._submit([prompt], False, True, timeout, params)
         return Stream(self, conn, rid, deadline)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+             **params: Any) -> Completion:
+        """The model's reply to a chat: ``messages`` are ``{"role": ..., "content": ...}`` maps, rendered
+        on the worker with the model's chat template (the reply is the assistant's next turn)."""
+        return self.generate(chat_prompt(messages), timeout=timeout, **params)
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
+                    **params: Any) -> Stream:
+        """:meth:`chat`, streamed as text deltas (like :meth:`stream`)."""
+        return self.stream(chat_prompt(messages), timeout=timeout, **params)
 
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                       return_exceptions: bool = False, **params: Any

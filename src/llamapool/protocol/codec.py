@@ -13,6 +13,7 @@ from llamapool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Cancel,
+    ChatMessage,
     Chunk,
     Error,
     ErrorCode,
@@ -36,6 +37,7 @@ MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_SEED = 2**32 - 1
 MAX_TOKEN_ID = 2**31 - 1
+MAX_ROLE_LEN = 64
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
 
 
@@ -117,10 +119,35 @@ def _prompt(v: Any, field: str) -> Prompt:
     if isinstance(v, list):
         if not v:
             raise _invalid(field, "must not be empty")
+        if isinstance(v[0], dict):
+            return _messages(v, field)
         if not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
             raise _invalid(field, "must be a list of non-negative integer token ids")
         return v
-    raise _invalid(field, f"must be a string or a list of token ids, got {type(v).__name__}")
+    raise _invalid(field, f"must be a string, a list of token ids or a list of chat messages, "
+                          f"got {type(v).__name__}")
+
+
+_MESSAGE_KEYS = frozenset({"role", "content"})
+
+
+def _messages(v: list[Any], field: str) -> list[ChatMessage]:
+    """A chat: maps with a ``role`` (1 to 64 characters) and a ``content`` string, nothing else."""
+    out = []
+    for i, m in enumerate(v):
+        at = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            raise _invalid(at, f"must be a chat message (a map with 'role' and 'content'), got {type(m).__name__}")
+        _check_keys(m, _MESSAGE_KEYS, f"{at}.")
+        for key in ("role", "content"):
+            if key not in m:
+                raise _invalid(f"{at}.{key}", "is missing")
+            if not isinstance(m[key], str):
+                raise _invalid(f"{at}.{key}", f"must be a string, got {type(m[key]).__name__}")
+        if not 0 < len(m["role"]) <= MAX_ROLE_LEN:
+            raise _invalid(f"{at}.role", f"must have 1 to {MAX_ROLE_LEN} characters")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
 
 
 def _check_keys(d: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:

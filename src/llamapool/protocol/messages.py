@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 1
 
-Prompt = str | list[int]
+ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
+Prompt = str | list[int] | list[ChatMessage]  # text, token ids, or chat messages
 
 
 class ErrorCode:
@@ -29,6 +30,7 @@ class ErrorCode:
     UNAVAILABLE = "unavailable"
     WORKER_LOST = "worker_lost"
     INTERNAL = "internal"
+    NO_CHAT_TEMPLATE = "no_chat_template"  # chat messages sent to a model without a chat template
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,8 @@ W = TypeVar("W", bound=Candidate)
 
 def prefix_keys(prompt: Prompt) -> tuple[int, ...]:
     """Hashes of the prompt's leading pieces, shortest first (the router cannot tokenize)."""
+    if prompt and isinstance(prompt[0], dict):  # chat messages: the text they render from
+        prompt = "".join(f"\x00{m['role']}\x00{m['content']}" for m in prompt)  # type: ignore[index]
     if isinstance(prompt, str):
         return tuple(hash(prompt[:n]) for n in TEXT_PREFIXES if len(prompt) >= n)
     return tuple(hash(tuple(prompt[:n])) for n in TOKEN_PREFIXES if len(prompt) >= n)

@@ -161,6 +161,7 @@ class Supervisor:
             n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
+            chat_template=m.chat_template,
         )
 
     def _start(self, slot: WorkerSlot) -> None:

@@ -20,6 +20,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import ErrorCode, Prompt, Run, SamplingParams, Step
+from llamapool.worker.chat import ChatFormatter
 from llamapool.worker.text import TextStream
 
 PENALTY_LAST_N = 64
@@ -47,6 +48,7 @@ class EngineConfig:
     gpu_sampling: bool = True  # on a GPU: sample on the device (llama.cpp backend sampling)
     backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
     kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see below)
+    chat_template: str = ""  # a Jinja2 chat template file, used instead of the GGUF's
 
 
 @dataclass(eq=False)
@@ -184,6 +186,7 @@ class Engine:
             )
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = _Batch(cp.n_batch)
         self.free_ids: deque[int] = deque(range(cfg.slots))
@@ -273,8 +276,8 @@ class Engine:
         run = self.waiting.popleft()
         try:
             tokens = self._prompt_tokens(run.prompt)
-        except ValueError as e:
-            out.failed.append([run.rid, ErrorCode.INVALID_REQUEST, str(e), "prompt"])
+        except ValueError as e:  # a ChatError carries its own code (no_chat_template)
+            out.failed.append([run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e), "prompt"])
             return None
         prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
         seq_id, reused = self._take_slot(prompt)
@@ -331,7 +334,12 @@ class Engine:
         return seq_id, best
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
-        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt)
+        elif prompt and isinstance(prompt[0], dict):  # chat messages
+            tokens = self.chat.tokens(prompt)  # type: ignore[arg-type]
+        else:
+            tokens = list(prompt)  # type: ignore[arg-type]
         if not tokens:
             raise ValueError("prompt tokenizes to nothing")
         bad = next((t for t in tokens if t >= self.n_vocab), None)

@@ -54,6 +54,7 @@ class WorkerSpec:
     gpu_sampling: bool = True
     prefix_cache: bool = True
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
+    chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -140,6 +141,7 @@ def serve(spec: WorkerSpec) -> int:
                 max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
                 gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
                 gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache,
+                chat_template=spec.chat_template,
             )
         )
     except EngineError as e:

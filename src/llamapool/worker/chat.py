@@ -1,0 +1,192 @@
+"""Chat prompts: messages rendered with the model's own chat template, the way Hugging Face does it.
+
+The template is the GGUF's ``tokenizer.chat_template``, or the file ``model.chat_template`` names in
+the config. It is compiled once per worker, in a sandboxed Jinja2 environment with what Hugging
+Face templates expect: ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
+``raise_exception(msg)``, ``strftime_now(fmt)``, the ``tojson`` filter, loop controls and the
+``{% generation %}`` tag. The rendered text is tokenized with special-token parsing on, so
+``<|im_start|>`` in it becomes the control token.
+
+The Jinja part needs no llama.cpp, so the supervisor can check a configured template
+(:func:`compile_template`) without loading CUDA libraries; only :meth:`ChatFormatter.load` and
+:meth:`ChatFormatter.tokens` call llama.cpp, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from llamapool.protocol.messages import ChatMessage, ErrorCode
+
+CONFIG_KEY = "model.chat_template"
+
+
+class ChatError(ValueError):
+    """A chat prompt that cannot be turned into tokens; ``code`` is the error code of the reply."""
+
+    def __init__(self, message: str, code: str = ErrorCode.INVALID_REQUEST):
+        super().__init__(message)
+        self.code = code
+
+
+class TemplateRaised(Exception):
+    """The template called ``raise_exception(message)``."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> Any:
+    import jinja2.ext
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (Hugging Face marks assistant text with it): renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)  # type: ignore[no-any-return]
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, Generation])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def compile_template(source: str) -> Any:
+    """The compiled template; raises ``jinja2.TemplateSyntaxError`` when it does not compile."""
+    return _environment().from_string(source)
+
+
+class ChatTemplate:
+    """A compiled chat template and the special-token texts it is rendered with."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        self.source = source
+        self.template = compile_template(source)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text; :class:`ChatError` (``invalid_request``) when the template raises."""
+        try:
+            return str(self.template.render(
+                messages=list(messages), bos_token=self.bos_token, eos_token=self.eos_token,
+                add_generation_prompt=add_generation_prompt,
+            ))
+        except TemplateRaised as e:
+            raise ChatError(f"chat template: {e}") from None
+        except Exception as e:  # a template bug meeting these messages (undefined, type error, sandbox)
+            raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from None
+
+
+def read_template_file(path: str) -> str:
+    """The text of a configured template file; ``ValueError`` naming the config key."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{CONFIG_KEY}: file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{CONFIG_KEY}: cannot read {path}: {e}") from None
+
+
+def check_template_file(path: str) -> None:
+    """Config-time check that the file exists and compiles; ``ValueError`` naming the config key."""
+    source = read_template_file(path)
+    try:
+        compile_template(source)
+    except Exception as e:
+        raise ValueError(f"{CONFIG_KEY}: {path} is not a valid Jinja2 template: {e}") from None
+
+
+class ChatFormatter:
+    """What the engine holds: the worker's template (or why it has none) and its tokenizer."""
+
+    def __init__(self, template: ChatTemplate | None, missing: str,
+                 tokenize: Callable[[str], list[int]], bos: int, add_bos: bool):
+        self.template = template
+        self.missing = missing  # the no_chat_template message when ``template`` is None
+        self._tokenize = tokenize  # text -> tokens, special tokens parsed, nothing added
+        self.bos = bos
+        self.add_bos = add_bos
+
+    @classmethod
+    def load(cls, model: Any, vocab: Any, path: str = "") -> ChatFormatter:
+        """The template of ``path`` (a file; it wins) or of the model's GGUF metadata.
+
+        A configured file that cannot be read or compiled is a permanent worker error; a GGUF
+        template that does not compile only makes chat requests fail with ``no_chat_template``.
+        """
+        import llama_cpp as L
+
+        from llamapool.worker.engine import EngineError
+
+        def text(tok: int) -> str:
+            return L.llama_vocab_get_text(vocab, tok).decode(errors="replace") if tok >= 0 else ""
+
+        bos, eos = L.llama_vocab_bos(vocab), L.llama_vocab_eos(vocab)
+
+        def tokenize(s: str) -> list[int]:
+            data = s.encode()
+            n_max = len(data) + 8
+            buf = (L.llama_token * n_max)()
+            n = L.llama_tokenize(vocab, data, len(data), buf, n_max, False, True)
+            if n < 0:
+                buf = (L.llama_token * -n)()
+                n = L.llama_tokenize(vocab, data, len(data), buf, -n, False, True)
+            return list(buf[:n])
+
+        def make(source: str) -> ChatTemplate:
+            return ChatTemplate(source, text(bos), text(eos))
+
+        template, missing = None, ""
+        if path:
+            try:
+                template = make(read_template_file(path))
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+            except Exception as e:
+                raise EngineError(f"{CONFIG_KEY}: {path} is not a valid Jinja2 template: {e}") from None
+        else:
+            raw = L.llama_model_chat_template(model, None)
+            if not raw:
+                missing = (f"the model has no chat template (no tokenizer.chat_template in its GGUF); "
+                           f"set {CONFIG_KEY} in the config to a Jinja2 template file")
+            else:
+                try:
+                    template = make(raw.decode(errors="replace"))
+                except Exception as e:
+                    missing = (f"the model's chat template (tokenizer.chat_template in its GGUF) does not "
+                               f"compile ({e}); set {CONFIG_KEY} in the config to a Jinja2 template file")
+        return cls(template, missing, tokenize, bos, bool(L.llama_vocab_get_add_bos(vocab)) and bos >= 0)
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        if self.template is None:
+            raise ChatError(self.missing, ErrorCode.NO_CHAT_TEMPLATE)
+        return self.template.render(messages)
+
+    def tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The prompt's tokens: rendered, special tokens parsed, BOS added once when the model wants one."""
+        tokens = self._tokenize(self.render(messages))
+        if self.add_bos and (not tokens or tokens[0] != self.bos):
+            tokens.insert(0, self.bos)
+        return tokens
