@@ -88,11 +88,32 @@ class WorkersConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP gateway; no ``[http]`` table, no gateway."""
+
+    listen: str = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
+    processes: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
+    api_keys_file: str = ""  # one key per line; "" -> no authentication
+    request_timeout: float = 600.0  # seconds a request may take in all -> 504
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    http: HttpConfig | None = None
     source: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The name the HTTP API lists and requests may give: the model file's stem."""
+        return Path(self.model.path).stem or "llamapool"
 
     @property
     def runtime_dir(self) -> Path:
@@ -113,7 +134,7 @@ _POSITIVE = {
     "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
-    "workers.flap_limit",
+    "workers.flap_limit", "http.processes", "http.request_timeout",
 }
 
 
@@ -185,11 +206,14 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
-    sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig}
+    sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig}
     for key in raw:
         if key not in sections:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
-    parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()}
+    parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()
+             if name in raw or name != "http"}
+    if "http" in parts:
+        parts["http"] = _http(parts["http"], base_dir)
     model: ModelConfig = parts["model"]
     if model.engine not in ("llama", "echo"):
         raise ConfigError(f"model.engine: must be \"llama\" or \"echo\", got {model.engine!r}")
@@ -214,6 +238,21 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             f"busy slot a token and prompts need the rest, got {model.max_batch_tokens}"
         )
     return Config(source=source, **parts)
+
+
+def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:
+    host, _, port = http.listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"http.listen: must be \"host:port\", got {http.listen!r}")
+    keys = http.api_keys_file
+    if keys:
+        if base_dir is not None and not Path(keys).is_absolute():
+            keys = str((base_dir / keys).resolve())
+        if not Path(keys).is_file():
+            raise ConfigError(f"http.api_keys_file: {keys} does not exist")
+        if not any(ln.strip() and not ln.strip().startswith("#") for ln in Path(keys).read_text().splitlines()):
+            raise ConfigError(f"http.api_keys_file: {keys} holds no key (one per line)")
+    return dataclasses.replace(http, api_keys_file=keys)
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

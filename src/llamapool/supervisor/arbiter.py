@@ -78,6 +78,7 @@ class Supervisor:
         self.gpus = gpumod.discover(self.nvml)
         self.notify = Notifier.from_env()
         self.slots: list[WorkerSlot] = []
+        self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
         self.zctx = zmq.Context()
         self.stopping = False
         self.exit_code = 0
@@ -110,8 +111,10 @@ class Supervisor:
         self.slots = self._plan(self.cfg)
         for slot in self.slots:
             self._start(slot)
+        self._start_gateways()
         self._spawn_task(self._timers())
         await self._stop.wait()
+        await self._stop_gateways()
         await self._shutdown_workers()
         self._command("stop")
         await asyncio.to_thread(self.router_thread.join, 10)
@@ -245,6 +248,85 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
 
+    # ------------------------------------------------------------ the HTTP gateway
+
+    def _start_gateways(self) -> None:
+        if self.cfg.http is None:
+            return
+        self._log(f"HTTP gateway: http://{self.cfg.http.listen} ({self.cfg.http.processes} process(es))")
+        self.gateways = [WorkerSlot(f"http{i}", None) for i in range(self.cfg.http.processes)]
+        for gw in self.gateways:
+            self._spawn_task(self._run_gateway(gw))
+
+    async def _run_gateway(self, slot: WorkerSlot) -> None:
+        """One gateway process; restarted with backoff when it dies, like a worker."""
+        from llamapool.gateway import GatewaySpec
+
+        http = self.cfg.http
+        assert http is not None
+        host, port = http.host_port
+        spec = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
+                           model=self.cfg.model_name, api_keys_file=http.api_keys_file,
+                           drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout)
+        slot.state = "starting"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        )
+        slot.proc, slot.started_at = proc, time.monotonic()
+        self._log(f"{slot.name}: started pid {proc.pid}")
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            slot.log.append(line)
+            if "listening on" in line and slot.state == "starting":
+                slot.state, slot.ready_at = "ready", time.monotonic()
+            print(f"[{slot.name}] {line}", file=sys.stderr, flush=True)
+        code = await proc.wait()
+        slot.proc = None
+        slot.last_exit = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        if self.stopping or slot.state == "stopped":
+            self._log(f"{slot.name}: pid {proc.pid} exited ({slot.last_exit})")
+            return
+        if code == EXIT_PERMANENT:
+            fatal = [ln for ln in slot.log if "FATAL" in ln]
+            slot.state, slot.reason = "failed", fatal[-1] if fatal else slot.last_exit
+            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}")
+            return
+        if slot.ready_at and time.monotonic() - slot.ready_at > self.cfg.workers.restart_backoff_max:
+            slot.streak = 0
+        delay = min(self.cfg.workers.restart_backoff * 2**slot.streak, self.cfg.workers.restart_backoff_max)
+        slot.streak += 1
+        slot.state = "backoff"
+        self._log(f"{slot.name}: pid {proc.pid} died ({slot.last_exit}); restarting in {delay:g}s")
+        await asyncio.sleep(delay)
+        if not self.stopping and slot.state == "backoff":
+            slot.restarts += 1
+            self._spawn_task(self._run_gateway(slot))
+
+    def _signal_gateways(self, sig: signal.Signals) -> None:
+        for gw in self.gateways:
+            if gw.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    gw.proc.send_signal(sig)
+
+    async def _stop_gateways(self) -> None:
+        """SIGTERM: stop accepting, finish what is in flight (``drain_timeout``); then SIGKILL."""
+        for gw in self.gateways:
+            gw.state = "stopped"
+        self._signal_gateways(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.server.drain_timeout + 5
+        for gw in self.gateways:
+            proc = gw.proc
+            if proc is None:
+                continue
+            try:
+                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
     # ------------------------------------------------------------ router events
 
     def _from_router_thread(self, event: tuple[Any, ...]) -> None:
@@ -284,6 +366,7 @@ class Supervisor:
         self.notify.stopping()
         self.notify.extend_timeout(self.cfg.server.drain_timeout + 15)
         self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
+        self._signal_gateways(signal.SIGTERM)  # they stop accepting and finish their streams
         self._command("drain")
         try:
             await asyncio.wait_for(self._drained.wait(), self.cfg.server.drain_timeout)
@@ -300,6 +383,7 @@ class Supervisor:
         self.notify.stopping()
         self._log("fast stop")
         self._command("cancel_all")
+        self._signal_gateways(signal.SIGKILL)
         for slot in self.slots:
             if slot.proc is not None:
                 with contextlib.suppress(ProcessLookupError):

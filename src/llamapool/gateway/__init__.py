@@ -1,0 +1,32 @@
+"""The HTTP gateway: OpenAI's API in front of the router, one process per ``[http] processes``.
+
+Each gateway process is an ordinary client of the router (one :class:`llamapool.AsyncClient`), so a
+request travels HTTP -> gateway -> router -> worker and back. The supervisor starts, restarts and
+drains the gateway processes like workers; several share the port with SO_REUSEPORT.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """What one gateway process needs, passed by the supervisor as JSON in argv."""
+
+    name: str
+    frontend: str  # the router's frontend endpoint
+    host: str
+    port: int
+    model: str  # the name /v1/models lists and requests may name
+    api_keys_file: str = ""  # "" -> no authentication
+    drain_timeout: float = 60.0
+    request_timeout: float = 600.0  # a request's deadline at the router (-> 504)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> GatewaySpec:
+        return cls(**json.loads(text))

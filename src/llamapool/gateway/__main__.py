@@ -1,0 +1,64 @@
+"""A gateway process: ``python -m llamapool.gateway SPEC_JSON`` (started by the supervisor).
+
+It binds its own listening socket with SO_REUSEPORT, so several gateway processes share the port
+and the kernel spreads connections between them. SIGTERM stops accepting connections and lets the
+requests in flight finish (up to ``drain_timeout``), then exits 0.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from llamapool.gateway import GatewaySpec
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(spec: GatewaySpec) -> int:
+    import uvicorn
+
+    from llamapool.client.aio import AsyncClient
+    from llamapool.gateway.app import Gateway
+
+    try:
+        sock = listen(spec.host, spec.port)
+    except OSError as e:
+        print(f"llamapool gateway {spec.name}: FATAL: cannot listen on {spec.host}:{spec.port}: {e}",
+              file=sys.stderr, flush=True)
+        return 78
+    client = AsyncClient(spec.frontend, timeout=spec.request_timeout)
+    config = uvicorn.Config(Gateway(spec, client).app(), loop="none", http="httptools", lifespan="off",
+                            access_log=False, log_level="warning", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
+    server = uvicorn.Server(config)
+    print(f"llamapool gateway {spec.name}: listening on http://{spec.host}:{spec.port}", file=sys.stderr,
+          flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await client.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m llamapool.gateway SPEC_JSON", file=sys.stderr)
+        return 2
+    import uvloop
+
+    return uvloop.run(serve(GatewaySpec.from_json(args[0])))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

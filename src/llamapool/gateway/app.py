@@ -1,0 +1,211 @@
+"""The gateway's routes: OpenAI's API as a Starlette app over one :class:`llamapool.AsyncClient`.
+
+Starlette on uvicorn (uvloop + httptools): a thin ASGI layer whose streaming response hands our
+pre-encoded SSE bytes straight to the protocol, and which cancels the handler when the client goes
+away, which cancels the request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llamapool.client.aio import AsyncClient, AsyncStream
+from llamapool.client.errors import LlamapoolError
+from llamapool.client.types import Completion
+from llamapool.gateway import GatewaySpec
+from llamapool.gateway import openai as oai
+
+
+def load_keys(path: str) -> list[bytes]:
+    """API keys, one per line; blank lines and ``#`` comments are skipped."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line.encode())
+    return keys
+
+
+def error_response(e: oai.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Gateway:
+    """Request handlers; ``client`` is this process's one connection to the router."""
+
+    def __init__(self, spec: GatewaySpec, client: AsyncClient):
+        self.spec, self.client = spec, client
+        self.keys = load_keys(spec.api_keys_file) if spec.api_keys_file else []
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ])
+
+    def _authorised(self, request: Request) -> None:
+        if not self.keys:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        ok = False
+        for key in self.keys:  # constant time for each key, and every key is compared
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise oai.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
+
+    async def health(self, request: Request) -> Response:
+        try:
+            st = await self.client.status(timeout=2.0)
+        except LlamapoolError as e:
+            return JSONResponse({"status": "unavailable", "error": e.message}, status_code=503)
+        ready = sum(1 for w in st["workers"] if w.get("state") == "ready")
+        body = {"status": "ok" if ready else "unavailable", "workers_ready": ready,
+                "queued": st["queued"], "running": st["running"]}
+        return JSONResponse(body, status_code=200 if ready and not st["draining"] else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorised(request)
+        except oai.ApiError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.spec.model, "object": "model", "created": 0, "owned_by": "llamapool"}]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        try:
+            self._authorised(request)
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise oai.ApiError(400, f"the request body is not valid JSON: {e}") from None
+            req = (oai.parse_chat if chat else oai.parse_completion)(body, self.spec.model)
+            if req.stream:
+                streams = [self.client.stream(p, timeout=self.spec.request_timeout, **req.params)
+                           for p in req.prompts]
+                first = await _start(streams)  # errors before the first token are HTTP errors
+                return StreamingResponse(self._sse(req, chat, streams, first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            done: list[Completion] = await self.client.generate_many(  # type: ignore[assignment]
+                req.prompts, timeout=self.spec.request_timeout, **req.params)
+        except oai.ApiError as e:
+            return error_response(e)
+        except LlamapoolError as e:
+            return error_response(oai.from_llamapool(e))
+        except TypeError as e:  # a parameter the SDK refuses
+            return error_response(oai.ApiError(400, str(e)))
+        pt = sum(c.usage.prompt_tokens for c in done)
+        ct = sum(c.usage.completion_tokens for c in done)
+        if chat:
+            return JSONResponse(oai.chat_body(req, self.spec.model, done[0].text, done[0].finish_reason, pt, ct))
+        return JSONResponse(oai.completion_body(req, self.spec.model, [(c.text, c.finish_reason) for c in done],
+                                                pt, ct))
+
+    async def _sse(self, req: oai.Request, chat: bool, streams: list[AsyncStream],
+                   first: list[Any]) -> AsyncIterator[bytes]:
+        """The event stream; leaving it (the client went away) cancels every request still running."""
+        w = oai.ChunkWriter(req, self.spec.model, chat)
+        pt = ct = 0
+        try:
+            if chat:
+                yield w.first(0)
+            async for index, item in _merge(streams, first):
+                if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
+                    yield w.error(oai.from_llamapool(item))
+                    break
+                if isinstance(item, str):
+                    if item:
+                        yield w.text(index, item)
+                    continue
+                pt += item.usage.prompt_tokens
+                ct += item.usage.completion_tokens
+                yield w.end(index, item.finish_reason)
+            else:
+                if req.include_usage:
+                    yield w.usage(pt, ct)
+            yield w.DONE
+        finally:
+            # Starlette cancels this generator when the client goes away; the shield lets the
+            # cancel reach the router all the same
+            with anyio.CancelScope(shield=True):
+                for s in streams:
+                    await s.aclose()
+
+
+async def _start(streams: list[AsyncStream]) -> list[Any]:
+    """Each stream's first item (a chunk, or ``None`` when it ended without one): an error here
+    is raised, so it can still become the HTTP status."""
+    firsts: list[Any] = []
+    try:
+        for s in streams:
+            try:
+                firsts.append(await s.__anext__())
+            except StopAsyncIteration:
+                firsts.append(None)
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return firsts
+
+
+async def _merge(streams: list[AsyncStream], first: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave the streams' items as ``(index, text | Completion | LlamapoolError)``."""
+    if len(streams) == 1:  # the common case, without tasks
+        s = streams[0]
+        if first[0] is not None:
+            yield 0, first[0].text
+        try:
+            async for chunk in s:
+                yield 0, chunk.text
+        except LlamapoolError as e:
+            yield 0, e
+            return
+        assert s.completion is not None
+        yield 0, s.completion
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncStream) -> None:
+        try:
+            if first[i] is not None:
+                queue.put_nowait((i, first[i].text))
+            async for chunk in s:
+                queue.put_nowait((i, chunk.text))
+            queue.put_nowait((i, s.completion))
+        except LlamapoolError as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(streams):
+            i, item = await queue.get()
+            if not isinstance(item, str):
+                ended += 1
+            yield i, item
+            if isinstance(item, LlamapoolError):
+                return
+    finally:
+        for t in tasks:
+            t.cancel()

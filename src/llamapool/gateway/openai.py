@@ -1,0 +1,262 @@
+"""OpenAI's API shapes: request bodies -> llamapool requests, results -> responses and stream chunks.
+
+Pure functions, no I/O. A bad request raises :class:`ApiError` naming the parameter; parameters
+OpenAI defines that llamapool cannot honour (``n`` > 1, ``logprobs``, ``tools``, ...) are refused,
+never silently ignored; fields nobody defines are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamapool.client.errors import LlamapoolError
+from llamapool.protocol.messages import ErrorCode, Prompt
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+# llamapool error codes -> (HTTP status, OpenAI error type)
+_STATUS = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.MALFORMED: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (400, "invalid_request_error"),
+    ErrorCode.DUPLICATE_ID: (400, "invalid_request_error"),
+    "no_chat_template": (400, "invalid_request_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
+    ErrorCode.TIMEOUT: (504, "timeout"),
+    ErrorCode.WORKER_LOST: (502, "server_error"),
+}
+
+
+def from_llamapool(e: LlamapoolError) -> ApiError:
+    status, kind = _STATUS.get(e.code, (500, "server_error"))
+    param = e.field[len("params."):] if e.field and e.field.startswith("params.") else e.field
+    headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
+    return ApiError(status, e.message, type_=kind, param=param, code=e.code, headers=headers)
+
+
+@dataclass
+class Request:
+    """One OpenAI request as llamapool sees it."""
+
+    prompts: list[Prompt]
+    params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+_UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise bad(key, f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if not lo <= v <= hi:
+        raise bad(key, f"'{key}' must be between {lo:g} and {hi:g}, got {v!r}")
+    return v
+
+
+def _common(body: Any, model: str, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    named = body.get("model")
+    if named is not None and named != model:
+        raise ApiError(404, f"The model '{named}' does not exist (this server has '{model}')",
+                       param="model", code="model_not_found")
+    for key, fine in _UNSUPPORTED.items():
+        if key in body and body[key] not in fine:
+            raise ApiError(400, f"'{key}' is not supported by llamapool (got {body[key]!r})",
+                           param=key, code="unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported by llamapool",
+                       param="response_format", code="unsupported_parameter")
+    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+    params: dict[str, Any] = {"max_tokens": max_tokens or default_max_tokens}
+    for key, lo, hi, integer in (("temperature", 0, 2, False), ("top_p", 0, 1, False),
+                                 ("top_k", 0, 1 << 20, True), ("min_p", 0, 1, False),
+                                 ("repeat_penalty", 0, 10, False), ("seed", -(1 << 63), (1 << 64) - 1, True)):
+        v = _number(body, key, lo, hi, integer)
+        if v is not None:
+            params[key] = v
+    if params.get("top_p") == 0:
+        raise bad("top_p", "'top_p' must be > 0")
+    if "seed" in params:
+        params["seed"] = params["seed"] & 0xFFFFFFFF
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop", "'stop' must be a non-empty string or a list of them")
+        if stops:
+            params["stop"] = stops
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise bad("ignore_eos", "'ignore_eos' must be true or false")
+        params["ignore_eos"] = ignore_eos
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise bad("stream", "'stream' must be true or false")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options", "'stream_options' must be an object")
+        include_usage = bool(opts.get("include_usage", False))
+    return params, bool(stream), include_usage
+
+
+def parse_completion(body: Any, model: str) -> Request:
+    """``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids."""
+    params, stream, include_usage = _common(body, model, 16)
+    p = body.get("prompt")
+    prompts: list[Prompt]
+    if isinstance(p, str):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        prompts = [list(p)]
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids, "
+                            "or a list of lists of token ids (none of them empty)")
+    if any(isinstance(x, list) and any(isinstance(t, int) and t < 0 for t in x) for x in prompts):
+        raise bad("prompt", "token ids must be >= 0")
+    return Request(prompts, params, stream, include_usage)
+
+
+def parse_chat(body: Any, model: str) -> Request:
+    """``POST /v1/chat/completions``: the messages go to the worker, which renders the model's template."""
+    params, stream, include_usage = _common(body, model, 1 << 20)  # until end of turn or the context
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role'")
+        if m.get("tool_calls"):
+            raise ApiError(400, "tool calls are not supported by llamapool", param=f"messages[{i}].tool_calls",
+                           code="unsupported_parameter")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, "only text content parts are supported",
+                                   param=f"messages[{i}].content[{j}]", code="unsupported_parameter")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return Request([out], params, stream, include_usage)  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def completion_body(req: Request, model: str, choices: list[tuple[str, str]], pt: int, ct: int) -> dict[str, Any]:
+    return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": model,
+            "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish(reason)}
+                        for i, (text, reason) in enumerate(choices)],
+            "usage": usage(pt, ct)}
+
+
+def chat_body(req: Request, model: str, text: str, reason: str, pt: int, ct: int) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": None, "finish_reason": finish(reason)}],
+            "usage": usage(pt, ct)}
+
+
+class ChunkWriter:
+    """Server-sent events of one streamed request, each ``data: {...}\\n\\n``, built from templates so a
+    token costs one ``json.dumps`` of its text."""
+
+    def __init__(self, req: Request, model: str, chat: bool):
+        self.chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        ident = f"chatcmpl-{req.id}" if chat else f"cmpl-{req.id}"
+        self._head = (f'data: {{"id":"{ident}","object":"{obj}","created":{req.created},'
+                      f'"model":{json.dumps(model)},"choices":[')
+
+    def first(self, index: int) -> bytes:
+        """Chat streams open with the assistant role."""
+        return (self._head + f'{{"index":{index},"delta":{{"role":"assistant","content":""}},'
+                f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
+
+    def text(self, index: int, text: str) -> bytes:
+        if self.chat:
+            choice = (f'{{"index":{index},"delta":{{"content":{json.dumps(text)}}},'
+                      '"logprobs":null,"finish_reason":null}')
+        else:
+            choice = f'{{"text":{json.dumps(text)},"index":{index},"logprobs":null,"finish_reason":null}}'
+        return (self._head + choice + "]}\n\n").encode()
+
+    def end(self, index: int, reason: str) -> bytes:
+        r = json.dumps(finish(reason))
+        if self.chat:
+            choice = f'{{"index":{index},"delta":{{}},"logprobs":null,"finish_reason":{r}}}'
+        else:
+            choice = f'{{"text":"","index":{index},"logprobs":null,"finish_reason":{r}}}'
+        return (self._head + choice + "]}\n\n").encode()
+
+    def usage(self, pt: int, ct: int) -> bytes:
+        return (self._head + f'],"usage":{json.dumps(usage(pt, ct))}}}\n\n').encode()
+
+    @staticmethod
+    def error(e: ApiError) -> bytes:
+        return f"data: {json.dumps(e.body())}\n\n".encode()
+
+    DONE = b"data: [DONE]\n\n"
