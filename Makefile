@@ -22,6 +22,9 @@ $(MODEL): src/llamapool/modelgen.py | $(BIN)/.installed
 	$(BIN)/llamapool make-model $(MODEL)
 
 run: install $(MODEL)
+	@$(BIN)/python -c "from llamapool.config import load_config as l; c = l('$(CONFIG)'); \
+	print(f'llamapool: OpenAI-compatible API at http://{c.http.listen}/v1' if c.http else 'llamapool: no [http] table: SDK only'); \
+	print(f'llamapool: SDK endpoint {c.frontend}')"
 	$(BIN)/llamapool serve --config $(CONFIG)
 
 test: install

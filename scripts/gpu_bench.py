@@ -219,6 +219,9 @@ def main() -> int:
                     help="also: an 8,000-token prompt among 63 streams; 64 prompts sharing 1,000 tokens")
     ap.add_argument("--scenario-extra", action="append", default=None, metavar="TOML",
                     help="run the long-prompt scenario at this [model] setting (repeatable; default: --extra)")
+    ap.add_argument("--gateway", type=int, default=0, metavar="PROCS",
+                    help="also drive llamapool through its HTTP gateway (this many gateway processes), "
+                         "with the same requests over POST /v1/completions")
     ap.add_argument("--scaling", action="store_true",
                     help="also: 'short' on one GPU, then on every GPU (C streams each), with isolation checks")
     args = ap.parse_args()
@@ -268,10 +271,10 @@ def main() -> int:
     devices = "[0]"
 
     def daemon(tag: str, slots: int, ctx_slot: int, more: str = "", devs: str = devices,
-               n: int = 1) -> tuple[subprocess.Popen[bytes], str, Path, dict[str, Any]]:
+               n: int = 1, http: str = "") -> tuple[subprocess.Popen[bytes], str, Path, dict[str, Any]]:
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", tag)[:40]
-        proc, ep, logf = start_daemon(daemon_config(tmp, tag, model, devs, slots, ctx_slot, extra + more, args.cpu),
-                                      tmp, tag, logs)
+        proc, ep, logf = start_daemon(daemon_config(tmp, tag, model, devs, slots, ctx_slot, extra + more, args.cpu)
+                                      + http, tmp, tag, logs)
         st = wait_ready(ep, n, proc, logf)
         return proc, ep, logf, st
 
@@ -308,8 +311,18 @@ def main() -> int:
             ctx_slot = work.longest + 16
             line: dict[str, Any] = {"workload": name, "C": c, "requests": len(work.requests)}
             with section(f"{name}: llamapool (C={c}, {len(work.requests)} requests)", timings):
-                proc, ep, logf, _ = daemon(f"{name}-llamapool", c, ctx_slot)
+                http = ""
+                if args.gateway:
+                    port = free_port()
+                    http = f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = {args.gateway}\n'
+                proc, ep, logf, _ = daemon(f"{name}-llamapool", c, ctx_slot, http=http)
                 r, eng = drive_llamapool(ep, work, c)
+                if args.gateway:  # the same requests through the gateway, same daemon
+                    time.sleep(1.0)
+                    g = drivers.run(drivers.Target("http-openai", f"http://127.0.0.1:{port}"), work, c, args.procs)
+                    record({**g.as_dict(), "service": "llamapool-gateway", "gateway_processes": args.gateway,
+                            "gateway_over_sdk": round(g.tok_s / r.tok_s, 3)})
+                    line["gateway"] = g
                 cuda = stop_daemon(proc, logf)
                 record({**r.as_dict(), "service": "llamapool", "extra": extra, "ctx_per_slot": ctx_slot,
                         "engine": eng, "cuda_errors": cuda})
@@ -420,6 +433,16 @@ def side_by_side(summary: list[dict[str, Any]]) -> str:
             f"{f(lp and lp.itl_p50_ms, '{:.2f}')} / {f(ls and ls.itl_p50_ms, '{:.2f}')} | "
             f"{f(ce and ce['e2e_tok_s'])} | {f(lp.tok_s / ce['e2e_tok_s'] if lp and ce else None, '{:.2f}')} | "
             f"{(lp.errors if lp else 0)} / {(ls.errors if ls else 0)} |")
+    gateway = [s for s in summary if s.get("gateway")]
+    if gateway:
+        lines += ["", "| workload | C | SDK tok/s | gateway tok/s | gateway / SDK | llama-server tok/s | "
+                      "gateway / llama-server | TTFT p50 ms SDK / gateway | errors |", "|" + "---|" * 9]
+        for s in gateway:
+            lp, gw, ls = s["llamapool"], s["gateway"], s.get("llama-server")
+            peer = f"{ls.tok_s:,.0f} | {gw.tok_s / ls.tok_s:.2f}" if ls else "- | -"
+            lines.append(f"| {s['workload']} | {s['C']} | {lp.tok_s:,.0f} | {gw.tok_s:,.0f} | "
+                         f"{gw.tok_s / lp.tok_s:.2f} | {peer} | "
+                         f"{lp.ttft_p50_ms:,.0f} / {gw.ttft_p50_ms:,.0f} | {gw.errors} |")
     return "\n".join(lines)
 
 

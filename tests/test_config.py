@@ -67,3 +67,16 @@ def test_serve_with_a_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "workers.slots" in r.stderr
+
+
+def test_http_table_is_optional_and_checked(tmp_path: Path) -> None:
+    assert from_dict({"model": {"path": "m"}}).http is None
+    cfg = load_config(ROOT / "configs" / "default.toml")
+    assert cfg.http is not None and cfg.http.host_port == ("127.0.0.1", 8000) and cfg.http.processes == 1
+    with pytest.raises(ConfigError, match="http.listen"):
+        from_dict({"model": {"path": "m"}, "http": {"listen": "8000"}})
+    with pytest.raises(ConfigError, match="http.api_keys_file"):
+        from_dict({"model": {"path": "m"}, "http": {"api_keys_file": str(tmp_path / "none")}})
+    (tmp_path / "empty").write_text("# no keys\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        from_dict({"model": {"path": "m"}, "http": {"api_keys_file": str(tmp_path / "empty")}})
