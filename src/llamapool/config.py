@@ -103,11 +103,25 @@ class HttpConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """A Prometheus endpoint served by the supervisor; no ``[metrics]`` table, none (the gateway's
+    ``GET /metrics`` is there either way)."""
+
+    listen: str = "127.0.0.1:9464"  # host:port
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     http: HttpConfig | None = None
+    metrics: MetricsConfig | None = None
     source: str = ""
 
     @property
@@ -206,14 +220,19 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
-    sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig}
+    sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig,
+                "metrics": MetricsConfig}
     for key in raw:
         if key not in sections:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
     parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()
-             if name in raw or name != "http"}
+             if name in raw or name not in ("http", "metrics")}
     if "http" in parts:
         parts["http"] = _http(parts["http"], base_dir)
+    if "metrics" in parts:
+        host, _, port = parts["metrics"].listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"metrics.listen: must be \"host:port\", got {parts['metrics'].listen!r}")
     model: ModelConfig = parts["model"]
     if model.engine not in ("llama", "echo"):
         raise ConfigError(f"model.engine: must be \"llama\" or \"echo\", got {model.engine!r}")

@@ -24,7 +24,7 @@ from llamapool.client.errors import LlamapoolError, RequestTimeoutError, Unavail
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Message, Prompt, StatusReply
+from llamapool.protocol.messages import Message, MetricsReply, Prompt, StatusReply
 
 
 class AsyncStream:
@@ -184,6 +184,20 @@ class AsyncClient:
             raise LlamapoolError("internal", f"unexpected reply {msg!r}")
         return {"workers": msg.workers, "queued": msg.queued, "running": msg.running,
                 "draining": msg.draining, "gpus": msg.gpus}
+
+    async def metrics(self, *, timeout: float = 5.0) -> str:
+        """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
+        rid = new_id()
+        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}), rid)
+        try:
+            msg = await asyncio.wait_for(q.get(), timeout)
+        except TimeoutError:
+            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if not isinstance(msg, MetricsReply):
+            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+        return msg.text
 
     async def close(self) -> None:
         if self._reader is not None:

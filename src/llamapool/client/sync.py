@@ -26,7 +26,7 @@ from llamapool.client.errors import LlamapoolError, RequestTimeoutError, Unavail
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Message, Prompt, StatusReply
+from llamapool.protocol.messages import Message, MetricsReply, Prompt, StatusReply
 
 
 class _Conn:
@@ -201,6 +201,20 @@ class Client:
             raise LlamapoolError("internal", f"unexpected reply {msg!r}")
         return {"workers": msg.workers, "queued": msg.queued, "running": msg.running,
                 "draining": msg.draining, "gpus": msg.gpus}
+
+    def metrics(self, *, timeout: float = 5.0) -> str:
+        """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
+        rid = new_id()
+        conn = self._conn()
+        conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}))
+        try:
+            msg = conn.recv_for(rid, time.monotonic() + timeout)
+        except RequestTimeoutError:
+            conn.dropped.add(rid)
+            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+        if not isinstance(msg, MetricsReply):
+            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+        return msg.text
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion
 from llamapool.gateway import GatewaySpec
 from llamapool.gateway import openai as oai
+from llamapool.router.metrics import CONTENT_TYPE
 
 
 def load_keys(path: str) -> list[bytes]:
@@ -51,6 +52,7 @@ class Gateway:
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -77,6 +79,19 @@ class Gateway:
         body = {"status": "ok" if ready else "unavailable", "workers_ready": ready,
                 "queued": st["queued"], "running": st["running"]}
         return JSONResponse(body, status_code=200 if ready and not st["draining"] else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus metrics, rendered by the router (one owner per figure; see docs/metrics.md).
+        Behind the API keys when there are some (Prometheus: ``authorization: {credentials: KEY}``)."""
+        try:
+            self._authorised(request)
+        except oai.ApiError as e:
+            return error_response(e)
+        try:
+            text = await self.client.metrics(timeout=5.0)
+        except LlamapoolError as e:
+            return Response(f"# llamapool unavailable: {e.message}\n", status_code=503, media_type="text/plain")
+        return Response(text, media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -21,6 +21,8 @@ from llamapool.protocol.messages import (
     Heartbeat,
     Hello,
     Message,
+    MetricsReply,
+    MetricsRequest,
     Prompt,
     Result,
     Run,
@@ -266,9 +268,10 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Generate.TYPE: _generate,
     Cancel.TYPE: _id_only(Cancel),
     StatusRequest.TYPE: _id_only(StatusRequest),
+    MetricsRequest.TYPE: _id_only(MetricsRequest),
 }
 REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply)
+    c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply, MetricsReply)
 }
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     c.TYPE: _plain(c) for c in (Hello, Heartbeat, Step, Shutdown)

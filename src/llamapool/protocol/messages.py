@@ -80,6 +80,14 @@ class StatusRequest:
     id: str
 
 
+@dataclass(slots=True)
+class MetricsRequest:
+    """Ask for the Prometheus exposition text (see docs/metrics.md)."""
+
+    TYPE: ClassVar[str] = "metrics"
+    id: str
+
+
 # ---------------------------------------------------------------- router -> client
 
 
@@ -132,6 +140,15 @@ class StatusReply:
     gpus: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class MetricsReply:
+    """The Prometheus text exposition format (version 0.0.4), rendered by the router."""
+
+    TYPE: ClassVar[str] = "metrics_reply"
+    id: str
+    text: str
+
+
 # ---------------------------------------------------------------- worker <-> router
 
 
@@ -161,6 +178,8 @@ class Heartbeat:
     decode_s: float = 0.0  # cumulative seconds inside llama_decode
     step_s: float = 0.0  # cumulative seconds of whole engine steps
     reused_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
+    kv_used: int = 0  # KV cache cells holding tokens (running sequences and kept prefixes)
+    kv_total: int = 0  # KV cache cells in all (0: not reported)
 
 
 @dataclass(slots=True)
@@ -208,10 +227,12 @@ Message = (
     Generate
     | Cancel
     | StatusRequest
+    | MetricsRequest
     | Chunk
     | Result
     | Error
     | StatusReply
+    | MetricsReply
     | Hello
     | Heartbeat
     | Run

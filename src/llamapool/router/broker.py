@@ -30,6 +30,8 @@ from llamapool.protocol.messages import (
     Heartbeat,
     Hello,
     Message,
+    MetricsReply,
+    MetricsRequest,
     Prompt,
     Result,
     Run,
@@ -39,6 +41,7 @@ from llamapool.protocol.messages import (
     StatusRequest,
     Step,
 )
+from llamapool.router.metrics import RouterMetrics
 from llamapool.router.policy import pick_worker, prefix_keys, remember
 
 TICK = 0.1  # seconds between housekeeping passes
@@ -55,6 +58,7 @@ class RouterConfig:
     heartbeat_liveness: int = 3
     step_timeout: float = 60.0
     affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
+    model: str = ""  # the ``model`` label of the metrics
 
 
 @dataclass(eq=False)
@@ -74,6 +78,8 @@ class Job:
     keys: tuple[int, ...] = ()  # prompt prefix hashes, for KV-cache affinity
     delivered: int = 0  # tokens already streamed to the client
     ending: str | None = None  # error code to answer with once the worker confirms the abort
+    started: float = 0.0  # when a worker first took it (metrics: queue wait)
+    last_token: float = 0.0  # when its last chunk came (metrics: inter-token latency)
 
 
 @dataclass(eq=False)
@@ -89,6 +95,8 @@ class WorkerState:
     decode_s: float = 0.0
     step_s: float = 0.0
     reused_tokens: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
     last_sent: float = 0.0
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
@@ -133,6 +141,7 @@ class Router:
         self.next_rid = 1
         self.loop_progress = time.monotonic()  # read by the supervisor's watchdog
         self._last_ready = -1
+        self.metrics = RouterMetrics(cfg.model)
 
     def bind(self) -> None:
         self.front.bind(self.cfg.frontend)
@@ -184,6 +193,7 @@ class Router:
         try:
             msg = codec.decode(frames, codec.CLIENT_TYPES, self.cfg.max_message_bytes)
         except codec.ProtocolError as e:
+            self.metrics.outcome(e.code)
             self._reply(client, e.to_error())
             return
         if isinstance(msg, Generate):
@@ -193,21 +203,27 @@ class Router:
                 self._cancel_job(job, "cancelled")
         elif isinstance(msg, StatusRequest):
             self._reply(client, self._status(msg.id))
+        elif isinstance(msg, MetricsRequest):
+            self._reply(client, MetricsReply(msg.id, self.metrics.render(self).decode()))
 
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         key = (client, msg.id)
         if key in self.by_request:
+            self.metrics.outcome(ErrorCode.DUPLICATE_ID, len(msg.prompts))
             self._reply(client, Error(msg.id, ErrorCode.DUPLICATE_ID,
                                       f"request id {msg.id!r} is already in flight", field="id"))
             return
         if self.draining:
+            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts))
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
             return
         hopeless = self._hopeless()
         if hopeless:
+            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts))
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, hopeless))
             return
         if len(self.queue) + len(msg.prompts) > self.cfg.max_queue:
+            self.metrics.outcome(ErrorCode.OVERLOADED, len(msg.prompts))
             self._reply(client, Error(
                 msg.id, ErrorCode.OVERLOADED,
                 f"queue is full ({len(self.queue)} waiting, server.max_queue={self.cfg.max_queue})",
@@ -228,7 +244,17 @@ class Router:
     def _finish(self, job: Job, msg: Message) -> None:
         """Send the one final reply of ``job`` and forget it."""
         self._forget(job)
+        if isinstance(msg, Result):
+            self.metrics.outcome("cancelled" if msg.finish_reason == "cancelled" else "ok")
+        elif isinstance(msg, Error):
+            self.metrics.outcome(msg.code)
+        self.metrics.e2e.observe(time.monotonic() - job.queued_at)
         self._reply(job.client, msg)
+
+    def _gone(self, job: Job) -> None:
+        """Drop ``job`` whose client went away: no reply."""
+        self.metrics.outcome("disconnected")
+        self._forget(job)
 
     def _error(self, job: Job, code: str, message: str) -> Error:
         return Error(job.id, code, message, index=job.index,
@@ -240,7 +266,7 @@ class Router:
             if job in self.queue:
                 self.queue.remove(job)
             if code is None:
-                self._forget(job)
+                self._gone(job)
             elif code == "cancelled":
                 self._finish(job, Result(job.id, job.index, "", "cancelled", 0, 0, ""))
             else:
@@ -294,24 +320,30 @@ class Router:
             self._on_step(w, msg)
         elif isinstance(msg, Heartbeat):
             w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
-            w.reused_tokens = msg.reused_tokens
+            w.reused_tokens, w.kv_used, w.kv_total = msg.reused_tokens, msg.kv_used, msg.kv_total
         elif isinstance(msg, Shutdown):  # drained and leaving
             self._lose_worker(w, "it shut down")
 
     def _on_step(self, w: WorkerState, step: Step) -> None:
+        now = time.monotonic()
         for rid, text, ntok in step.deltas:
             job = w.jobs.get(rid)
             if job is not None and job.ending is None:
-                job.delivered = ntok
+                if job.delivered == 0:
+                    self.metrics.ttft.observe(now - job.queued_at)
+                elif ntok > job.delivered:
+                    self.metrics.itl.observe((now - job.last_token) / (ntok - job.delivered), ntok - job.delivered)
+                job.delivered, job.last_token = ntok, now
                 self._reply(job.client, Chunk(job.id, job.index, text, ntok))
         for rid, reason, text, n_prompt, n_gen in step.done:
+            self.metrics.tokens(w.name, n_prompt, n_gen)
             job = w.jobs.pop(rid, None)
             if job is None:
                 continue
             if job.ending in (None, "cancelled"):
                 self._finish(job, Result(job.id, job.index, text, reason, n_prompt, n_gen, w.name))
             elif job.ending == "gone":
-                self._forget(job)
+                self._gone(job)
             else:
                 self._finish(job, self._error(job, job.ending, f"request {job.ending}: stopped "
                                               f"after {n_gen} tokens"))
@@ -326,11 +358,13 @@ class Router:
         """Take ``w`` out of routing; retry its unstarted jobs, fail its streaming ones."""
         if self.workers.get(w.name) is w:
             del self.workers[w.name]
+            self.metrics.worker_gone(w.name, {"reused_tokens": w.reused_tokens, "decode_s": w.decode_s,
+                                              "step_s": w.step_s, "steps": w.steps})
         for job in sorted(w.jobs.values(), key=lambda j: j.rid, reverse=True):
             job.worker = None
             if job.ending is not None:
                 if job.ending == "gone":
-                    self._forget(job)
+                    self._gone(job)
                 elif job.ending == "cancelled":
                     self._finish(job, Result(job.id, job.index, "", "cancelled", 0, job.delivered, w.name))
                 else:
@@ -352,6 +386,9 @@ class Router:
             if w is None:
                 return
             self.queue.popleft()
+            if not job.started:
+                job.started = time.monotonic()
+                self.metrics.queue_wait.observe(job.started - job.queued_at)
             job.worker = w.name
             w.jobs[job.rid] = job
             remember(w, job.keys)

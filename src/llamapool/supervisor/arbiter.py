@@ -30,6 +30,7 @@ import zmq
 
 from llamapool.config import Config, ConfigError, load_config, step_budget
 from llamapool.router import Router, RouterConfig
+from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor.env import cpu_threads, worker_env
 from llamapool.supervisor.sdnotify import Notifier
@@ -57,6 +58,7 @@ class WorkerSlot:
     kill_reason: str | None = None
     log: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LOG_LINES))
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    exits: dict[str, int] = field(default_factory=dict)  # unexpected exits by reason (metrics)
 
     @property
     def device(self) -> str:
@@ -67,7 +69,7 @@ class WorkerSlot:
             "id": self.name, "pid": self.proc.pid if self.proc else None, "device": self.device,
             "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
             "reason": self.reason, "log_tail": list(self.log)[-10:],
-            "gpu_index": self.gpu.index if self.gpu else None,
+            "gpu_index": self.gpu.index if self.gpu else None, "exits": dict(self.exits),
         }
 
 
@@ -76,6 +78,7 @@ class Supervisor:
         self.cfg = config
         self.nvml = nvml if nvml is not None else (gpumod.load_nvml() if use_nvml else None)
         self.gpus = gpumod.discover(self.nvml)
+        self.xids = gpumod.XidWatch(self.nvml, self.gpus)
         self.notify = Notifier.from_env()
         self.slots: list[WorkerSlot] = []
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
@@ -94,6 +97,15 @@ class Supervisor:
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
         self._prepare_runtime_dir()
+        if self.cfg.metrics is not None:
+            from llamapool.supervisor.metrics_http import serve_metrics
+
+            try:
+                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend)
+            except OSError as e:
+                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}")
+                return 1
+            self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
         self.control = self.zctx.socket(zmq.PAIR)
         self.control.bind("inproc://llamapool-control")
         self.router = Router(self._router_config(self.cfg), self.zctx, "inproc://llamapool-control",
@@ -123,6 +135,8 @@ class Supervisor:
         if self.nvml is not None:
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
+        if self.cfg.metrics is not None:
+            self.metrics_server.shutdown()
         self._log("stopped")
         return self.exit_code
 
@@ -147,7 +161,7 @@ class Supervisor:
             frontend=cfg.frontend, backend=cfg.backend, max_queue=s.max_queue,
             queue_timeout=s.queue_timeout, max_message_bytes=s.max_message_bytes,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-            step_timeout=w.step_timeout, affinity_slack=s.affinity_slack,
+            step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, model=cfg.model_name,
         )
 
     # ------------------------------------------------------------ spawning and reaping
@@ -204,6 +218,8 @@ class Supervisor:
             self._publish(slot)
             return
         now = time.monotonic()
+        reason = restart_reason(code, slot.kill_reason)
+        slot.exits[reason] = slot.exits.get(reason, 0) + 1
         slot.deaths.append(now)
         if code == EXIT_PERMANENT:
             fatal = [ln for ln in slot.log if "FATAL" in ln]
@@ -484,6 +500,9 @@ class Supervisor:
             if self.nvml is not None and now - last_gpu > 5:
                 last_gpu = now
                 rows = gpumod.health(self.nvml, self.gpus)
+                xids = self.xids.poll()
+                for row in rows:
+                    row["xid_errors"] = xids.get(row["uuid"], 0)
                 self._command("gpus", rows)
                 for row in rows:
                     lost = next((s for s in self.slots if s.gpu and s.gpu.uuid == row["uuid"]), None)

@@ -88,7 +88,42 @@ def health(nvml: Any | None, gpus: list[Gpu]) -> list[dict[str, Any]]:
             )
             with contextlib.suppress(Exception):  # ECC counters need ECC-capable boards
                 row["ecc_uncorrected"] = int(nvml.nvmlDeviceGetTotalEccErrors(h, 1, 1))
+            with contextlib.suppress(Exception):  # not every board reports its power
+                row["power_mw"] = int(nvml.nvmlDeviceGetPowerUsage(h))
         except Exception as e:
             row.update(lost=True, error=str(e))
         rows.append(row)
     return rows
+
+
+class XidWatch:
+    """Counts the Xid (critical) error events NVML reports, per GPU UUID, without blocking."""
+
+    def __init__(self, nvml: Any | None, gpus: list[Gpu]):
+        self.nvml = nvml
+        self.counts: dict[str, int] = {g.uuid: 0 for g in gpus}
+        self.events: Any = None
+        if nvml is None or not gpus:
+            return
+        try:
+            self.events = nvml.nvmlEventSetCreate()
+            for g in gpus:
+                with contextlib.suppress(Exception):  # some boards cannot report Xid events
+                    nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByUUID(g.uuid),
+                                                  nvml.nvmlEventTypeXidCriticalError, self.events)
+        except Exception:
+            self.events = None
+
+    def poll(self) -> dict[str, int]:
+        """Take every waiting event (timeout 0) and return the counts so far."""
+        if self.events is None:
+            return self.counts
+        for _ in range(1000):
+            try:
+                data = self.nvml.nvmlEventSetWait_v2(self.events, 0)
+            except Exception:  # NVML_ERROR_TIMEOUT: nothing waiting
+                break
+            with contextlib.suppress(Exception):
+                uuid = _text(self.nvml.nvmlDeviceGetUUID(data.device))
+                self.counts[uuid] = self.counts.get(uuid, 0) + 1
+        return self.counts

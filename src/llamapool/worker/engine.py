@@ -211,6 +211,16 @@ class Engine:
         L.llama_model_desc(self.model, buf, 256)
         return buf.value.decode(errors="replace")
 
+    def kv_cells(self) -> tuple[int, int]:
+        """(used, total) KV cells: running sequences' computed tokens and kept prefixes. Read from the
+        I/O thread for heartbeats, so it copies the engine thread's dicts first (a racy but safe read)."""
+        try:
+            used = sum(s.n_past for s in list(self.active.values()))
+            used += sum(len(t) for t in list(self.cached.values()))
+        except RuntimeError:  # a dict changed size while copied: report next time
+            used = 0
+        return used, self.cfg.slots * self.cfg.ctx_per_slot
+
     @property
     def busy(self) -> bool:
         return bool(self.active or self.waiting)

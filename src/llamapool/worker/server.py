@@ -198,10 +198,12 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                 sock.send(hello)
                 router_seen = now
             started = loop.step_started
+            kv_used, kv_total = engine.kv_cells() if hasattr(engine, "kv_cells") else (0, 0)
             sock.send(codec.encode(Heartbeat(
                 active=len(engine.active) + len(engine.waiting), steps=loop.steps,
                 busy_for=(now - started) if started else 0.0,
                 decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
+                kv_used=kv_used, kv_total=kv_total,
             )))
             next_beat = now + spec.heartbeat_interval
         for s, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):

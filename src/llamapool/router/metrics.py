@@ -1,0 +1,235 @@
+"""Prometheus metrics: plain counters kept by the router thread, rendered by it on request.
+
+One owner per figure: the router counts requests, tokens and latencies (it sees every request and
+every reply); the workers report engine figures in their heartbeats (prefix-cache reuse, KV cells);
+the supervisor reports restarts and NVML readings over the control socket (``info``, ``gpus``).
+All of it lives in the router thread, so nothing here needs a lock: the exposition text is built
+in that thread when a ``metrics`` request arrives (the gateway's ``GET /metrics`` and the
+supervisor's ``[metrics] listen`` endpoint both send one). See docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+if TYPE_CHECKING:
+    from llamapool.router.broker import Router
+
+# the classic text format, which every Prometheus reads (generate_latest writes it)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# the supervisor's reasons for a worker's unexpected exit (``llamapool_worker_restarts_total``)
+RESTART_REASONS = ("exit", "signal", "heartbeat", "step_timeout", "start_timeout", "gpu_lost")
+WORKER_STATES = ("starting", "ready", "backoff", "retiring", "failed", "stopped")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+               2.5)
+
+
+def restart_reason(code: int, kill_reason: str | None) -> str:
+    """The fixed label for a worker's exit: why the supervisor killed it, else how it ended."""
+    k = (kill_reason or "").lower()
+    if "heartbeat" in k:
+        return "heartbeat"
+    if "step" in k:
+        return "step_timeout"
+    if "start_timeout" in k:
+        return "start_timeout"
+    if "gpu lost" in k:
+        return "gpu_lost"
+    return "signal" if code < 0 else "exit"
+
+
+class Histogram:
+    """Cumulative-on-render buckets; ``observe(v, n)`` counts ``n`` observations of ``v``."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for bound, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            acc += c
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(acc)))
+        return out
+
+
+class RouterMetrics:
+    """The router's counters; every method is called from the router thread."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.outcomes: defaultdict[str, int] = defaultdict(int)
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)  # by worker
+        self.generated_tokens: defaultdict[str, int] = defaultdict(int)
+        # heartbeat figures are cumulative per worker process: what earlier processes reported
+        self.engine_base: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
+        self.queue_wait = Histogram(LATENCY_BUCKETS)
+
+    def outcome(self, outcome: str, n: int = 1) -> None:
+        self.outcomes[outcome] += n
+
+    def tokens(self, worker: str, prompt: int, generated: int) -> None:
+        self.prompt_tokens[worker] += int(prompt)
+        self.generated_tokens[worker] += int(generated)
+
+    def worker_gone(self, name: str, figures: dict[str, float]) -> None:
+        """A worker process left: keep its cumulative figures so the counters never go back."""
+        base = self.engine_base[name]
+        for k, v in figures.items():
+            base[k] += v
+
+    def render(self, router: Router) -> bytes:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(self, router))
+        return generate_latest(registry)
+
+
+class _Snapshot(Collector):
+    def __init__(self, m: RouterMetrics, router: Router):
+        self.m, self.r = m, router
+
+    def collect(self) -> Iterator[Metric]:  # noqa: C901 - one flat list of families
+        m, r = self.m, self.r
+        model = m.model
+        req = CounterMetricFamily("llamapool_requests", "Prompts answered, by outcome: ok, cancelled, "
+                                  "disconnected (the client left) or the error code", labels=["model", "outcome"])
+        for outcome in ("ok",):
+            m.outcomes.setdefault(outcome, 0)
+        for outcome, n in sorted(m.outcomes.items()):
+            req.add_metric([model, outcome], n)
+        yield req
+
+        names = sorted(set(r.sup_info) | set(r.workers) | set(m.generated_tokens))
+        pt = CounterMetricFamily("llamapool_prompt_tokens", "Prompt tokens of finished sequences",
+                                 labels=["model", "worker"])
+        gt = CounterMetricFamily("llamapool_generated_tokens", "Tokens generated by finished sequences",
+                                 labels=["model", "worker"])
+        for name in names:
+            pt.add_metric([model, name], m.prompt_tokens.get(name, 0))
+            gt.add_metric([model, name], m.generated_tokens.get(name, 0))
+        yield pt
+        yield gt
+
+        def engine(field: str) -> Iterable[tuple[str, float]]:
+            for name in names:
+                live = r.workers.get(name)
+                yield name, m.engine_base[name][field] + (float(getattr(live, field)) if live else 0.0)
+
+        for field, metric, help_text in (
+            ("reused_tokens", "llamapool_prompt_tokens_cached", "Prompt tokens served from the prefix (KV) "
+             "cache instead of being computed"),
+            ("decode_s", "llamapool_engine_decode_seconds", "Seconds the engine spent inside llama_decode"),
+            ("step_s", "llamapool_engine_step_seconds", "Seconds of whole engine steps"),
+            ("steps", "llamapool_engine_steps", "Engine steps (one batched llama_decode each)"),
+        ):
+            fam = CounterMetricFamily(metric, help_text, labels=["model", "worker"])
+            for name, value in engine(field):
+                fam.add_metric([model, name], value)
+            yield fam
+
+        for hist, metric, help_text in (
+            (m.ttft, "llamapool_time_to_first_token_seconds", "Seconds from a prompt's arrival at the router "
+             "to its first streamed token (streamed prompts)"),
+            (m.itl, "llamapool_inter_token_latency_seconds", "Seconds between streamed tokens, one "
+             "observation per token"),
+            (m.e2e, "llamapool_request_duration_seconds", "Seconds from a prompt's arrival at the router to "
+             "its final reply"),
+            (m.queue_wait, "llamapool_queue_wait_seconds", "Seconds a prompt waited in the router's queue "
+             "before a worker took it"),
+        ):
+            fam_h = HistogramMetricFamily(metric, help_text, labels=["model"])
+            fam_h.add_metric([model], hist.buckets(), hist.sum)
+            yield fam_h
+
+        yield GaugeMetricFamily("llamapool_queue_depth", "Prompts waiting in the router's queue",
+                                value=len(r.queue))
+        yield GaugeMetricFamily("llamapool_requests_running", "Prompts running on workers",
+                                value=sum(len(w.jobs) for w in r.workers.values()))
+
+        busy = GaugeMetricFamily("llamapool_worker_slots_busy", "Sequence slots in use",
+                                 labels=["worker", "device"])
+        total = GaugeMetricFamily("llamapool_worker_slots", "Sequence slots (workers.slots)",
+                                  labels=["worker", "device"])
+        kv_used = GaugeMetricFamily("llamapool_kv_cache_used_cells", "KV cache cells holding tokens "
+                                    "(running sequences and kept prefixes)", labels=["worker", "device"])
+        kv_total = GaugeMetricFamily("llamapool_kv_cache_cells", "KV cache cells in all",
+                                     labels=["worker", "device"])
+        kv_ratio = GaugeMetricFamily("llamapool_kv_cache_usage_ratio", "Used / total KV cache cells (0 to 1)",
+                                     labels=["worker", "device"])
+        state = GaugeMetricFamily("llamapool_worker_state", "1 for the worker's current state, else 0",
+                                  labels=["worker", "device", "state"])
+        restarts = CounterMetricFamily("llamapool_worker_restarts", "Unexpected exits of a worker process, "
+                                       "by reason (the supervisor restarts it, or marks it failed)",
+                                       labels=["worker", "reason"])
+        for name in names:
+            info = r.sup_info.get(name, {})
+            w = r.workers.get(name)
+            device = str(w.hello.device if w else info.get("device", ""))
+            slots = w.hello.slots if w else 0
+            busy.add_metric([name, device], len(w.jobs) if w else 0)
+            total.add_metric([name, device], slots)
+            kv_used.add_metric([name, device], w.kv_used if w else 0)
+            kv_total.add_metric([name, device], w.kv_total if w else 0)
+            kv_ratio.add_metric([name, device], (w.kv_used / w.kv_total) if w and w.kv_total else 0.0)
+            now = str(info.get("state") or (w.state if w else "starting"))
+            if w is not None and w.state == "retiring":
+                now = "retiring"
+            for s in WORKER_STATES:
+                state.add_metric([name, device, s], 1.0 if s == now else 0.0)
+            counts: dict[str, int] = info.get("exits", {})
+            for reason in RESTART_REASONS:
+                restarts.add_metric([name, reason], counts.get(reason, 0))
+        yield from (busy, total, kv_used, kv_total, kv_ratio, state, restarts)
+
+        yield from _gpu_families(r.gpus, {str(i.get("device")): n for n, i in r.sup_info.items()})
+
+
+def _gpu_families(rows: list[dict[str, Any]], worker_of: dict[str, str]) -> Iterator[Metric]:
+    labels = ["device", "gpu", "worker"]
+    spec = (
+        ("memory_used", "llamapool_gpu_memory_used_bytes", "GPU memory in use (NVML)", 1.0, GaugeMetricFamily),
+        ("memory_total", "llamapool_gpu_memory_total_bytes", "GPU memory in all (NVML)", 1.0, GaugeMetricFamily),
+        ("utilization", "llamapool_gpu_utilization_ratio", "GPU busy fraction over NVML's last sample "
+         "period (0 to 1)", 0.01, GaugeMetricFamily),
+        ("temperature", "llamapool_gpu_temperature_celsius", "GPU core temperature (NVML)", 1.0,
+         GaugeMetricFamily),
+        ("power_mw", "llamapool_gpu_power_watts", "GPU power draw (NVML)", 0.001, GaugeMetricFamily),
+        ("xid_errors", "llamapool_gpu_xid_errors", "Xid (critical) errors NVML reported for the GPU since "
+         "the daemon started", 1.0, CounterMetricFamily),
+        ("ecc_uncorrected", "llamapool_gpu_ecc_uncorrected_errors", "Uncorrected ECC errors (NVML, "
+         "aggregate)", 1.0, CounterMetricFamily),
+    )
+    lost = GaugeMetricFamily("llamapool_gpu_lost", "1 when NVML can no longer read the GPU", labels=labels)
+    fams = [(key, scale, cls(name, help_text, labels=labels)) for key, name, help_text, scale, cls in spec]
+    for row in rows:
+        lv = [str(row.get("uuid", "")), str(row.get("index", "")), worker_of.get(str(row.get("uuid")), "")]
+        lost.add_metric(lv, 1.0 if row.get("lost") else 0.0)
+        for key, scale, fam in fams:
+            if row.get(key) is not None:
+                fam.add_metric(lv, float(row[key]) * scale)
+    yield lost
+    for _, _, fam in fams:
+        yield fam

@@ -1,0 +1,67 @@
+"""The ``[metrics] listen`` endpoint: a small HTTP server thread in the supervisor.
+
+It holds no figures of its own: each ``GET /metrics`` asks the router for its exposition text
+over the frontend (a ``metrics`` request, the same one the gateway's ``GET /metrics`` sends), so
+both endpoints always show the same numbers from their one owner. See docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+from llamapool.client.errors import LlamapoolError
+from llamapool.client.sync import Client
+from llamapool.router.metrics import CONTENT_TYPE
+
+
+class MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], frontend: str):
+        super().__init__(addr, _Handler)
+        self.client = Client(frontend)
+        self.lock = threading.Lock()
+
+    def text(self) -> str:
+        with self.lock:  # one scrape at a time through the one client
+            return self.client.metrics(timeout=5.0)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.server_close()
+        self.client.close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.split("?")[0] not in ("/metrics", "/"):
+            self._send(404, "text/plain", b"not found: try /metrics\n")
+            return
+        try:
+            body = self.server.text().encode()
+        except LlamapoolError as e:
+            self._send(503, "text/plain", f"# llamapool unavailable: {e.message}\n".encode())
+            return
+        self._send(200, CONTENT_TYPE, body)
+
+    def _send(self, status: int, ctype: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+        pass
+
+
+def serve_metrics(addr: tuple[str, int], frontend: str) -> MetricsServer:
+    """Bind now (an error here is a start-up error) and serve from a daemon thread."""
+    server = MetricsServer(addr, frontend)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
