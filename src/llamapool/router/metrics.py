@@ -111,7 +111,7 @@ class _Snapshot(Collector):
     def __init__(self, m: RouterMetrics, router: Router):
         self.m, self.r = m, router
 
-    def collect(self) -> Iterator[Metric]:  # noqa: C901 - one flat list of families
+    def collect(self) -> Iterator[Metric]:
         m, r = self.m, self.r
         model = m.model
         req = CounterMetricFamily("llamapool_requests", "Prompts answered, by outcome: ok, cancelled, "

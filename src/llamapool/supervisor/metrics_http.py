@@ -11,7 +11,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.sync import Client
 from llamapool.router.metrics import CONTENT_TYPE
@@ -38,7 +37,7 @@ class MetricsServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: MetricsServer
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         if self.path.split("?")[0] not in ("/metrics", "/"):
             self._send(404, "text/plain", b"not found: try /metrics\n")
             return
@@ -56,7 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
