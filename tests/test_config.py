@@ -73,9 +73,9 @@ def test_http_table_is_optional_and_checked(tmp_path: Path) -> None:
     assert from_dict({"model": {"path": "m"}}).http is None
     cfg = load_config(ROOT / "configs" / "default.toml")
     assert cfg.http is not None and cfg.http.host_port == ("127.0.0.1", 8000) and cfg.http.processes == 1
-    with pytest.raises(ConfigError, match="http.listen"):
+    with pytest.raises(ConfigError, match=r"http\.listen"):
         from_dict({"model": {"path": "m"}, "http": {"listen": "8000"}})
-    with pytest.raises(ConfigError, match="http.api_keys_file"):
+    with pytest.raises(ConfigError, match=r"http\.api_keys_file"):
         from_dict({"model": {"path": "m"}, "http": {"api_keys_file": str(tmp_path / "none")}})
     (tmp_path / "empty").write_text("# no keys\n")
     with pytest.raises(ConfigError, match="holds no key"):

@@ -274,11 +274,18 @@ def test_the_gateway_is_restarted_when_it_dies(gateway: tuple[Daemon, str], clie
 
 
 def test_sigterm_lets_streams_in_flight_finish(tmp_path: Path, model_path: str) -> None:
-    d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1})
+    """Two gateway processes share the port (SO_REUSEPORT); SIGTERM drains both."""
+    d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1}, http={"processes": 2})
+    port = url.rsplit(":", 1)[1]
+    pids = subprocess.run(["pgrep", "-f", f"llamapool.gateway .*{port}"], capture_output=True, text=True).stdout
+    assert len(pids.split()) == 2
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-    stream = iter(c.completions.create(model=model_name(c), prompt="Hello", max_tokens=200, stream=True, **GREEDY))
-    next(stream)
+    streams = [iter(c.completions.create(model=model_name(c), prompt="Hello", max_tokens=200, stream=True,
+                                         **GREEDY)) for _ in range(4)]
+    for s in streams:
+        next(s)
     d.proc.send_signal(signal.SIGTERM)
-    chunks = list(stream)
-    assert chunks[-1].choices[0].finish_reason == "length"
+    for s in streams:
+        chunks = list(s)
+        assert chunks[-1].choices[0].finish_reason == "length"
     assert d.proc.wait(30) == 0

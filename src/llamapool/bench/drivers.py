@@ -148,30 +148,13 @@ class SdkTransport(_Transport):
             await self.client.close()
 
     async def run(self, req: Request, on_tokens: OnTokens) -> int:
-        # AsyncClient.stream, step by step (the same frames, socket and reader task), keeping the final
-        # result: its completion_tokens counts tokens whose text came in no chunk (an empty piece at the end)
-        from llamapool.client.calls import Pending, generate_frame, new_id
-
-        c = self.client
-        rid = new_id()
-        t, wait = c._budget(None)
-        params = {"max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True}
-        q = await c._open(generate_frame(rid, [list(req.prompt)], False, True, t, params), rid)
-        pending = Pending(1)
-        loop = asyncio.get_running_loop()
-        end = None if wait is None else loop.time() + wait
-        finished = False
-        try:
-            while not pending.done:
-                chunk = pending.feed(await c._next(q, None if end is None else end - loop.time()))
-                if chunk is not None:
-                    on_tokens(chunk.tokens)
-            finished = True
-            return int(pending.completions()[0].usage.completion_tokens)  # raises the final error, if any
-        finally:
-            if not finished:
-                await c._cancel(rid)
-            c._waiting.pop(rid, None)
+        # the final result's completion_tokens also counts tokens whose text came in no chunk
+        stream = self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        async with stream:
+            async for chunk in stream:
+                on_tokens(chunk.tokens)
+        assert stream.completion is not None  # a failed request raised instead
+        return int(stream.completion.usage.completion_tokens)
 
 
 async def _sse(content: Any) -> AsyncIterator[str]:

@@ -331,9 +331,13 @@ class Supervisor:
         for gw in self.gateways:
             gw.state = "stopped"
         self._signal_gateways(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.server.drain_timeout + 5
-        for gw in self.gateways:
-            proc = gw.proc
+        await self._reap_by(self.gateways, time.monotonic() + self.cfg.server.drain_timeout + 5)
+
+    @staticmethod
+    async def _reap_by(slots: list[WorkerSlot], deadline: float) -> None:
+        """Wait for the slots' processes to exit until ``deadline``; SIGKILL those that do not."""
+        for slot in slots:
+            proc = slot.proc
             if proc is None:
                 continue
             try:
@@ -462,17 +466,7 @@ class Supervisor:
             assert slot.proc is not None
             with contextlib.suppress(ProcessLookupError):
                 slot.proc.terminate()  # the worker finishes what it has (nothing now) and exits
-        deadline = time.monotonic() + 10
-        for slot in live:
-            proc = slot.proc
-            if proc is None:
-                continue
-            try:
-                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await self._reap_by(live, time.monotonic() + 10)
         for task in list(self._tasks):
             if not task.done():
                 with contextlib.suppress(TimeoutError, asyncio.CancelledError):
