@@ -116,14 +116,15 @@ class XidWatch:
 
     def poll(self) -> dict[str, int]:
         """Take every waiting event (timeout 0) and return the counts so far."""
-        if self.events is None:
+        nvml = self.nvml
+        if self.events is None or nvml is None:
             return self.counts
         for _ in range(1000):
             try:
-                data = self.nvml.nvmlEventSetWait_v2(self.events, 0)
+                data = nvml.nvmlEventSetWait_v2(self.events, 0)
             except Exception:  # NVML_ERROR_TIMEOUT: nothing waiting
                 break
             with contextlib.suppress(Exception):
-                uuid = _text(self.nvml.nvmlDeviceGetUUID(data.device))
+                uuid = _text(nvml.nvmlDeviceGetUUID(data.device))
                 self.counts[uuid] = self.counts.get(uuid, 0) + 1
         return self.counts
