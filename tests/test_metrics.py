@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.parse
@@ -201,3 +202,13 @@ def test_real_prometheus_scrapes_the_daemon(start_daemon, tmp_path: Path) -> Non
             prom.kill()
             prom.wait()
         log.close()
+
+
+def test_a_taken_metrics_port_is_a_start_up_error(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = start_daemon(wait_workers=None, metrics={"listen": f"127.0.0.1:{port}"})
+        assert d.proc.wait(30) == 1
+    assert f"metrics.listen: cannot listen on 127.0.0.1:{port}" in d.log_text()

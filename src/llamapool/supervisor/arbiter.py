@@ -79,6 +79,7 @@ class Supervisor:
         self.nvml = nvml if nvml is not None else (gpumod.load_nvml() if use_nvml else None)
         self.gpus = gpumod.discover(self.nvml)
         self.xids = gpumod.XidWatch(self.nvml, self.gpus)
+        self.metrics_server: Any = None  # the [metrics] listener (read at start; a reload keeps it)
         self.notify = Notifier.from_env()
         self.slots: list[WorkerSlot] = []
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
@@ -126,6 +127,8 @@ class Supervisor:
         self._start_gateways()
         self._spawn_task(self._timers())
         await self._stop.wait()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.shutdown)
         await self._stop_gateways()
         await self._shutdown_workers()
         self._command("stop")
@@ -135,8 +138,6 @@ class Supervisor:
         if self.nvml is not None:
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
-        if self.cfg.metrics is not None:
-            self.metrics_server.shutdown()
         self._log("stopped")
         return self.exit_code
 
