@@ -198,6 +198,9 @@ def test_keys_overload_and_mid_stream_worker_loss(tmp_path: Path, model_path: st
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/metrics").status_code == 401  # the metrics take the API keys too
+        r = httpx.get(url + "/metrics", headers={"Authorization": "Bearer secret-1"})
+        assert r.status_code == 200 and "llamapool_requests_total" in r.text
         c = openai.OpenAI(base_url=url + "/v1", api_key="secret-2", max_retries=0)
         name = model_name(c)
         # one long stream holds the only slot; one more waits in the queue; the next is refused
