@@ -7,6 +7,9 @@ requests in flight finish (up to ``drain_timeout``), then exits 0.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import socket
 import sys
 
@@ -43,11 +46,26 @@ async def serve(spec: GatewaySpec) -> int:
     server = uvicorn.Server(config)
     print(f"llamapool gateway {spec.name}: listening on http://{spec.host}:{spec.port}", file=sys.stderr,
           flush=True)
+    watch = asyncio.create_task(_exit_with_supervisor(spec.name))
     try:
         await server.serve(sockets=[sock])
     finally:
+        watch.cancel()
         await client.close()
     return 0
+
+
+async def _exit_with_supervisor(name: str) -> None:
+    """The gateway runs in its own session, so it would outlive a supervisor killed with SIGKILL,
+    holding the port (which a new daemon's gateway would then share) in front of a dead router.
+    Like a worker, it exits when its parent changes."""
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(1.0)
+        if os.getppid() != parent:
+            with contextlib.suppress(OSError):  # stderr was a pipe to the supervisor
+                print(f"llamapool gateway {name}: supervisor gone, exiting", file=sys.stderr, flush=True)
+            os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import anyio
 from starlette.applications import Starlette
@@ -36,6 +36,13 @@ def load_keys(path: str) -> list[bytes]:
         if line and not line.startswith("#"):
             keys.append(line.encode())
     return keys
+
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The HTTP client went away before its answer (or its first token) was ready."""
 
 
 def error_response(e: oai.ApiError) -> JSONResponse:
@@ -108,6 +115,7 @@ class Gateway:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
+        n_prompts = 1
         try:
             self._authorised(request)
             try:
@@ -115,18 +123,21 @@ class Gateway:
             except ValueError as e:
                 raise oai.ApiError(400, f"the request body is not valid JSON: {e}") from None
             req = (oai.parse_chat if chat else oai.parse_completion)(body, self.spec.model)
+            n_prompts = len(req.prompts)
             if req.stream:
                 streams = [self.client.stream(p, timeout=self.spec.request_timeout, **req.params)
                            for p in req.prompts]
-                first = await _start(streams)  # errors before the first token are HTTP errors
+                first = await _unless_gone(request, _start(streams))  # errors before the first token are HTTP errors
                 return StreamingResponse(self._sse(req, chat, streams, first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            done: list[Completion] = await self.client.generate_many(  # type: ignore[assignment]
-                req.prompts, timeout=self.spec.request_timeout, **req.params)
+            done = cast(list[Completion], await _unless_gone(request, self.client.generate_many(
+                req.prompts, timeout=self.spec.request_timeout, **req.params)))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
         except oai.ApiError as e:
             return error_response(e)
         except LlamapoolError as e:
-            return error_response(oai.from_llamapool(e))
+            return error_response(oai.from_llamapool(e, chat, n_prompts))
         except TypeError as e:  # a parameter the SDK refuses
             return error_response(oai.ApiError(400, str(e)))
         pt = sum(c.usage.prompt_tokens for c in done)
@@ -146,7 +157,7 @@ class Gateway:
                 yield w.first(0)
             async for index, item in _merge(streams, first):
                 if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
-                    yield w.error(oai.from_llamapool(item))
+                    yield w.error(oai.from_llamapool(item, chat, len(req.prompts)))
                     break
                 if isinstance(item, str):
                     if item:
@@ -165,6 +176,30 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 for s in streams:
                     await s.aclose()
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it, which cancels the request
+    on the daemon: a queued prompt leaves the queue, a running one stops within a step. (Once the
+    event stream has started, Starlette watches for the disconnect itself.)"""
+    task = asyncio.create_task(work)
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # let it send the cancel
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _start(streams: list[AsyncStream]) -> list[Any]:

@@ -8,6 +8,7 @@ never silently ignored; fields nobody defines are ignored, as OpenAI-compatible 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -48,9 +49,27 @@ _STATUS = {
 }
 
 
-def from_llamapool(e: LlamapoolError) -> ApiError:
+_PROMPT_FIELD = re.compile(r"(?:prompts(\[\d+\])|prompt)(.*)", re.DOTALL)
+
+
+def param_name(e: LlamapoolError, chat: bool = False, n_prompts: int = 1) -> str | None:
+    """The OpenAI parameter a llamapool error field stands for: ``params.top_p`` -> ``top_p``;
+    in a chat, the prompt is ``messages`` (``prompts[0][1].role`` -> ``messages[1].role``); in a
+    completion of several prompts, ``prompt[i]``."""
+    if e.field is None or e.field.startswith("params."):
+        return e.field[len("params."):] if e.field else None
+    m = _PROMPT_FIELD.fullmatch(e.field)
+    if m is None:
+        return e.field
+    if chat:
+        return "messages" + m.group(2)
+    index = m.group(1) or (f"[{e.index}]" if e.index is not None else "")
+    return "prompt" + (index if n_prompts > 1 else "") + m.group(2)
+
+
+def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1) -> ApiError:
     status, kind = _STATUS.get(e.code, (500, "server_error"))
-    param = e.field[len("params."):] if e.field and e.field.startswith("params.") else e.field
+    param = param_name(e, chat, n_prompts)
     headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
     return ApiError(status, e.message, type_=kind, param=param, code=e.code, headers=headers)
 

@@ -280,7 +280,8 @@ class Supervisor:
         from llamapool.gateway import GatewaySpec
 
         http = self.cfg.http
-        assert http is not None
+        if http is None or slot.state == "stopped":  # a reload removed [http] or retired this one
+            return
         host, port = http.host_port
         spec = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
                            model=self.cfg.model_name, api_keys_file=http.api_keys_file,
@@ -320,6 +321,31 @@ class Supervisor:
         if not self.stopping and slot.state == "backoff":
             slot.restarts += 1
             self._spawn_task(self._run_gateway(slot))
+
+    async def _reload_gateways(self) -> None:
+        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones (they share the
+        port), then let the old ones drain. If the new ones do not listen, the old ones keep serving."""
+        old = self.gateways
+        self._start_gateways()
+        new = [gw for gw in self.gateways if gw not in old]
+        self.gateways = new + old  # a stop during the switch reaches them all
+        end = time.monotonic() + 15
+        while time.monotonic() < end and not self.stopping and any(gw.state != "ready" for gw in new) \
+                and not any(gw.state == "failed" for gw in new):
+            await asyncio.sleep(0.05)
+        if self.stopping:
+            return
+        ok = all(gw.state == "ready" for gw in new)
+        if not ok:
+            self._log("reload: the new HTTP gateway processes did not start listening; the old ones keep serving")
+        retired = old if ok else new
+        for gw in retired:
+            gw.state = "stopped"
+            if gw.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    gw.proc.terminate()
+        await self._reap_by(retired, time.monotonic() + self.cfg.server.drain_timeout + 5)
+        self.gateways = [gw for gw in self.gateways if gw not in retired]
 
     def _signal_gateways(self, sig: signal.Signals) -> None:
         for gw in self.gateways:
@@ -424,6 +450,7 @@ class Supervisor:
         self.notify.reloading()
         self._log("reloading: replacing workers one at a time")
         self.cfg = new
+        self._spawn_task(self._reload_gateways())
         for slot in list(self.slots):
             if self.stopping:
                 return
