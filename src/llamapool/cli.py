@@ -1,4 +1,4 @@
-"""The ``llamapool`` command: serve, generate, chat, status, make-model, bench."""
+"""The ``llamapool`` command: serve, generate, chat, status, make-model, bench, keygen."""
 
 from __future__ import annotations
 
@@ -18,6 +18,32 @@ def _endpoint(args: argparse.Namespace) -> str:
     return default_frontend()
 
 
+def _keys(args: argparse.Namespace) -> dict[str, str]:
+    """The Client's CURVE arguments from ``--key`` and ``--server-key`` (default: the .pub beside the
+    config's security.server_key); none without ``--key``."""
+    if not getattr(args, "key", None):
+        return {}
+    server = args.server_key or (load_config(args.config).server_public_key_file if args.config else "")
+    if not server:
+        raise ConfigError("--key needs --server-key PATH (the router's .pub file), or --config whose "
+                          "security.server_key has its .pub file beside it")
+    return {"server_public_key": str(server), "client_key": str(args.key)}
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from llamapool.security import write_key_pair
+
+    try:
+        key, pub = write_key_pair(args.dir, args.name, force=args.force)
+    except (FileExistsError, ValueError) as e:
+        print(f"llamapool keygen: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {key} (secret, mode 0600: keep it where only its user reads it)")
+    print(f"wrote {pub} (public: copy it to the router's authorized_keys directory, or give it to clients "
+          f"if this is the router's key)")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from llamapool.supervisor.arbiter import serve
 
@@ -31,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               "seed": args.seed, "stop": args.stop or None}
     if args.ignore_eos:
         params["ignore_eos"] = True
-    with Client(_endpoint(args), timeout=args.timeout) as client:
+    with Client(_endpoint(args), timeout=args.timeout, **_keys(args)) as client:
         try:
             client.status(timeout=5)  # fail fast when no daemon answers
             stream = client.stream(args.prompt, **params)
@@ -64,7 +90,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history = list(start)
     tty = sys.stdin.isatty()
     failed = False
-    with Client(_endpoint(args), timeout=args.timeout) as client:
+    with Client(_endpoint(args), timeout=args.timeout, **_keys(args)) as client:
         try:
             client.status(timeout=5)  # fail fast when no daemon answers
         except LlamapoolError as e:
@@ -112,7 +138,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from llamapool import Client, LlamapoolError
 
-    with Client(_endpoint(args)) as client:
+    with Client(_endpoint(args), **_keys(args)) as client:
         try:
             st = client.status(timeout=args.timeout)
         except LlamapoolError as e:
@@ -155,7 +181,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         import llama_cpp  # noqa: F401
     from llamapool.bench.command import main as bench_main
 
-    return bench_main(args, "" if args.http or args.router_only else _endpoint(args))
+    if args.http or args.router_only:
+        return bench_main(args, "")
+    return bench_main(args, _endpoint(args), **_keys(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     def endpoint_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--endpoint", help="frontend endpoint (default: from --config or the runtime dir)")
         q.add_argument("--config", help="take the endpoint from this config file")
+        q.add_argument("--key", metavar="PATH", help="your CURVE secret key file (llamapool keygen) for a tcp:// "
+                       "endpoint; the router must have your .pub in its authorized_keys")
+        q.add_argument("--server-key", metavar="PATH", help="the router's public key file (.pub); default: "
+                       "beside --config's security.server_key")
 
     g = sub.add_parser("generate", help="stream a completion to the terminal")
     g.add_argument("prompt")
@@ -207,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"))
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(fn=cmd_make_model)
+
+    k = sub.add_parser("keygen", help="write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")
+    k.add_argument("name", help="e.g. router, or a client's or remote worker's name")
+    k.add_argument("--dir", default=".", help="where to write the files (default: here)")
+    k.add_argument("--force", action="store_true", help="replace existing files")
+    k.set_defaults(fn=cmd_keygen)
 
     b = sub.add_parser("bench", help="benchmark a running daemon or an HTTP server (and the engine ceiling)")
     endpoint_args(b)

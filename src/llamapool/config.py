@@ -30,6 +30,12 @@ def ipc_path(endpoint: str) -> str | None:
     return None
 
 
+def needs_curve(endpoint: str) -> bool:
+    """Whether an endpoint is reachable beyond filesystem permissions (anything but ipc:// and inproc://):
+    such a socket uses CURVE unless ``security.insecure_tcp``."""
+    return not endpoint.startswith(("ipc://", "inproc://"))
+
+
 def default_frontend() -> str:
     return f"ipc://{default_runtime_dir() / 'frontend.sock'}"
 
@@ -116,12 +122,22 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """CURVE for tcp:// sockets (docs/security.md). Paths are relative to the config file."""
+
+    server_key: str = ""  # the router's secret key file (llamapool keygen NAME -> NAME.key)
+    authorized_keys: str = ""  # directory of the public keys (*.pub) of clients and remote workers
+    insecure_tcp: bool = False  # allow tcp:// without CURVE (a warning at start-up)
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     http: HttpConfig | None = None
     metrics: MetricsConfig | None = None
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     source: str = ""
 
     @property
@@ -140,6 +156,19 @@ class Config:
     @property
     def backend(self) -> str:
         return self.server.backend or f"ipc://{self.runtime_dir / 'backend.sock'}"
+
+    @property
+    def curve(self) -> bool:
+        """Whether the router runs CURVE on its network (tcp://) sockets."""
+        return bool(self.security.server_key) and (needs_curve(self.frontend) or needs_curve(self.backend))
+
+    @property
+    def server_public_key_file(self) -> str:
+        """The router's public key file for clients: ``server_key``'s ``.pub`` sibling ("" if none)."""
+        if not self.security.server_key:
+            return ""
+        pub = Path(self.security.server_key).with_suffix(".pub")
+        return str(pub) if pub.is_file() else ""
 
 
 _POSITIVE = {
@@ -221,7 +250,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
     sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig,
-                "metrics": MetricsConfig}
+                "metrics": MetricsConfig, "security": SecurityConfig}
     for key in raw:
         if key not in sections:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
@@ -256,7 +285,33 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             f"model.max_batch_tokens: must be > workers.slots ({workers.slots}): every step gives each "
             f"busy slot a token and prompts need the rest, got {model.max_batch_tokens}"
         )
+    parts["security"] = _security(parts["security"], parts["server"], base_dir)
     return Config(source=source, **parts)
+
+
+def _security(sec: SecurityConfig, server: ServerConfig, base_dir: Path | None) -> SecurityConfig:
+    """Resolve the key paths; a network endpoint needs a server key or ``insecure_tcp = true``.
+    The key files themselves are read and checked at start-up (llamapool.security)."""
+    paths = {}
+    for key in ("server_key", "authorized_keys"):
+        value = getattr(sec, key)
+        if value and base_dir is not None and not Path(value).is_absolute():
+            value = str((base_dir / value).resolve())
+        paths[key] = value
+    sec = dataclasses.replace(sec, **paths)
+    for name in ("frontend", "backend"):
+        endpoint = getattr(server, name)
+        if endpoint and needs_curve(endpoint) and not sec.server_key and not sec.insecure_tcp:
+            raise ConfigError(
+                f"server.{name}: {endpoint} is reachable over the network: set [security] server_key "
+                f"(the router's key, `llamapool keygen router`) and authorized_keys (a directory of client "
+                f"public keys), or insecure_tcp = true to accept anyone who can connect (see docs/security.md)")
+    if sec.server_key and not sec.authorized_keys:
+        raise ConfigError("security.authorized_keys: required with security.server_key: a directory of the "
+                          "public keys (*.pub) of the clients and remote workers to accept (may be empty)")
+    if sec.authorized_keys and not Path(sec.authorized_keys).is_dir():
+        raise ConfigError(f"security.authorized_keys: {sec.authorized_keys} is not a directory")
+    return sec
 
 
 def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:

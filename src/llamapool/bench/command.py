@@ -69,8 +69,9 @@ def _append(path: str | None, rows: list[dict[str, Any]]) -> None:
                 fh.write(json.dumps(r) + "\n")
 
 
-def main(args: argparse.Namespace, endpoint: str = "") -> int:
-    """Run the bench described by ``args``; ``endpoint``: the daemon's (the SDK transport)."""
+def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = "", client_key: str = "") -> int:
+    """Run the bench described by ``args``; ``endpoint``: the daemon's (the SDK transport), with CURVE key
+    files for a tcp:// endpoint."""
     if args.router_only:
         return _router_only(args)
     from llamapool.bench.drivers import Target, measure, server_info
@@ -79,7 +80,7 @@ def main(args: argparse.Namespace, endpoint: str = "") -> int:
     if args.http:
         target = Target("http-openai" if args.api == "completions" else "http-llama", args.http, args.timeout)
     else:
-        target = Target("sdk", endpoint, args.timeout)
+        target = Target("sdk", endpoint, args.timeout, server_public_key, client_key)
     info = asyncio.run(server_info(target)) if not args.n_vocab else {}
     n_vocab = args.n_vocab or info.get("n_vocab")
     if not n_vocab:

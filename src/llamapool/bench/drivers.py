@@ -66,6 +66,14 @@ class Target:
     transport: str
     address: str
     timeout: float = 600.0  # seconds one request may take (SDK) or go without a byte (HTTP)
+    server_public_key: str = ""  # SDK over CURVE: the router's .pub file
+    client_key: str = ""  # and the client's .key file
+
+    @property
+    def keys(self) -> dict[str, str]:
+        if not self.client_key:
+            return {}
+        return {"server_public_key": self.server_public_key, "client_key": self.client_key}
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -134,14 +142,14 @@ class _Transport:
 
 
 class SdkTransport(_Transport):
-    def __init__(self, endpoint: str, timeout: float):
-        self.endpoint, self.timeout = endpoint, timeout
+    def __init__(self, endpoint: str, timeout: float, keys: dict[str, str] | None = None):
+        self.endpoint, self.timeout, self.keys = endpoint, timeout, keys or {}
         self.client: Any = None
 
     async def open(self) -> None:
         from llamapool import AsyncClient
 
-        self.client = AsyncClient(self.endpoint, timeout=self.timeout)
+        self.client = AsyncClient(self.endpoint, timeout=self.timeout, **self.keys)
 
     async def close(self) -> None:
         if self.client is not None:
@@ -272,7 +280,7 @@ class HttpTransport(_Transport):
 
 def make_transport(target: Target) -> _Transport:
     if target.transport == "sdk":
-        return SdkTransport(target.address, target.timeout)
+        return SdkTransport(target.address, target.timeout, target.keys)
     return HttpTransport(target.address, target.transport, target.timeout)
 
 
@@ -455,7 +463,7 @@ async def server_info(target: Target) -> dict[str, int]:
     if target.transport == "sdk":
         from llamapool import AsyncClient
 
-        async with AsyncClient(target.address) as client:
+        async with AsyncClient(target.address, **target.keys) as client:
             st = await client.status()
         workers = [w for w in st["workers"] if w.get("n_vocab")]
         if not workers:

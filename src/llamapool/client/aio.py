@@ -12,10 +12,12 @@ import zmq.asyncio
 
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
+    KeySource,
     Pending,
     chat_prompt,
     check_endpoint,
     check_timeout,
+    curve_keys,
     decode_reply,
     generate_frame,
     new_id,
@@ -61,14 +63,21 @@ class AsyncStream:
 
 
 class AsyncClient:
-    """One DEALER socket; a reader task hands each reply to the request that waits for it."""
+    """One DEALER socket; a reader task hands each reply to the request that waits for it.
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT):
+    ``server_public_key`` and ``client_key``: CURVE on ``tcp://``, as for :class:`llamapool.Client`.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
+                 server_public_key: KeySource | None = None, client_key: KeySource | None = None):
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
+        keys = curve_keys(self.endpoint, server_public_key, client_key)
         self._zctx = zmq.asyncio.Context()
         self._sock = self._zctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
         self._sock.connect(self.endpoint)
         self._waiting: dict[str, asyncio.Queue[Message]] = {}
         self._reader: asyncio.Task[None] | None = None

@@ -12,7 +12,7 @@ import msgpack
 
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
 from llamapool.client.types import Completion, StreamChunk, Usage
-from llamapool.config import ipc_path
+from llamapool.config import ipc_path, needs_curve
 from llamapool.protocol import codec
 from llamapool.protocol.messages import Chunk, Error, ErrorCode, Generate, Message, Prompt, Result
 
@@ -34,6 +34,29 @@ def check_endpoint(endpoint: str) -> None:
     if path is not None and not os.path.exists(path):
         raise UnavailableError(ErrorCode.UNAVAILABLE,
                                f"no llamapool daemon at {endpoint} (the socket file does not exist)")
+
+
+KeySource = bytes | str | os.PathLike[str]
+
+
+def curve_keys(endpoint: str, server_public_key: KeySource | None,
+               client_key: KeySource | None) -> tuple[bytes, bytes, bytes] | None:
+    """(server public, client public, client secret) for a CURVE connection, or None for a plain one.
+
+    Keys are used on network (tcp://) endpoints only: an ipc:// socket is protected by its directory.
+    A bad key file raises :class:`llamapool.security.KeyFileError` naming it.
+    """
+    if server_public_key is None and client_key is None:
+        return None
+    if server_public_key is None or client_key is None:
+        raise ValueError("CURVE needs both server_public_key (the router's .pub) and client_key (your .key)")
+    from llamapool import security
+
+    server = security.public_key_of(server_public_key)
+    public, secret = security.client_pair_of(client_key)
+    if not needs_curve(endpoint):
+        return None
+    return server, public, secret
 
 
 def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:

@@ -14,10 +14,12 @@ import zmq
 
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
+    KeySource,
     Pending,
     chat_prompt,
     check_endpoint,
     check_timeout,
+    curve_keys,
     decode_reply,
     generate_frame,
     new_id,
@@ -32,9 +34,11 @@ from llamapool.protocol.messages import Message, MetricsReply, Prompt, StatusRep
 class _Conn:
     """A DEALER socket of one thread and the replies it holds for other requests."""
 
-    def __init__(self, zctx: zmq.Context, endpoint: str):
+    def __init__(self, zctx: zmq.Context, endpoint: str, keys: tuple[bytes, bytes, bytes] | None = None):
         self.sock = zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = keys
         self.sock.connect(endpoint)
         self.held: defaultdict[str, deque[Message]] = defaultdict(deque)
         self.dropped: set[str] = set()
@@ -106,11 +110,18 @@ class Stream:
 
 
 class Client:
-    """Blocking llamapool client: ``generate``, ``stream``, ``chat``, ``chat_stream``, ``generate_many``, ``status``."""
+    """Blocking llamapool client: ``generate``, ``stream``, ``chat``, ``chat_stream``, ``generate_many``, ``status``.
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT):
+    For a ``tcp://`` endpoint with CURVE, give ``server_public_key`` (the router's ``.pub`` file, or its
+    Z85 or raw key as bytes) and ``client_key`` (your ``.key`` file from ``llamapool keygen``, or the
+    secret key as bytes); the router must list your public key. They are ignored on ``ipc://``.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
+                 server_public_key: KeySource | None = None, client_key: KeySource | None = None):
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
+        self._keys = curve_keys(self.endpoint, server_public_key, client_key)
         self._zctx = zmq.Context()
         self._local = threading.local()
         self._conns: list[_Conn] = []
@@ -119,7 +130,7 @@ class Client:
     def _conn(self) -> _Conn:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = _Conn(self._zctx, self.endpoint)
+            conn = _Conn(self._zctx, self.endpoint, self._keys)
             self._local.conn = conn
             with self._lock:
                 self._conns.append(conn)

@@ -23,6 +23,8 @@ class GatewaySpec:
     api_keys_file: str = ""  # "" -> no authentication
     drain_timeout: float = 60.0
     request_timeout: float = 600.0  # a request's deadline at the router (-> 504)
+    server_key: str = ""  # the router's public key (Z85) when the frontend uses CURVE
+    key_file: str = ""  # with server_key: the gateway's secret key file
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -39,7 +39,11 @@ async def serve(spec: GatewaySpec) -> int:
         print(f"llamapool gateway {spec.name}: FATAL: cannot listen on {spec.host}:{spec.port}: {e}",
               file=sys.stderr, flush=True)
         return 78
-    client = AsyncClient(spec.frontend, timeout=spec.request_timeout)
+    if spec.server_key:  # a tcp:// frontend with CURVE: the supervisor's internal key
+        client = AsyncClient(spec.frontend, timeout=spec.request_timeout,
+                             server_public_key=spec.server_key.encode(), client_key=spec.key_file)
+    else:
+        client = AsyncClient(spec.frontend, timeout=spec.request_timeout)
     config = uvicorn.Config(Gateway(spec, client).app(), loop="none", http="httptools", lifespan="off",
                             access_log=False, log_level="warning", timeout_keep_alive=30,
                             timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))

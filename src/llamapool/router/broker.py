@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from llamapool.config import ipc_path
+from llamapool import security
+from llamapool.config import ipc_path, needs_curve
 from llamapool.protocol import codec
 from llamapool.protocol.messages import (
     Abort,
@@ -59,6 +61,7 @@ class RouterConfig:
     step_timeout: float = 60.0
     affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
     model: str = ""  # the ``model`` label of the metrics
+    curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
 
 
 @dataclass(eq=False)
@@ -130,6 +133,13 @@ class Router:
         self.back.setsockopt(zmq.RCVHWM, 0)
         self.control = zctx.socket(zmq.PAIR)
         self.control.connect(control_addr)
+        self.monitors: list[zmq.Socket[Any]] = []  # handshake events of the CURVE sockets, for the log
+        self.handshakes = security.HandshakeLog()
+        if cfg.curve is not None:
+            for sock, endpoint in ((self.front, cfg.frontend), (self.back, cfg.backend)):
+                if needs_curve(endpoint):
+                    security.set_server_keys(sock, cfg.curve)
+                    self.monitors.append(sock.get_monitor_socket(security.HANDSHAKE_EVENTS))
         self.queue: deque[Job] = deque()
         self.jobs: dict[int, Job] = {}
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}
@@ -151,7 +161,7 @@ class Router:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for s in (self.front, self.back, self.control):
+        for s in (self.front, self.back, self.control, *self.monitors):
             poller.register(s, zmq.POLLIN)
         next_tick = 0.0
         while self.running:
@@ -160,6 +170,9 @@ class Router:
                     self._drain(self.back, self._on_worker)
                 elif sock is self.front:
                     self._drain(self.front, self._on_client)
+                elif sock in self.monitors:
+                    while sock.poll(0):
+                        self.handshakes.event(recv_monitor_message(sock))
                 else:
                     while self.control.poll(0):
                         self._on_control(self.control.recv_pyobj())
@@ -500,6 +513,11 @@ class Router:
                 self.back.send_multipart([w.ident, codec.encode(Shutdown())], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        for sock in (self.front, self.back):
+            if sock.get(zmq.CURVE_SERVER):
+                sock.disable_monitor()
+        for mon in self.monitors:
+            mon.close(linger=0)
         self.front.close(linger=500)
         self.back.close(linger=500)
         self.control.close(linger=0)

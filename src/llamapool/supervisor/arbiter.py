@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -28,7 +29,8 @@ from typing import Any
 
 import zmq
 
-from llamapool.config import Config, ConfigError, load_config, step_budget
+from llamapool import security
+from llamapool.config import Config, ConfigError, load_config, needs_curve, step_budget
 from llamapool.router import Router, RouterConfig
 from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
@@ -92,25 +94,38 @@ class Supervisor:
         self._ready_workers = 0
         self._queued = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        # CURVE (docs/security.md): the router's key and allow-list, read now so that a bad key file
+        # is a start-up error (exit 2) naming it; the internal key is made in the runtime dir in run()
+        self.curve_key: security.KeyPair | None = None
+        self.allow: security.AllowList | None = None
+        self.internal_key_file = ""
+        self.auth: Any = None
+        if config.curve:
+            self.curve_key = security.load_key_file(config.security.server_key, secret=True)
+            self.allow = security.AllowList(config.security.authorized_keys)
 
     # ------------------------------------------------------------ top level
 
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
         self._prepare_runtime_dir()
+        self._start_security()
         if self.cfg.metrics is not None:
             from llamapool.supervisor.metrics_http import serve_metrics
 
             try:
-                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend)
+                curve = self._curve_for(self.cfg.frontend)  # its client uses the internal key on tcp://
+                keys = {"server_public_key": curve["server_key"].encode(), "client_key": curve["key_file"]} \
+                    if curve else None
+                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
             except OSError as e:
                 self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}")
                 return 1
             self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
         self.control = self.zctx.socket(zmq.PAIR)
         self.control.bind("inproc://llamapool-control")
-        self.router = Router(self._router_config(self.cfg), self.zctx, "inproc://llamapool-control",
-                             on_event=self._from_router_thread)
+        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve_key), self.zctx,
+                             "inproc://llamapool-control", on_event=self._from_router_thread)
         self.router.bind()
         self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
         self.router_thread.start()
@@ -134,6 +149,8 @@ class Supervisor:
         self._command("stop")
         await asyncio.to_thread(self.router_thread.join, 10)
         self.control.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.zctx.term()
         if self.nvml is not None:
             with contextlib.suppress(Exception):
@@ -154,6 +171,29 @@ class Supervisor:
         d = self.cfg.runtime_dir
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(d, 0o700)
+
+    def _start_security(self) -> None:
+        """CURVE on network sockets: the ZAP handler, and a key for the local workers and gateways."""
+        security.log_to_stderr()
+        plain = [e for e in (self.cfg.frontend, self.cfg.backend) if needs_curve(e)]
+        if self.allow is None:
+            if plain:
+                self._log(f"WARNING: security.insecure_tcp = true: {', '.join(plain)} use(s) no CURVE: no "
+                          f"encryption, and anyone who can connect can use the pool (see docs/security.md)")
+            return
+        key, _ = security.write_key_pair(self.cfg.runtime_dir, "internal", force=True)
+        internal = security.load_key_file(key, secret=True)
+        self.internal_key_file = str(key)
+        self.allow.extra[internal.public] = "(the supervisor's internal key)"
+        self.auth = security.start_authenticator(self.zctx, self.allow)
+        self._log(f"CURVE on {', '.join(plain)}: router key {self.curve_key.fingerprint if self.curve_key else '?'}, "
+                  f"{len(self.allow.keys)} authorized key(s) in {self.allow.directory}")
+
+    def _curve_for(self, endpoint: str) -> dict[str, str]:
+        """The spec fields a local worker or gateway needs to connect to ``endpoint`` with CURVE."""
+        if self.curve_key is None or not needs_curve(endpoint):
+            return {}
+        return {"server_key": self.curve_key.public.decode(), "key_file": self.internal_key_file}
 
     @staticmethod
     def _router_config(cfg: Config) -> RouterConfig:
@@ -179,7 +219,7 @@ class Supervisor:
             n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
-            chat_template=m.chat_template,
+            chat_template=m.chat_template, **self._curve_for(self.cfg.backend),
         )
 
     def _start(self, slot: WorkerSlot) -> None:
@@ -285,7 +325,8 @@ class Supervisor:
         host, port = http.host_port
         spec = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
                            model=self.cfg.model_name, api_keys_file=http.api_keys_file,
-                           drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout)
+                           drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
+                           **self._curve_for(self.cfg.frontend))
         slot.state = "starting"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
@@ -444,9 +485,14 @@ class Supervisor:
         try:
             new = load_config(self.cfg.source)
             gpumod.select(self.gpus, new.workers.devices)
+            allowed = (security.load_authorized_keys(new.security.authorized_keys)
+                       if self.allow is not None and new.security.authorized_keys else None)
         except ConfigError as e:
             self._log(f"reload refused, keeping the running config: {e}")
             return
+        if self.allow is not None and allowed is not None:  # the allow-list applies to new connections now
+            self.allow.directory, self.allow.keys = new.security.authorized_keys, allowed
+            self._log(f"authorized_keys: {len(allowed)} key(s) in {self.allow.directory}")
         self.notify.reloading()
         self._log("reloading: replacing workers one at a time")
         self.cfg = new

@@ -19,9 +19,9 @@ from llamapool.router.metrics import CONTENT_TYPE
 class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], frontend: str):
+    def __init__(self, addr: tuple[str, int], frontend: str, client_kw: dict[str, Any] | None = None):
         super().__init__(addr, _Handler)
-        self.client = Client(frontend)
+        self.client = Client(frontend, **(client_kw or {}))  # client_kw: CURVE keys for a tcp:// frontend
         self.lock = threading.Lock()
 
     def text(self) -> str:
@@ -59,8 +59,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(addr: tuple[str, int], frontend: str) -> MetricsServer:
+def serve_metrics(addr: tuple[str, int], frontend: str, client_kw: dict[str, Any] | None = None) -> MetricsServer:
     """Bind now (an error here is a start-up error) and serve from a daemon thread."""
-    server = MetricsServer(addr, frontend)
+    server = MetricsServer(addr, frontend, client_kw)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -55,6 +55,8 @@ class WorkerSpec:
     prefix_cache: bool = True
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
     chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
+    server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
+    key_file: str = ""  # with server_key: this worker's secret key file (llamapool keygen format)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -165,6 +167,15 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt_string(zmq.ROUTING_ID, f"{spec.name}:{os.getpid()}")
+    if spec.server_key:
+        from llamapool import security
+
+        try:
+            public, secret = security.client_pair_of(spec.key_file)
+        except security.KeyFileError as e:
+            print(f"llamapool worker {spec.name}: FATAL: {e}", file=sys.stderr, flush=True)
+            return EXIT_PERMANENT
+        security.set_client_keys(sock, spec.server_key.encode(), public, secret)
     sock.connect(spec.backend)
     pull = zctx.socket(zmq.PULL)
     out_addr = f"inproc://engine-out-{os.getpid()}"
