@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,10 @@ class Daemon:
     config: Path
     endpoint: str
     log: Path
+    client_kw: dict[str, Any] = field(default_factory=dict)  # e.g. CURVE keys for a tcp:// frontend
 
     def client(self, **kw: Any) -> Client:
-        return Client(self.endpoint, **kw)
+        return Client(self.endpoint, **{**self.client_kw, **kw})
 
     def status(self) -> dict[str, Any]:
         with self.client() as c:
@@ -115,6 +116,34 @@ def launch(folder: Path, model_file: str, env: dict[str, str] | None = None,
         proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
                                 stdout=fh, stderr=subprocess.STDOUT, env=full_env)
     return Daemon(proc, cfg, f"ipc://{folder / 'run' / 'frontend.sock'}", log)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def curve_setup(folder: Path, backend_tcp: bool = True) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Keys for a daemon with a CURVE tcp:// frontend (and backend): its config sections, and the
+    Client arguments of an allowed client ("alice"). ``folder/keys`` also holds "mallory", not allowed."""
+    from llamapool.security import write_key_pair
+
+    keys, allowed = folder / "keys", folder / "authorized"
+    allowed.mkdir(parents=True, exist_ok=True)
+    for name in ("router", "alice", "mallory"):
+        write_key_pair(keys, name, force=True)
+    (allowed / "alice.pub").write_bytes((keys / "alice.pub").read_bytes())
+    server = {"frontend": f"tcp://127.0.0.1:{free_port()}"}
+    if backend_tcp:
+        server["backend"] = f"tcp://127.0.0.1:{free_port()}"
+    sections: dict[str, dict[str, Any]] = {
+        "server": server,
+        "security": {"server_key": str(keys / "router.key"), "authorized_keys": str(allowed)},
+    }
+    return sections, {"server_public_key": str(keys / "router.pub"), "client_key": str(keys / "alice.key")}
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamapool import OverloadedError, RequestTimeoutError, UnavailableError
+from llamapool.protocol import PROTOCOL_VERSION
 from tests.loadgen import Load
 
 LONG_CTX = {"ctx_per_slot": 4096}  # room for requests long enough to keep a slot busy for seconds
@@ -268,16 +269,25 @@ frames = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def fuzz_target(tmp_path_factory, model_path):  # type: ignore[no-untyped-def]
-    from tests.conftest import launch
+@pytest.fixture(scope="module", params=["ipc", "curve"])
+def fuzz_target(request, tmp_path_factory, model_path):  # type: ignore[no-untyped-def]
+    """The daemon on its default ipc:// socket, or on a CURVE tcp:// frontend (an allowed client key)."""
+    from llamapool.client.calls import curve_keys
+    from tests.conftest import curve_setup, launch
 
-    d = launch(tmp_path_factory.mktemp("fuzz"), model_path,
-               model={"ctx_per_slot": 64, "max_batch_tokens": 64, "n_ubatch": 64})
+    folder = tmp_path_factory.mktemp(f"fuzz-{request.param}")
+    sections, client_kw = curve_setup(folder, backend_tcp=False) if request.param == "curve" else ({}, {})
+    d = launch(folder, model_path, model={"ctx_per_slot": 64, "max_batch_tokens": 64, "n_ubatch": 64},
+               **sections)
+    if sections:
+        d.endpoint, d.client_kw = sections["server"]["frontend"], client_kw
     d.wait_ready(2)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    keys = curve_keys(d.endpoint, **client_kw) if client_kw else None
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
     sock.connect(d.endpoint)
     yield d, sock
     ctx.destroy(linger=0)
@@ -295,7 +305,15 @@ def test_fuzzed_frames_never_break_the_daemon(fuzz_target, frame: bytes) -> None
 
 
 def test_daemon_still_serves_after_the_fuzz(fuzz_target) -> None:  # type: ignore[no-untyped-def]
-    d, _ = fuzz_target
+    d, sock = fuzz_target
+    # the fuzzing socket itself was connected (past the CURVE handshake): it gets its answer
+    sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "id": "after-fuzz"}))
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        if sock.poll(100) and msgpack.unpackb(sock.recv()).get("id") == "after-fuzz":
+            break
+    else:
+        raise AssertionError("the fuzzing socket got no answer")
     with d.client() as c:
         assert c.generate("after the storm", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
         assert len(c.status()["workers"]) == 2

@@ -31,7 +31,7 @@ def _keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from llamapool.security import write_key_pair
+    from llamapool.security import load_key_file, write_key_pair
 
     try:
         key, pub = write_key_pair(args.dir, args.name, force=args.force)
@@ -41,6 +41,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     print(f"wrote {key} (secret, mode 0600: keep it where only its user reads it)")
     print(f"wrote {pub} (public: copy it to the router's authorized_keys directory, or give it to clients "
           f"if this is the router's key)")
+    print(f"fingerprint {load_key_file(pub, secret=False).fingerprint} (the daemon's log names refused keys by it)")
     return 0
 
 

@@ -74,9 +74,9 @@ def _z85(value: bytes, what: str, path: str) -> bytes:
 
 
 def _render(name: str, public: bytes, secret: bytes | None) -> str:
-    kind = "secret key: keep it secret (mode 0600)" if secret else "public key"
+    kind = f'secret key "{name}": keep it secret (mode 0600)' if secret else f'public key "{name}"'
     lines = [
-        f'#   llamapool CURVE {kind} "{name}"',
+        f"#   llamapool CURVE {kind}",
         "#   written by `llamapool keygen`; any edit makes it unusable (see docs/security.md)",
         "metadata",
         f'    name = "{name}"',
@@ -142,13 +142,13 @@ def load_key_file(path: str | os.PathLike[str], *, secret: bool) -> KeyPair:
 
 
 def load_authorized_keys(directory: str | os.PathLike[str]) -> dict[bytes, str]:
-    """Every ``*.pub`` (and ``*.key``) file in the allow-list directory: {Z85 public key: file name}."""
+    """Every ``*.pub`` file in the allow-list directory: {Z85 public key: file name}."""
     d = Path(directory)
     if not d.is_dir():
         raise KeyFileError(f"{d}: the authorized_keys directory does not exist")
     keys: dict[bytes, str] = {}
     for p in sorted(d.iterdir()):
-        if p.suffix in (".pub", ".key") and p.is_file():
+        if p.suffix == ".pub" and p.is_file():
             keys[load_key_file(p, secret=False).public] = p.name
     return keys
 
@@ -235,7 +235,8 @@ def start_authenticator(zctx: zmq.Context[Any], allow: AllowList) -> ThreadAuthe
     return auth
 
 
-HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+# FAILED_AUTH is logged by AllowList (with the key); FAILED_NO_DETAIL is mostly a peer hanging up mid-handshake
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 class HandshakeLog:
@@ -250,10 +251,8 @@ class HandshakeLog:
         ev, value, endpoint = int(msg["event"]), int(msg["value"]), msg["endpoint"].decode(errors="replace")
         if ev == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             why = "the peer does not use CURVE (a client without --key/--server-key, or a plain-TCP client)"
-        elif ev == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            why = f"protocol error {value:#x} (a wrong server public key, or not a ZeroMQ peer)"
         else:
-            why = f"handshake failed (errno {value}: {os.strerror(value) if 0 < value < 200 else '?'})"
+            why = f"handshake failed: ZMTP protocol error {value:#x} (a wrong server public key, or not a ZeroMQ peer)"
         now = time.monotonic()
         last, count = self._last.get((endpoint, value), (0.0, 0))
         if now - last < self.quiet:

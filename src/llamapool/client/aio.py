@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from llamapool.client.calls import (
     decode_reply,
     generate_frame,
     new_id,
+    not_connected,
+    send_timeout_ms,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.types import Completion, StreamChunk
@@ -89,12 +92,17 @@ class AsyncClient:
             if q is not None:
                 q.put_nowait(msg)
 
-    async def _open(self, frame: bytes, rid: str) -> asyncio.Queue[Message]:
+    async def _open(self, frame: bytes, rid: str, timeout: float | None = None) -> asyncio.Queue[Message]:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read())
         q: asyncio.Queue[Message] = asyncio.Queue()
         self._waiting[rid] = q
-        await self._sock.send(frame)
+        self._sock.sndtimeo = send_timeout_ms(timeout)
+        try:
+            await self._sock.send(frame)
+        except zmq.Again:
+            self._waiting.pop(rid, None)
+            raise not_connected(self.endpoint) from None
         return q
 
     def _budget(self, timeout: float | None) -> tuple[float | None, float | None]:
@@ -112,7 +120,7 @@ class AsyncClient:
                    params: dict[str, Any]) -> Pending:
         rid = new_id()
         t, wait = self._budget(timeout)
-        q = await self._open(generate_frame(rid, prompts, batch, False, t, params), rid)
+        q = await self._open(generate_frame(rid, prompts, batch, False, t, params), rid, t)
         pending = Pending(len(prompts))
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
@@ -128,7 +136,8 @@ class AsyncClient:
 
     async def _cancel(self, rid: str) -> None:
         self._waiting.pop(rid, None)
-        await self._sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
+        with contextlib.suppress(zmq.Again):  # not connected: nothing to cancel there
+            await self._sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
         return (await self._run([prompt], False, timeout, params)).completions()[0]
@@ -163,7 +172,7 @@ class AsyncClient:
                       done: list[Completion]) -> AsyncGenerator[StreamChunk, None]:
         rid = new_id()
         t, wait = self._budget(timeout)
-        q = await self._open(generate_frame(rid, [prompt], False, True, t, params), rid)
+        q = await self._open(generate_frame(rid, [prompt], False, True, t, params), rid, t)
         pending = Pending(1)
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
@@ -182,7 +191,8 @@ class AsyncClient:
 
     async def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
         rid = new_id()
-        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), rid)
+        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), rid,
+                             timeout)
         try:
             msg = await asyncio.wait_for(q.get(), timeout)
         except TimeoutError:

@@ -59,6 +59,20 @@ def curve_keys(endpoint: str, server_public_key: KeySource | None,
     return server, public, secret
 
 
+SEND_TIMEOUT = 5.0  # seconds a send may wait for a connection before the call fails
+
+
+def send_timeout_ms(timeout: float | None) -> int:
+    """SNDTIMEO for a call: a DEALER with no connection (no daemon, or a refused CURVE handshake)
+    blocks on send; this bounds it (by the call's own timeout when that is shorter)."""
+    return int(1000 * (SEND_TIMEOUT if timeout is None else min(SEND_TIMEOUT, timeout)))
+
+
+def not_connected(endpoint: str) -> UnavailableError:
+    return UnavailableError(ErrorCode.UNAVAILABLE, f"cannot send to {endpoint}: not connected (no daemon there, "
+                            f"or it refused this client's CURVE handshake: check the client and server keys)")
+
+
 def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:
     """Chat messages as the protocol's chat prompt (the daemon checks them and names a bad field)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):

@@ -23,6 +23,8 @@ from llamapool.client.calls import (
     decode_reply,
     generate_frame,
     new_id,
+    not_connected,
+    send_timeout_ms,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.types import Completion, StreamChunk
@@ -146,8 +148,15 @@ class Client:
         t, deadline = self._deadline(timeout)
         check_endpoint(self.endpoint)
         conn = self._conn()
-        conn.sock.send(generate_frame(rid, prompts, batch, stream, t, params))
+        self._send(conn, generate_frame(rid, prompts, batch, stream, t, params), t)
         return conn, rid, deadline
+
+    def _send(self, conn: _Conn, frame: bytes, timeout: float | None) -> None:
+        conn.sock.sndtimeo = send_timeout_ms(timeout)
+        try:
+            conn.sock.send(frame)
+        except zmq.Again:
+            raise not_connected(self.endpoint) from None
 
     def _collect(self, conn: _Conn, rid: str, pending: Pending, deadline: float | None) -> None:
         try:
@@ -202,7 +211,7 @@ class Client:
         """The daemon's view: ``workers`` (id, pid, device, state, slots, active, ...), queue."""
         rid = new_id()
         conn = self._conn()
-        conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}))
+        self._send(conn, msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), timeout)
         try:
             msg = conn.recv_for(rid, time.monotonic() + timeout)
         except RequestTimeoutError:
