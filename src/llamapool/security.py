@@ -235,8 +235,9 @@ def start_authenticator(zctx: zmq.Context[Any], allow: AllowList) -> ThreadAuthe
     return auth
 
 
-# FAILED_AUTH is logged by AllowList (with the key); FAILED_NO_DETAIL is mostly a peer hanging up mid-handshake
-HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# FAILED_AUTH is logged by AllowList (with the key). A peer without CURVE shows up as a mechanism
+# mismatch, or, when it noticed first and hung up, as FAILED_NO_DETAIL with an errno.
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class HandshakeLog:
@@ -251,8 +252,11 @@ class HandshakeLog:
         ev, value, endpoint = int(msg["event"]), int(msg["value"]), msg["endpoint"].decode(errors="replace")
         if ev == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             why = "the peer does not use CURVE (a client without --key/--server-key, or a plain-TCP client)"
-        else:
+        elif ev == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             why = f"handshake failed: ZMTP protocol error {value:#x} (a wrong server public key, or not a ZeroMQ peer)"
+        else:
+            why = (f"the peer hung up during the CURVE handshake ({os.strerror(value) if 0 < value < 256 else value}): "
+                   f"a client without keys, a refused key, or a client expecting another server key")
         now = time.monotonic()
         last, count = self._last.get((endpoint, value), (0.0, 0))
         if now - last < self.quiet:
