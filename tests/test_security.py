@@ -165,6 +165,14 @@ def test_an_allowed_key_is_served_over_curve(curve_daemon: Any) -> None:
 
     assert asyncio.run(with_bytes()) == 2
 
+    # the CLI: endpoint from --config, the router's .pub found beside its security.server_key
+    r = subprocess.run([*CLI, "generate", "cli", "--max-tokens", "3", "--ignore-eos", "--config", str(d.config),
+                        "--key", str(keys / "alice.key")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "3 completion tokens" in r.stderr, r.stderr
+    r = subprocess.run([*CLI, "status", "--endpoint", d.endpoint, "--key", str(keys / "alice.key")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--server-key" in r.stderr, r.stderr
+
 
 def test_a_client_without_a_key_gets_no_reply_and_is_logged(curve_daemon: Any) -> None:
     d, _, _, _ = curve_daemon
