@@ -128,7 +128,8 @@ def curve_daemon(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> A
     folder = tmp_path_factory.mktemp("curve")
     sections, client_kw = curve_setup(folder)
     port = free_port()
-    d = launch(folder, model_path, workers={"cpu_workers": 1}, http={"listen": f"127.0.0.1:{port}"}, **sections)
+    d = launch(folder, model_path, workers={"cpu_workers": 1}, http={"listen": f"127.0.0.1:{port}"},
+               metrics={"listen": f"127.0.0.1:{free_port()}"}, **sections)
     d.endpoint, d.client_kw = sections["server"]["frontend"], client_kw
     d.wait_ready(1)
     yield d, folder / "keys", port, sections
@@ -212,7 +213,7 @@ def test_a_client_expecting_another_server_key_gets_nothing(curve_daemon: Any) -
 
 
 def test_the_gateway_reaches_a_curve_frontend(curve_daemon: Any) -> None:
-    _, _, port, _ = curve_daemon
+    d, _, port, _ = curve_daemon
     end = time.monotonic() + 30
     while time.monotonic() < end:
         try:
@@ -225,6 +226,11 @@ def test_the_gateway_reaches_a_curve_frontend(curve_daemon: Any) -> None:
                    json={"prompt": "via http", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
+    # the [metrics] listener's client (in the supervisor) and the gateway's /metrics use the internal key too
+    listen = next(ln.split("http://")[1].split("/")[0] for ln in d.log_text().splitlines() if "metrics: http://" in ln)
+    for url in (f"http://{listen}/metrics", f"http://127.0.0.1:{port}/metrics"):
+        r = httpx.get(url, timeout=10)
+        assert r.status_code == 200 and "llamapool_" in r.text, (url, r.status_code, r.text[:200])
 
 
 def _remote_worker(keys: Path, key: str, sections: dict[str, Any], model_path: str) -> subprocess.Popen[bytes]:

@@ -207,7 +207,8 @@ class AsyncClient:
     async def metrics(self, *, timeout: float = 5.0) -> str:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
         rid = new_id()
-        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}), rid)
+        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}), rid,
+                             timeout)
         try:
             msg = await asyncio.wait_for(q.get(), timeout)
         except TimeoutError:

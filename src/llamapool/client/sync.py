@@ -226,7 +226,7 @@ class Client:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
         rid = new_id()
         conn = self._conn()
-        conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}))
+        self._send(conn, msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}), timeout)
         try:
             msg = conn.recv_for(rid, time.monotonic() + timeout)
         except RequestTimeoutError:
