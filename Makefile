@@ -8,7 +8,7 @@ MODEL ?= models/demo.gguf
 export CMAKE_ARGS ?= -DLLAVA_BUILD=off
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install run test lint bench-cpu clean
+.PHONY: install run test test-systemd lint bench-cpu clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: install
 		{ apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; } \
 		>/dev/null 2>&1 || echo "make test: prometheus not installed; its test will be skipped"; }
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The unit under a real systemd in a systemd-nspawn container (root; not part of CI: debootstrap is slow).
+test-systemd: install
+	scripts/test-systemd.sh
 
 lint: install
 	$(BIN)/ruff check src tests scripts

@@ -6,10 +6,12 @@ replies, errors by kind, time to detect, time until the replacement served).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -178,25 +180,34 @@ def test_queued_request_past_its_deadline_gets_timeout(start_daemon) -> None:  #
     thread.join(60)
 
 
-def test_missing_model_marks_workers_failed_without_a_restart_loop(start_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_every_worker_failing_at_start_up_exits_78_and_says_why(start_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A missing model: both workers fail for good (exit 78, no restart loop), so the daemon exits 78
+    (EX_CONFIG; the unit's RestartPreventExitStatus=78) instead of running on, empty."""
+    sock_path = tmp_path / "notify.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(str(sock_path))
+    srv.settimeout(0.1)
+    started = time.monotonic()
     d = start_daemon(wait_workers=None, model={"path": str(tmp_path / "gone.gguf")},
-                     server={"queue_timeout": 1.0})
-    end = time.monotonic() + 30
-    rows: list[dict[str, Any]] = []
-    while time.monotonic() < end:
-        rows = d.status()["workers"]
-        if rows and all(w["state"] == "failed" for w in rows):
-            break
-        time.sleep(0.1)
-    time.sleep(2.5)  # long enough for a restart loop to show
-    rows = d.status()["workers"]
-    assert [w["state"] for w in rows] == ["failed", "failed"], rows
-    for w in rows:
-        assert "does not exist" in w["reason"] and w["restarts"] == 0, w
-        assert w["last_exit"] == "exit code 78" and w["log_tail"]
-    with d.client() as c, pytest.raises(UnavailableError):
-        c.generate("anyone?", max_tokens=2)
-    assert d.stop() == 0
+                     env={"NOTIFY_SOCKET": str(sock_path)})
+    try:
+        code = d.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"daemon still running with every worker failed:\n{d.log_text()}") from None
+    took = time.monotonic() - started
+    got: list[str] = []
+    with contextlib.suppress(OSError):
+        while True:
+            got.append(srv.recv(4096).decode())
+    srv.close()
+    log = d.log_text()
+    assert code == 78, log
+    assert took < 20, f"took {took:.1f}s"
+    assert log.count("died") == 0, "a permanent failure must not be restarted:\n" + log
+    assert "every worker failed at start-up, exiting with status 78" in log and "does not exist" in log, log
+    assert not any("READY=1" in m for m in got), got
+    status = [m for m in got if m.startswith("STATUS=every worker failed at start-up")]
+    assert status and "gone.gguf" in status[-1], got
 
 
 def test_systemd_notifications_over_a_real_socket(start_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -131,6 +131,14 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    """``[log]``: how every process of the daemon logs (see llamapool.log)."""
+
+    format: str = "text"  # "text" (llamapool: ...) | "json" (one object a line)
+    level: str = "info"  # "debug" | "info" | "warning" | "error"
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -138,6 +146,7 @@ class Config:
     http: HttpConfig | None = None
     metrics: MetricsConfig | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     source: str = ""
 
     @property
@@ -250,7 +259,7 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
     sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig,
-                "metrics": MetricsConfig, "security": SecurityConfig}
+                "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig}
     for key in raw:
         if key not in sections:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
@@ -279,6 +288,11 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             check_template_file(model.chat_template)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    log: LogConfig = parts["log"]
+    if log.format not in ("text", "json"):
+        raise ConfigError(f"log.format: must be \"text\" or \"json\", got {log.format!r}")
+    if log.level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log.level: must be \"debug\", \"info\", \"warning\" or \"error\", got {log.level!r}")
     workers: WorkersConfig = parts["workers"]
     if model.max_batch_tokens and model.max_batch_tokens <= workers.slots:
         raise ConfigError(

@@ -32,12 +32,13 @@ async def serve(spec: GatewaySpec) -> int:
 
     from llamapool.client.aio import AsyncClient
     from llamapool.gateway.app import Gateway
+    from llamapool.log import Logger
 
+    log = Logger(spec.name, prefix=f"llamapool gateway {spec.name}")
     try:
         sock = listen(spec.host, spec.port)
     except OSError as e:
-        print(f"llamapool gateway {spec.name}: FATAL: cannot listen on {spec.host}:{spec.port}: {e}",
-              file=sys.stderr, flush=True)
+        log.error(f"FATAL: cannot listen on {spec.host}:{spec.port}: {e}")
         return 78
     if spec.server_key:  # a tcp:// frontend with CURVE: the supervisor's internal key
         client = AsyncClient(spec.frontend, timeout=spec.request_timeout,
@@ -48,8 +49,7 @@ async def serve(spec: GatewaySpec) -> int:
                             access_log=False, log_level="warning", timeout_keep_alive=30,
                             timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
     server = uvicorn.Server(config)
-    print(f"llamapool gateway {spec.name}: listening on http://{spec.host}:{spec.port}", file=sys.stderr,
-          flush=True)
+    log.info(f"listening on http://{spec.host}:{spec.port}")
     watch = asyncio.create_task(_exit_with_supervisor(spec.name))
     try:
         await server.serve(sockets=[sock])

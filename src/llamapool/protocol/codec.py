@@ -261,7 +261,8 @@ def _id_only(cls: type) -> Callable[[dict[str, Any]], Message]:
 
 
 def _run(d: dict[str, Any]) -> Run:
-    return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"])
+    req = d.get("req", "")
+    return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"], req if isinstance(req, str) else "")
 
 
 CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {

@@ -184,13 +184,15 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class Run:
-    """Router -> worker: start one sequence. ``rid`` is unique per router."""
+    """Router -> worker: start one sequence. ``rid`` is unique per router; ``req`` is the request id
+    for logs (the client's ``Generate.id``, ``/index`` appended for a micro-batch's prompts)."""
 
     TYPE: ClassVar[str] = "run"
     rid: int
     prompt: Prompt
     params: SamplingParams
     stream: bool
+    req: str = ""
 
 
 @dataclass(slots=True)

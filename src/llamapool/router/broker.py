@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import ipc_path, needs_curve
 from llamapool.protocol import codec
@@ -47,6 +48,7 @@ from llamapool.router.metrics import RouterMetrics
 from llamapool.router.policy import pick_worker, prefix_keys, remember
 
 TICK = 0.1  # seconds between housekeeping passes
+LOG = logmod.Logger("router", prefix="llamapool: router")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class RouterConfig:
     heartbeat_liveness: int = 3
     step_timeout: float = 60.0
     affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
-    model: str = ""  # the ``model`` label of the metrics
+    model: str = ""  # the model's name: the metrics' ``model`` label and the access log
     curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
 
 
@@ -83,6 +85,10 @@ class Job:
     ending: str | None = None  # error code to answer with once the worker confirms the abort
     started: float = 0.0  # when a worker first took it (metrics: queue wait)
     last_token: float = 0.0  # when its last chunk came (metrics: inter-token latency)
+    req: str = ""  # the request id in logs: the client's id (+ "/index" in a micro-batch)
+    dispatched_at: float = 0.0  # when it was last sent to a worker
+    first_at: float = 0.0  # when its first chunk went to the client
+    last_worker: str = ""  # the worker that ran it last (for the access log)
 
 
 @dataclass(eq=False)
@@ -247,7 +253,7 @@ class Router:
         jobs = []
         for i, prompt in enumerate(msg.prompts):
             job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline,
-                      keys=prefix_keys(prompt))
+                      keys=prefix_keys(prompt), req=f"{msg.id}/{i}" if msg.batch else msg.id)
             self.next_rid += 1
             self.jobs[job.rid] = job
             self.queue.append(job)
@@ -255,7 +261,7 @@ class Router:
         self.by_request[key] = jobs
 
     def _finish(self, job: Job, msg: Message) -> None:
-        """Send the one final reply of ``job`` and forget it."""
+        """Send the one final reply of ``job`` and forget it; one access log line per prompt."""
         self._forget(job)
         if isinstance(msg, Result):
             self.metrics.outcome("cancelled" if msg.finish_reason == "cancelled" else "ok")
@@ -263,6 +269,24 @@ class Router:
             self.metrics.outcome(msg.code)
         self.metrics.e2e.observe(time.monotonic() - job.queued_at)
         self._reply(job.client, msg)
+        self._access(job, msg)
+
+    def _access(self, job: Job, msg: Message) -> None:
+        """``access``: id, model, worker, tokens, queue wait, TTFT, duration, outcome (info level)."""
+        if not LOG.enabled("info"):
+            return
+        now = time.monotonic()
+        ms = lambda t: round((t - job.queued_at) * 1000, 1) if t else None  # noqa: E731
+        if isinstance(msg, Result):
+            outcome, finish, n_prompt, n_gen = "ok", msg.finish_reason, msg.prompt_tokens, msg.completion_tokens
+        elif isinstance(msg, Error):
+            outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
+        else:
+            return
+        LOG.info("access", id=job.req, model=self.cfg.model or None, worker=job.last_worker or None,
+                 outcome=outcome, finish=finish, prompt_tokens=n_prompt, generated_tokens=n_gen,
+                 stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
+                 duration_ms=ms(now))
 
     def _gone(self, job: Job) -> None:
         """Drop ``job`` whose client went away: no reply."""
@@ -347,6 +371,8 @@ class Router:
                 elif ntok > job.delivered:
                     self.metrics.itl.observe((now - job.last_token) / (ntok - job.delivered), ntok - job.delivered)
                 job.delivered, job.last_token = ntok, now
+                if not job.first_at:
+                    job.first_at = now
                 self._reply(job.client, Chunk(job.id, job.index, text, ntok))
         for rid, reason, text, n_prompt, n_gen in step.done:
             self.metrics.tokens(w.name, n_prompt, n_gen)
@@ -373,6 +399,9 @@ class Router:
             del self.workers[w.name]
             self.metrics.worker_gone(w.name, {"reused_tokens": w.reused_tokens, "decode_s": w.decode_s,
                                               "step_s": w.step_s, "steps": w.steps})
+        if w.jobs:
+            LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
+                        requests=",".join(sorted(j.req for j in w.jobs.values())))
         for job in sorted(w.jobs.values(), key=lambda j: j.rid, reverse=True):
             job.worker = None
             if job.ending is not None:
@@ -402,10 +431,13 @@ class Router:
             if not job.started:
                 job.started = time.monotonic()
                 self.metrics.queue_wait.observe(job.started - job.queued_at)
-            job.worker = w.name
+            job.worker = job.last_worker = w.name
+            job.dispatched_at = time.monotonic()
             w.jobs[job.rid] = job
             remember(w, job.keys)
-            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream))
+            if LOG.enabled("debug"):
+                LOG.debug("dispatch", id=job.req, worker=w.name, rid=job.rid)
+            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.req))
 
     def _hopeless(self) -> str:
         """Why no worker can ever take work (every worker failed for good), or "" if one may."""

@@ -29,16 +29,19 @@ from typing import Any
 
 import zmq
 
+from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import Config, ConfigError, load_config, needs_curve, step_budget
 from llamapool.router import Router, RouterConfig
 from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor.env import cpu_threads, worker_env
-from llamapool.supervisor.sdnotify import Notifier
+from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
 
 LOG_LINES = 40
+EXIT_ALL_FAILED = EXIT_PERMANENT  # 78 (EX_CONFIG): every worker failed for good before any was ready
+LOG = logmod.Logger("supervisor")
 KILL_GRACE = 2.0  # seconds between SIGABRT and SIGKILL for a hung worker
 
 
@@ -91,6 +94,7 @@ class Supervisor:
         self._drained = asyncio.Event()
         self._stop = asyncio.Event()
         self._announced_ready = False
+        self._ever_ready = False  # a worker said hello at least once since start
         self._ready_workers = 0
         self._queued = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -108,6 +112,7 @@ class Supervisor:
 
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
+        logmod.configure(self.cfg.log.format, self.cfg.log.level)
         self._prepare_runtime_dir()
         self._start_security()
         if self.cfg.metrics is not None:
@@ -230,6 +235,7 @@ class Supervisor:
     async def _run_worker(self, slot: WorkerSlot) -> None:
         spec = self._spec(slot)
         env = worker_env(os.environ, slot.gpu, self.cfg.workers.env, spec.threads)
+        env.update(logmod.child_env(self.cfg.log.format, self.cfg.log.level))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.worker", spec.to_json(),
             env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -240,9 +246,7 @@ class Supervisor:
         self._log(f"{slot.name}: started pid {proc.pid} on {slot.device}")
         assert proc.stdout is not None
         async for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            slot.log.append(line)
-            print(f"[{slot.name}] {line}", file=sys.stderr, flush=True)
+            self._child_line(slot, raw)
         code = await proc.wait()
         self._reaped(slot, proc, code)
 
@@ -277,11 +281,12 @@ class Supervisor:
                         self.cfg.workers.restart_backoff_max)
             slot.streak += 1
             slot.state = "backoff"
-            self._log(f"{slot.name}: pid {proc.pid} died ({how}); restarting in {delay:g}s")
+            self._log(f"{slot.name}: pid {proc.pid} died ({how}); restarting in {delay:g}s", "warning")
             self._spawn_task(self._restart_later(slot, delay))
         if slot.state == "failed":
-            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}")
+            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
         self._publish(slot)
+        self._check_all_failed()
 
     async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -295,7 +300,7 @@ class Supervisor:
         if proc is None or proc.pid != pid or proc.returncode is not None:
             return
         slot.kill_reason = why
-        self._log(f"{slot.name}: killing pid {pid}: {why}")
+        self._log(f"{slot.name}: killing pid {pid}: {why}", "warning")
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGABRT)
             proc.send_signal(signal.SIGCONT)
@@ -330,17 +335,16 @@ class Supervisor:
         slot.state = "starting"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
+            env={**scrub_env(os.environ), **logmod.child_env(self.cfg.log.format, self.cfg.log.level)},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
         slot.proc, slot.started_at = proc, time.monotonic()
         self._log(f"{slot.name}: started pid {proc.pid}")
         assert proc.stdout is not None
         async for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            slot.log.append(line)
+            line = self._child_line(slot, raw)
             if "listening on" in line and slot.state == "starting":
                 slot.state, slot.ready_at = "ready", time.monotonic()
-            print(f"[{slot.name}] {line}", file=sys.stderr, flush=True)
         code = await proc.wait()
         slot.proc = None
         slot.last_exit = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
@@ -350,14 +354,14 @@ class Supervisor:
         if code == EXIT_PERMANENT:
             fatal = [ln for ln in slot.log if "FATAL" in ln]
             slot.state, slot.reason = "failed", fatal[-1] if fatal else slot.last_exit
-            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}")
+            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
             return
         if slot.ready_at and time.monotonic() - slot.ready_at > self.cfg.workers.restart_backoff_max:
             slot.streak = 0
         delay = min(self.cfg.workers.restart_backoff * 2**slot.streak, self.cfg.workers.restart_backoff_max)
         slot.streak += 1
         slot.state = "backoff"
-        self._log(f"{slot.name}: pid {proc.pid} died ({slot.last_exit}); restarting in {delay:g}s")
+        self._log(f"{slot.name}: pid {proc.pid} died ({slot.last_exit}); restarting in {delay:g}s", "warning")
         await asyncio.sleep(delay)
         if not self.stopping and slot.state == "backoff":
             slot.restarts += 1
@@ -428,6 +432,7 @@ class Supervisor:
         slot = next((s for s in self.slots if len(event) > 1 and s.name == event[1]), None)
         if kind == "hello" and slot is not None:
             if slot.state == "starting":
+                self._ever_ready = True
                 slot.state, slot.ready_at, slot.reason = "ready", time.monotonic(), None
                 slot.ready_event.set()
                 self._publish(slot)
@@ -459,7 +464,7 @@ class Supervisor:
         try:
             await asyncio.wait_for(self._drained.wait(), self.cfg.server.drain_timeout)
         except TimeoutError:
-            self._log("drain timeout: cancelling what is left")
+            self._log("drain timeout: cancelling what is left", "warning")
             self._command("cancel_all")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), 5)
@@ -488,7 +493,7 @@ class Supervisor:
             allowed = (security.load_authorized_keys(new.security.authorized_keys)
                        if self.allow is not None and new.security.authorized_keys else None)
         except ConfigError as e:
-            self._log(f"reload refused, keeping the running config: {e}")
+            self._log(f"reload refused, keeping the running config: {e}", "error")
             return
         if self.allow is not None and allowed is not None:  # the allow-list applies to new connections now
             self.allow.directory, self.allow.keys = new.security.authorized_keys, allowed
@@ -496,6 +501,7 @@ class Supervisor:
         self.notify.reloading()
         self._log("reloading: replacing workers one at a time")
         self.cfg = new
+        logmod.configure(new.log.format, new.log.level)
         self._spawn_task(self._reload_gateways())
         for slot in list(self.slots):
             if self.stopping:
@@ -594,9 +600,48 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    @property
+    def _json(self) -> bool:
+        return self.cfg.log.format == "json"
+
     @staticmethod
-    def _log(msg: str) -> None:
-        print(f"llamapool: {msg}", file=sys.stderr, flush=True)
+    def _log(msg: str, level: str = "info", **fields: Any) -> None:
+        LOG.log(logmod.LEVELS[level], msg, **fields)
+
+    def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
+        """Re-emit one line of a worker's or gateway's output at its level; returns its message."""
+        line = raw.decode(errors="replace").rstrip()
+        unprefixed = logmod.LEVELS["error"] if ("FATAL" in line or "Traceback" in line) else logmod.LEVELS["info"]
+        level, body = logmod.split_priority(line, unprefixed)
+        if self._json:
+            obj = logmod.parse_json_line(body)
+            if obj is None:  # native output (llama.cpp, a Python traceback): wrap it
+                msg, out = body, logmod.format_line(level, slot.name, "", body, {})
+            else:
+                msg, out = str(obj.get("msg", body)), body
+        else:
+            msg, out = body, f"[{slot.name}] {body}"
+        slot.log.append(msg)
+        logmod.emit(level, out)
+        return msg
+
+    def _check_all_failed(self) -> None:
+        """Every worker failed for good before any became ready: exit EX_CONFIG (78), do not idle.
+
+        Only at start-up: once a worker has served, a pool that loses every worker (GPUs lost, a
+        model file removed) keeps running and answers ``unavailable``, so that ``llamapool status``
+        can say why; a restart by systemd would not bring a lost GPU back.
+        """
+        if self._ever_ready or self.stopping or not self.slots or \
+                not all(s.state == "failed" for s in self.slots):
+            return
+        reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
+        why = f"every worker failed at start-up, exiting with status {EXIT_ALL_FAILED}: {reasons}"
+        self._log(why, "error")
+        self.notify.status(why)
+        self.stopping = True
+        self.exit_code = EXIT_ALL_FAILED
+        self._stop.set()
 
 
 def serve(config: Config) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from llamapool import log as logmod
 from llamapool.protocol import codec
 from llamapool.protocol.messages import (
     Abort,
@@ -69,7 +70,7 @@ class WorkerSpec:
 class EngineLoop(threading.Thread):
     """The one thread that calls llama.cpp: admits, steps, aborts, reports."""
 
-    def __init__(self, engine: Any, zctx: zmq.Context, out_addr: str):
+    def __init__(self, engine: Any, zctx: zmq.Context, out_addr: str, name: str = "worker"):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -77,6 +78,19 @@ class EngineLoop(threading.Thread):
         self.step_started = 0.0  # monotonic start of the running step, 0 when idle
         self.steps = 0
         self.draining = False
+        self.log = logmod.Logger(name, prefix=f"llamapool worker {name}")
+        self.reqs: dict[int, str] = {}  # rid -> request id, for this worker's log lines
+
+    def _send(self, sock: zmq.Socket, report: Step) -> None:
+        """Send a step report; log its finishes (debug) and failures (warning) with request ids."""
+        for rid, reason, _text, n_prompt, n_gen in report.done:
+            req = self.reqs.pop(rid, "")
+            if self.log.enabled("debug"):
+                self.log.debug("finished", id=req, rid=rid, finish=reason, prompt_tokens=n_prompt,
+                               generated_tokens=n_gen)
+        for rid, code, message, _fld in report.failed:
+            self.log.warning(f"request failed: {message}", id=self.reqs.pop(rid, ""), rid=rid, code=code)
+        sock.send(codec.encode(report))
 
     def run(self) -> None:
         out_sock = self._zctx.socket(zmq.PUSH)
@@ -92,7 +106,7 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 pass
             if self.draining and not eng.busy:
-                out_sock.send(codec.encode(report))
+                self._send(out_sock, report)
                 out_sock.send(codec.encode(Shutdown()))
                 break
             if eng.busy:
@@ -100,7 +114,7 @@ class EngineLoop(threading.Thread):
                     """Send what is ready before a step that blocks (see Engine.step)."""
                     self._merge(report, part)
                     report.active = len(eng.active) + len(eng.waiting)
-                    out_sock.send(codec.encode(report))
+                    self._send(out_sock, report)
                     report.deltas, report.done, report.failed = [], [], []
 
                 self.step_started = time.monotonic()
@@ -109,7 +123,7 @@ class EngineLoop(threading.Thread):
                 self.steps += 1
             report.active = len(eng.active) + len(eng.waiting)
             if report.deltas or report.done or report.failed:
-                out_sock.send(codec.encode(report))
+                self._send(out_sock, report)
         out_sock.close(linger=1000)
 
     @staticmethod
@@ -120,6 +134,10 @@ class EngineLoop(threading.Thread):
 
     def _handle(self, msg: Message, report: Step) -> None:
         if isinstance(msg, Run):
+            self.reqs[msg.rid] = msg.req
+            if self.log.enabled("debug"):
+                self.log.debug("started", id=msg.req, rid=msg.rid, stream=msg.stream,
+                               max_tokens=msg.params.max_tokens)
             self.engine.submit(msg, report)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.rid, report)
@@ -147,18 +165,21 @@ def serve(spec: WorkerSpec) -> int:
             )
         )
     except EngineError as e:
-        print(f"llamapool worker {spec.name}: FATAL: {e}", file=sys.stderr, flush=True)
+        _logger(spec).error(f"FATAL: {e}")
         return EXIT_PERMANENT if e.permanent else 1
     seen = visible_gpus()
     if len(seen) != (1 if gpu else 0):
-        print(
-            f"llamapool worker {spec.name}: FATAL: llama.cpp sees GPUs {seen} in this process; "
+        _logger(spec).error(
+            f"FATAL: llama.cpp sees GPUs {seen} in this process; "
             f"expected {'exactly one' if gpu else 'none'} (device {spec.device}, "
-            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
-            file=sys.stderr, flush=True,
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
         )
         return EXIT_PERMANENT
     return _serve(spec, engine, seen)
+
+
+def _logger(spec: WorkerSpec) -> logmod.Logger:
+    return logmod.Logger(spec.name, prefix=f"llamapool worker {spec.name}")
 
 
 def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
@@ -180,7 +201,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     pull = zctx.socket(zmq.PULL)
     out_addr = f"inproc://engine-out-{os.getpid()}"
     pull.bind(out_addr)
-    loop = EngineLoop(engine, zctx, out_addr)
+    loop = EngineLoop(engine, zctx, out_addr, spec.name)
     hello = codec.encode(Hello(
         worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
         slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
@@ -203,7 +224,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
         now = time.monotonic()
         if now >= next_beat:
             if os.getppid() != parent:  # the supervisor died: do not linger as an orphan
-                print(f"llamapool worker {spec.name}: supervisor gone, exiting", file=sys.stderr)
+                _logger(spec).warning("supervisor gone, exiting")
                 os._exit(1)
             if now - router_seen > silent_after:  # the router lost us (or restarted): introduce again
                 sock.send(hello)
@@ -237,8 +258,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                     try:
                         msg = codec.decode(frames, codec.ROUTER_TYPES)
                     except codec.ProtocolError as e:
-                        print(f"llamapool worker {spec.name}: bad router message: {e}",
-                              file=sys.stderr, flush=True)
+                        _logger(spec).warning(f"bad router message: {e}")
                         continue
                     if not isinstance(msg, Heartbeat):
                         loop.inbox.put(msg)

@@ -1,0 +1,284 @@
+#!/usr/bin/env bash
+# make test-systemd: configs/systemd/llamapool.service under a real systemd (PID 1 in a
+# systemd-nspawn container, see docs/systemd.md), checked with systemctl and journalctl inside it.
+#
+#   1. start: the unit is "activating" while the workers load and "active" only after READY=1,
+#      with the daemon's STATUS= text in `systemctl status`;
+#   2. reload (SIGHUP) under load: every worker replaced, 0 failed requests;
+#   3. watchdog: a supervisor frozen with SIGSTOP is killed by systemd and restarted;
+#   4. logs reach the journal with their priority (a killed worker's "died" line is a warning);
+#   5. stop drains (a request in flight completes) and leaves no process of the service;
+#   6. a pool whose every worker fails at start-up (a missing model) exits 78: `systemctl start`
+#      fails, `systemctl status` shows why, and systemd does not restart it;
+#   7. `systemd-analyze security llamapool.service`.
+#
+# Needs root, network access for apt/debootstrap on the first run (a Debian 12 tree with systemd and
+# python3 in $MACHINE, kept for later runs), and the checkout's venv (`make install`). The container
+# runs the checkout's code: its /opt/llamapool/.venv is a venv of the container's python3 that
+# imports the host venv's packages (both CPython 3.11). The unit is the shipped one, with two test
+# drop-ins: WatchdogSec=6 (30 s shipped, to keep the run short) and the config path.
+# Prints what it checked; exit 0 only when every check passed.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MACHINE="${MACHINE:-/var/lib/machines/llamapool-test}"
+UNIT=llamapool.service
+FAILED=0
+LOG="$(mktemp -d)"
+
+say() { printf '%s\n' "$*"; }
+pass() { say "PASS: $*"; }
+fail() { say "FAIL: $*"; FAILED=$((FAILED + 1)); }
+die() { say "ERROR: $*"; exit 2; }
+
+[ "$(id -u)" = 0 ] || die "needs root (systemd-nspawn)"
+[ -x "$ROOT/.venv/bin/python" ] || die "no venv: run make install first"
+"$ROOT/.venv/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 11)' ||
+    die "the host venv must be CPython 3.11 (the container's python3 is Debian 12's 3.11)"
+
+# --- the container tree (once) -----------------------------------------------------------------
+if ! command -v systemd-nspawn >/dev/null || ! command -v debootstrap >/dev/null; then
+    apt-get install -y -q systemd-container debootstrap >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null && apt-get install -y -q systemd-container debootstrap >/dev/null; } ||
+        die "cannot install systemd-container and debootstrap"
+fi
+if [ ! -x "$MACHINE/usr/bin/python3" ] || [ ! -x "$MACHINE/lib/systemd/systemd" ]; then
+    say "debootstrap: a minimal Debian 12 with systemd and python3 in $MACHINE (a few minutes, once)"
+    MIRROR=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null)
+    debootstrap --variant=minbase --include=systemd,systemd-sysv,dbus,python3,procps bookworm \
+        "$MACHINE" "${MIRROR:-http://deb.debian.org/debian}" >"$LOG/debootstrap.log" 2>&1 ||
+        { tail -20 "$LOG/debootstrap.log"; die "debootstrap failed"; }
+fi
+
+# --- what the unit expects: user, venv, config, model -------------------------------------------
+chroot "$MACHINE" id llamapool >/dev/null 2>&1 ||
+    chroot "$MACHINE" useradd --system --home /var/lib/llamapool --shell /usr/sbin/nologin llamapool
+SITE="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+rm -rf "$MACHINE/opt/llamapool/.venv"
+chroot "$MACHINE" python3 -m venv --without-pip /opt/llamapool/.venv
+CSITE="$(chroot "$MACHINE" /opt/llamapool/.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "import site; site.addsitedir('$SITE')" >"$MACHINE$CSITE/llamapool-host.pth"
+cat >"$MACHINE/opt/llamapool/.venv/bin/llamapool" <<'EOF'
+#!/opt/llamapool/.venv/bin/python
+import sys
+from llamapool.cli import main
+sys.exit(main())
+EOF
+chmod 0755 "$MACHINE/opt/llamapool/.venv/bin/llamapool"
+mkdir -p "$MACHINE/srv/llamapool/models" "$MACHINE/etc/llamapool"
+[ -f "$ROOT/models/demo.gguf" ] || "$ROOT/.venv/bin/llamapool" make-model "$ROOT/models/demo.gguf" >/dev/null
+cp "$ROOT/models/demo.gguf" "$MACHINE/srv/llamapool/models/demo.gguf"
+cat >"$MACHINE/etc/llamapool/llamapool.toml" <<'EOF'
+[model]
+path = "/srv/llamapool/models/demo.gguf"
+ctx_per_slot = 512
+
+[workers]
+devices = "cpu"
+cpu_workers = 2
+slots = 4
+threads = 1
+EOF
+sed 's|^path = .*|path = "/srv/llamapool/models/missing.gguf"|' "$MACHINE/etc/llamapool/llamapool.toml" \
+    >"$MACHINE/etc/llamapool/broken.toml"
+install -m 0644 "$ROOT/configs/systemd/$UNIT" "$MACHINE/etc/systemd/system/$UNIT"
+mkdir -p "$MACHINE/etc/systemd/system/$UNIT.d"
+printf '[Service]\nWatchdogSec=6\n' >"$MACHINE/etc/systemd/system/$UNIT.d/test.conf"
+cat >"$MACHINE/usr/local/bin/lp-load" <<'EOF'
+#!/opt/llamapool/.venv/bin/python
+"""lp-load SECONDS THREADS: requests over the SDK until SECONDS pass; prints ok=N failed=M."""
+import sys, threading, time
+from llamapool.client import Client
+seconds, threads = float(sys.argv[1]), int(sys.argv[2])
+ok, failed, errors, lock = [0], [0], [], threading.Lock()
+def run(i):
+    end = time.monotonic() + seconds
+    with Client("ipc:///run/llamapool/frontend.sock", timeout=60) as c:
+        while time.monotonic() < end:
+            try:
+                c.generate(f"request {i}", max_tokens=16)
+                with lock: ok[0] += 1
+            except Exception as e:  # every failure counts
+                with lock: failed[0] += 1; errors.append(repr(e))
+ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(f"ok={ok[0]} failed={failed[0]}", *errors[:3])
+EOF
+chmod 0755 "$MACHINE/usr/local/bin/lp-load"
+
+# --- boot it -------------------------------------------------------------------------------------
+mkdir -p /run/systemd/nspawn
+mountpoint -q /run/systemd/nspawn || mount -t tmpfs tmpfs /run/systemd/nspawn
+mkdir -p /run/dbus
+[ -S /run/dbus/system_bus_socket ] || dbus-daemon --system --fork
+systemd-nspawn -D "$MACHINE" --register=no --keep-unit -b --bind-ro="$ROOT" >"$LOG/nspawn.log" 2>&1 &
+NSPAWN=$!
+cleanup() { kill "$NSPAWN" 2>/dev/null; wait "$NSPAWN" 2>/dev/null; rm -rf "$LOG"; }
+trap cleanup EXIT
+LEADER=""
+for _ in $(seq 100); do
+    LEADER=$(ps -o pid= --ppid "$NSPAWN" 2>/dev/null | head -1 | tr -d ' ')
+    [ -n "$LEADER" ] && break
+    sleep 0.1
+done
+[ -n "$LEADER" ] || { cat "$LOG/nspawn.log"; die "the container did not boot"; }
+in() { nsenter -t "$LEADER" -a "$@"; }
+state="$(timeout 60 nsenter -t "$LEADER" -a systemctl is-system-running --wait 2>&1)"
+say "container: systemd $(in systemctl --version | head -1 | awk '{print $2}') is $state (PID 1 = pid $LEADER on the host)"
+prop() { in systemctl show -p "$1" --value "$UNIT"; }
+ts() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(ts)" 'BEGIN { printf "%.1f", b - a }'; }
+
+# --- 1. start: active only after READY=1, with STATUS= ----------------------------------------------
+say ""; say "== 1. systemctl start"
+t0=$(ts)
+in systemctl start --no-block "$UNIT"
+seen=""
+for _ in $(seq 1200); do
+    s=$(prop ActiveState)
+    [[ " $seen " == *" $s "* ]] || seen="$seen $s"
+    [[ "$s" == active || "$s" == failed ]] && break
+    sleep 0.1
+done
+say "states seen:$seen (after $(since "$t0") s)"
+say "$(in systemctl status "$UNIT" --no-pager | sed -n '1,6p')"
+journal="$(in journalctl -u "$UNIT" -o cat --no-pager)"
+ready_line=$(grep -n "llamapool: ready: " <<<"$journal" | head -1 | cut -d: -f1)
+started_line=$(grep -n "^Started " <<<"$journal" | head -1 | cut -d: -f1)
+if [[ "$seen" == *activating* && "$(prop ActiveState)" == active && -n "$ready_line" && -n "$started_line" &&
+      "$ready_line" -lt "$started_line" ]]; then
+    pass "activating while loading, active only after the daemon's READY=1 (its 'ready' log line precedes systemd's 'Started')"
+else
+    fail "start: states '$seen', ready line ${ready_line:-none}, Started line ${started_line:-none}"
+fi
+status_text="$(prop StatusText)"
+[[ "$status_text" == *"workers ready"* ]] && pass "STATUS=\"$status_text\"" || fail "StatusText '$status_text'"
+
+# --- 2. reload under load -------------------------------------------------------------------------
+say ""; say "== 2. systemctl reload under load"
+main=$(prop MainPID)
+before=$(in pgrep -P "$main" -f llamapool.worker | sort | tr '\n' ' ')
+in lp-load 20 6 >"$LOG/load.txt" 2>&1 &
+LOAD=$!
+sleep 3
+t0=$(ts)
+in systemctl reload "$UNIT"
+seen=""
+for _ in $(seq 600); do
+    s=$(prop ActiveState)
+    [[ " $seen " == *" $s "* ]] || seen="$seen $s"
+    [[ "$s" == active && "$seen" == *reloading* ]] && break
+    sleep 0.1
+done
+say "states seen:$seen; reload took $(since "$t0") s"
+after=$(in pgrep -P "$main" -f llamapool.worker | sort | tr '\n' ' ')
+wait "$LOAD"
+load="$(cat "$LOG/load.txt")"
+say "worker pids before: $before; after: $after; load: $load"
+if [[ "$seen" == *reloading* && -n "$before" && -n "$after" && -z "$(comm -12 <(tr ' ' '\n' <<<"$before" | sed '/^$/d') <(tr ' ' '\n' <<<"$after" | sed '/^$/d'))" ]]; then
+    pass "reloading -> active, every worker replaced, same main pid $(prop MainPID)"
+else
+    fail "reload: states '$seen', workers before '$before' after '$after'"
+fi
+[[ "$load" =~ ok=([0-9]+)\ failed=0 && "${BASH_REMATCH[1]}" -gt 0 ]] &&
+    pass "0 failed requests during the reload ($load)" || fail "requests during the reload: $load"
+
+# --- 3. watchdog ------------------------------------------------------------------------------------
+say ""; say "== 3. watchdog: SIGSTOP the supervisor"
+main=$(prop MainPID)
+n0=$(prop NRestarts)
+t0=$(ts)
+in kill -STOP "$main"
+detected=""
+for _ in $(seq 600); do
+    if [[ -z "$detected" ]] && in journalctl -u "$UNIT" -o cat --no-pager | grep -q "Watchdog timeout"; then
+        detected=$(since "$t0")
+    fi
+    [[ "$(prop NRestarts)" -gt "$n0" && "$(prop ActiveState)" == active ]] && break
+    sleep 0.2
+done
+new=$(prop MainPID)
+say "$(in journalctl -u "$UNIT" -o cat --no-pager | grep -E "Watchdog timeout|Killing process|Scheduled restart|Main process exited" | tail -4)"
+if [[ -n "$detected" && "$new" != "$main" && "$(prop ActiveState)" == active ]]; then
+    pass "frozen pid $main killed by the watchdog after ${detected} s (WatchdogSec=6); pid $new active again $(since "$t0") s after SIGSTOP; NRestarts=$(prop NRestarts)"
+else
+    fail "watchdog: detected '${detected}', main $main -> $new, state $(prop ActiveState)"
+fi
+in lp-load 2 2 | grep -q "failed=0" && pass "the restarted service serves" || fail "no service after the watchdog restart"
+
+# --- 4. priorities in the journal ---------------------------------------------------------------------
+say ""; say "== 4. journal priorities"
+main=$(prop MainPID)
+victim=$(in pgrep -P "$main" -f llamapool.worker | head -1)
+in kill -KILL "$victim"
+sleep 3
+warn="$(in journalctl -u "$UNIT" -p warning -o cat --no-pager | grep "pid $victim died" | head -1)"
+info_only="$(in journalctl -u "$UNIT" -p 6..6 -o cat --no-pager)"
+say "priority 4 (warning): $warn"
+say "priority 6 (info):    $(grep -m1 "llamapool: ready" <<<"$info_only")"
+if [[ -n "$warn" ]] && ! grep -q "pid $victim died" <<<"$info_only" && grep -q "llamapool: ready" <<<"$info_only"; then
+    pass "a worker's death is logged at warning, readiness at info (journald PRIORITY from the <N> prefix)"
+else
+    fail "priorities: warning line '$warn'"
+fi
+prio=$(in journalctl -u "$UNIT" -o json --no-pager | "$ROOT/.venv/bin/python" -c '
+import json, sys
+for line in sys.stdin:
+    e = json.loads(line)
+    if "died" in str(e.get("MESSAGE", "")):
+        print(e.get("PRIORITY")); break')
+[[ "$prio" == 4 ]] && pass "journalctl -o json: PRIORITY=4 on the 'died' entry" || fail "PRIORITY '$prio'"
+
+# --- 5. stop drains and leaves nothing -------------------------------------------------------------------
+say ""; say "== 5. systemctl stop with a request in flight"
+sleep 2
+in /opt/llamapool/.venv/bin/python -c '
+from llamapool.client import Client
+with Client("ipc:///run/llamapool/frontend.sock", timeout=60) as c:
+    r = c.generate("drain me", max_tokens=300, ignore_eos=True)
+    print(f"in-flight request: {r.completion_tokens} tokens, finish_reason={r.finish_reason}")
+' >"$LOG/drain.txt" 2>&1 &
+DRAIN=$!
+sleep 1
+t0=$(ts)
+in systemctl stop "$UNIT"
+stop_s=$(since "$t0")
+wait "$DRAIN"
+left=$(in pgrep -u llamapool | tr '\n' ' ')
+say "$(cat "$LOG/drain.txt"); stop took $stop_s s; Result=$(prop Result), ExecMainStatus=$(prop ExecMainStatus)"
+grep -q "300 tokens" "$LOG/drain.txt" && pass "the in-flight request completed during the drain" ||
+    fail "drain: $(cat "$LOG/drain.txt")"
+[[ -z "$left" && "$(prop ActiveState)" == inactive && "$(prop Result)" == success ]] &&
+    pass "inactive, Result=success, no process of user llamapool left" ||
+    fail "after stop: state $(prop ActiveState), result $(prop Result), processes left: '$left'"
+
+# --- 6. every worker failed at start-up: exit 78 ------------------------------------------------------
+say ""; say "== 6. a missing model"
+printf '[Service]\nExecStart=\nExecStart=/opt/llamapool/.venv/bin/llamapool serve --config /etc/llamapool/broken.toml\n' \
+    >"$MACHINE/etc/systemd/system/$UNIT.d/broken.conf"
+in systemctl daemon-reload
+in systemctl reset-failed "$UNIT" 2>/dev/null
+t0=$(ts)
+if in systemctl start "$UNIT" 2>"$LOG/start.err"; then
+    fail "systemctl start succeeded with a missing model"
+else
+    pass "systemctl start failed after $(since "$t0") s: $(head -1 "$LOG/start.err")"
+fi
+sleep 7  # longer than RestartSec=5: no restart may follow
+status="$(in systemctl status "$UNIT" --no-pager 2>&1)"
+say "$status" | sed -n '1,12p'
+[[ "$(prop ExecMainStatus)" == 78 && "$(prop ActiveState)" == failed && "$(prop NRestarts)" == 0 ]] &&
+    pass "exit status 78, state failed, not restarted (RestartPreventExitStatus=78)" ||
+    fail "state $(prop ActiveState), status $(prop ExecMainStatus), restarts $(prop NRestarts)"
+grep -q "every worker failed at start-up" <<<"$status" && grep -q "missing.gguf" <<<"$status" &&
+    pass "systemctl status says why" || fail "systemctl status does not say why"
+rm -f "$MACHINE/etc/systemd/system/$UNIT.d/broken.conf"
+in systemctl daemon-reload
+
+# --- 7. systemd-analyze security --------------------------------------------------------------------------
+say ""; say "== 7. systemd-analyze security $UNIT"
+in systemd-analyze security "$UNIT" --no-pager 2>&1 | grep -E "^✗|Overall exposure" | sed 's/^/  /'
+
+say ""
+if [ "$FAILED" = 0 ]; then say "test-systemd: all checks passed"; else say "test-systemd: $FAILED check(s) FAILED"; fi
+exit $(( FAILED > 0 ))

@@ -1,0 +1,112 @@
+"""Logs: one line per event, JSON with a request id from client to router to worker, the access
+line, and journald priority prefixes (``<N>``) when stderr is the journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from llamapool import log as logmod
+from llamapool.protocol import codec
+from llamapool.protocol.messages import Error, Generate, Result, Run, SamplingParams
+
+
+def _ask(endpoint: str, rid: str, prompt: Any, stream: bool = True) -> Any:
+    """Send one Generate with a request id of our choosing; return its final reply."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send(codec.encode(Generate(rid, [prompt], SamplingParams(max_tokens=4, temperature=0.0), stream)))
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            if s.poll(1000):
+                msg = codec.decode(s.recv_multipart(), codec.REPLY_TYPES)
+                if isinstance(msg, Result | Error):
+                    return msg
+        raise AssertionError(f"no final reply for {rid}")
+    finally:
+        s.close()
+
+
+def _wait_for(path: Path, text: str, timeout: float = 10.0) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        content = path.read_text(errors="replace")
+        if text in content:
+            return content
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the log:\n{path.read_text(errors='replace')[-4000:]}")
+
+
+def test_json_logs_follow_a_request_id_from_router_to_worker(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(wait_workers=2, log={"format": "json", "level": "debug"})
+    reply = _ask(d.endpoint, "req-json-1", "Once upon a time")
+    assert isinstance(reply, Result) and reply.completion_tokens == 4
+    _wait_for(d.log, '"req-json-1"')
+    _wait_for(d.log, '"msg": "finished"')
+    assert d.stop() == 0
+    rows = []
+    for line in d.log.read_text().splitlines():
+        obj = json.loads(line)  # every line is one JSON object, native output included
+        assert {"ts", "level", "component", "msg"} <= obj.keys(), obj
+        rows.append(obj)
+    mine = [r for r in rows if r.get("id") == "req-json-1"]
+    by = {(r["component"], r["msg"]) for r in mine}
+    assert ("router", "dispatch") in by and ("router", "access") in by, mine
+    assert {(reply.worker, "started"), (reply.worker, "finished")} <= by, mine
+    access = next(r for r in mine if r["msg"] == "access")
+    assert access["level"] == "info" and access["outcome"] == "ok" and access["finish"] == "length"
+    assert access["model"] == "tiny" and access["worker"] == reply.worker
+    assert access["prompt_tokens"] == reply.prompt_tokens and access["generated_tokens"] == 4
+    assert 0 < access["ttft_ms"] <= access["duration_ms"] and access["queue_ms"] <= access["ttft_ms"]
+    assert any(r["component"] == "supervisor" and r["msg"].startswith("ready") for r in rows)
+
+
+def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With JOURNAL_STREAM naming stderr, every line starts with <N>; a worker's warning keeps <4>."""
+    log = tmp_path / "d0" / "daemon.log"  # the file launch() will truncate and use as stderr
+    log.parent.mkdir(parents=True)
+    log.touch()
+    st = os.stat(log)
+    d = start_daemon(wait_workers=2, env={"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+    ok = _ask(d.endpoint, "req-text-1", "Hello", stream=False)
+    assert isinstance(ok, Result)
+    too_long = _ask(d.endpoint, "req-text-2", [1] * 600)  # > ctx_per_slot=512: the worker refuses it
+    assert isinstance(too_long, Error) and too_long.code == "invalid_request"
+    text = _wait_for(d.log, "id=req-text-2")
+    assert d.stop() == 0
+    text = d.log.read_text()
+    lines = text.splitlines()
+    assert lines and all(ln[:1] == "<" and ln[2:3] == ">" for ln in lines), text
+    assert any(ln.startswith("<6>llamapool: router: access id=req-text-1 model=tiny worker=cpu")
+               and "outcome=ok finish=length" in ln and "ttft_ms=" not in ln for ln in lines), text
+    assert any(ln.startswith("<6>llamapool: router: access id=req-text-2") and "outcome=invalid_request" in ln
+               for ln in lines), text
+    assert any(ln.startswith("<4>[cpu") and "request failed: prompt has 600 tokens" in ln
+               and "id=req-text-2" in ln for ln in lines), text
+    assert any(ln.startswith("<6>llamapool: ready") for ln in lines), text
+
+
+def test_log_helpers() -> None:
+    assert logmod.split_priority("<4>[cpu0] x") == (4, "[cpu0] x")
+    assert logmod.split_priority("plain", 3) == (3, "plain")
+    line = logmod.format_line(6, "router", "llamapool: router", "access", {"id": "a b", "n": 2, "x": None},
+                              fmt="text")
+    assert line == 'llamapool: router: access id="a b" n=2'
+    obj = json.loads(logmod.format_line(4, "cpu0", "", "m", {"id": "r1"}, fmt="json"))
+    assert obj["level"] == "warning" and obj["component"] == "cpu0" and obj["id"] == "r1"
+    assert obj["ts"].endswith("Z")
+    # a Run from an older router (no "req") still decodes
+    d = codec.to_dict(Run(1, "p", SamplingParams(), False, "r"))
+    del d["req"]
+    import msgpack
+
+    msg = codec.decode([msgpack.packb(d)], codec.ROUTER_TYPES)
+    assert isinstance(msg, Run) and msg.req == ""
