@@ -98,13 +98,28 @@ def test_errors_from_the_router_name_the_openai_parameter(one_slot: tuple[Daemon
 # ---------------------------------------------------------------- 503, and a supervisor killed with -9
 
 
-def test_no_worker_is_503_and_the_gateway_dies_with_its_supervisor(tmp_path: Path) -> None:
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"not a model" * 100)
+def test_no_worker_is_503_and_the_gateway_dies_with_its_supervisor(tmp_path: Path, model_path: str) -> None:
+    """A pool that served and then lost every worker for good (its model file became corrupt) runs on
+    (a pool that never had a ready worker exits 78 instead: test_faults): /health is 503, requests get
+    OpenAI's 503 with code ``unavailable``."""
+    model = tmp_path / "broken.gguf"
+    model.write_bytes(Path(model_path).read_bytes())
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    d = launch(tmp_path / "d", str(broken), http={"listen": f"127.0.0.1:{port}"})
+    d = launch(tmp_path / "d", str(model), http={"listen": f"127.0.0.1:{port}"})
     try:
+        def ready() -> bool:
+            try:
+                rows = d.status()["workers"]
+            except Exception:
+                return False
+            return bool(rows) and all(w["state"] == "ready" for w in rows)
+
+        eventually(ready, 30, "every worker ready", d)
+        model.write_bytes(b"not a model" * 100)
+        for w in d.status()["workers"]:
+            os.kill(w["pid"], signal.SIGKILL)  # each restart now fails for good (exit 78)
+
         def failed() -> bool:
             try:
                 return all(w["state"] == "failed" for w in d.status()["workers"])
