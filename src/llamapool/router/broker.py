@@ -478,15 +478,14 @@ class Router:
             return f"the worker name {name!r} does not start with its node's name {node!r} and '/'"
         if not node and "/" in name:
             return f"the worker name {name!r} has a '/' but names no node"
-        if key and self.cfg.local_key and key == self.cfg.local_key.decode():
-            return ""  # one of this router's own workers
+        if not key or (self.cfg.local_key and key == self.cfg.local_key.decode()):
+            return ""  # one of this router's own workers (or no CURVE: no key tells them apart)
         if name in self.sup_info:
             return f"name clash: {name!r} is one of the router's own workers"
-        if key:
-            for other in self.workers.values():
-                if other.key != key and (other.name == name or (node and other.hello.node == node)):
-                    return (f"name clash: node {other.hello.node or other.name!r} is connected with another key "
-                            f"({security.fingerprint(other.key.encode()) if other.key else 'none'})")
+        for other in self.workers.values():
+            if other.key != key and (other.name == name or (node and other.hello.node == node)):
+                return (f"name clash: node {other.hello.node or other.name!r} is connected with another key "
+                        f"({security.fingerprint(other.key.encode()) if other.key else 'none'})")
         return ""
 
     def _refuse(self, ident: bytes, name: str, hello: Hello, key: str, why: str) -> None:
