@@ -225,3 +225,30 @@ def test_node_sigterm_drains_its_workers(pool: dict[str, Any]) -> None:
     with d.client() as c:
         assert c.generate("after", max_tokens=2, ignore_eos=True).worker == "cpu0"
     assert "draining" in node.log_text()
+
+
+def test_node_config_is_checked(tmp_path: Path) -> None:
+    from llamapool.config import ConfigError, from_dict
+
+    base = {"model": {"path": "m"}}
+    with pytest.raises(ConfigError, match=r"node\.join: is required"):
+        from_dict({**base, "node": {"name": "a"}})
+    with pytest.raises(ConfigError, match=r"node\.name"):
+        from_dict({**base, "node": {"join": "tcp://h:1", "name": "a/b", "key": "k", "server_public_key": "p"}})
+    with pytest.raises(ConfigError, match=r"node\.join: tcp://h:1 .*server_public_key"):
+        from_dict({**base, "node": {"join": "tcp://h:1", "name": "a"}})
+    cfg = from_dict({**base, "node": {"join": "tcp://h:1", "key": "k/n.key", "server_public_key": "k/r.pub"}},
+                    tmp_path)
+    assert cfg.node is not None and cfg.node.name and "/" not in cfg.node.name  # the host name
+    assert cfg.node.key == str(tmp_path / "k" / "n.key")
+    assert from_dict(base).node is None
+    write_key_pair(tmp_path, "r")
+    cfg_file = write_config(tmp_path / "n.toml", "m", tmp_path / "run",
+                            node={"join": "tcp://127.0.0.1:1", "key": str(tmp_path / "r.pub"),
+                                  "server_public_key": str(tmp_path / "r.pub")})
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "node", "--config", str(cfg_file)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "r.pub" in r.stderr and "no secret-key" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg_file)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "llamapool node" in r.stderr, r.stderr
