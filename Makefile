@@ -8,7 +8,7 @@ MODEL ?= models/demo.gguf
 export CMAKE_ARGS ?= -DLLAVA_BUILD=off
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install run test test-systemd lint bench-cpu clean
+.PHONY: install run test test-systemd test-netns lint bench-cpu clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: install
 # The unit under a real systemd in a systemd-nspawn container (root; not part of CI: debootstrap is slow).
 test-systemd: install
 	scripts/test-systemd.sh
+
+# A router and a `llamapool node` in two network namespaces joined by a veth pair (root; not in `make test`).
+test-netns: install
+	scripts/test-netns.sh
 
 lint: install
 	$(BIN)/ruff check src tests scripts

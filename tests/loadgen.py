@@ -30,6 +30,8 @@ class Load:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     first_chunk: threading.Event = field(default_factory=threading.Event)
     chunks_seen: int = 0
+    curve: tuple[bytes, bytes, bytes] | None = None  # (router public, client public, client secret), Z85
+    prefix: str = "load"  # request ids: "<prefix>-<i>"
 
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self.run, daemon=True)
@@ -40,9 +42,11 @@ class Load:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.curve
         sock.connect(self.endpoint)
         for i in range(self.n):
-            rid = f"load-{i}"
+            rid = f"{self.prefix}-{i}"
             self.outcomes[rid] = Outcome()
             sock.send(msgpack.packb({
                 "v": 1, "type": "generate", "id": rid, "prompt": f"request number {i}", "stream": True,

@@ -101,7 +101,7 @@ def test_metrics_from_listen_and_gateway(start_daemon) -> None:  # type: ignore[
     for fam in fams.values():
         assert fam.name.startswith("llamapool_")
         for s in fam.samples:  # bounded labels only
-            assert set(s.labels) <= {"model", "worker", "device", "outcome", "state", "reason", "gpu", "le"}, s
+            assert set(s.labels) <= {"model", "worker", "device", "node", "outcome", "state", "reason", "gpu", "le"}, s
     model = Path(d.config.read_text().split('path = "')[1].split('"')[0]).stem
     assert value(fams, "llamapool_generated_tokens", "llamapool_generated_tokens_total", model=model) == counted
     assert value(fams, "llamapool_requests", "llamapool_requests_total", outcome="ok") == 6

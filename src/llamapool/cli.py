@@ -48,7 +48,16 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from llamapool.supervisor.arbiter import serve
 
-    return serve(load_config(args.config))
+    cfg = load_config(args.config)
+    if cfg.node is not None:
+        raise ConfigError("node: a config with a [node] table is for `llamapool node`, not `serve`")
+    return serve(cfg)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from llamapool.supervisor.node import serve_node
+
+    return serve_node(load_config(args.config))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -148,7 +157,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    cols = ("id", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
+    cols: tuple[str, ...] = ("id", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
+    if any(w.get("node") for w in st["workers"]):
+        cols = ("id", "node", *cols[1:])
     rows = [[str(w.get(c, "") if w.get(c) is not None else "-") for c in cols] for w in st["workers"]]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     print("  ".join(c.upper().ljust(widths[i]) for i, c in enumerate(cols)))
@@ -194,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the daemon in the foreground")
     s.add_argument("--config", required=True)
     s.set_defaults(fn=cmd_serve)
+
+    n = sub.add_parser("node", help="run this host's workers for a router on another host ([node] join)")
+    n.add_argument("--config", required=True)
+    n.set_defaults(fn=cmd_node)
 
     def endpoint_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--endpoint", help="frontend endpoint (default: from --config or the runtime dir)")

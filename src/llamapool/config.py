@@ -131,6 +131,17 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class NodeConfig:
+    """``[node]``: ``llamapool node`` runs this host's workers for a router on another host (no router
+    here). Paths are relative to the config file. See README "Two hosts"."""
+
+    join: str = ""  # the router's backend, e.g. "tcp://10.0.0.1:5556"
+    name: str = ""  # "" -> the host name; workers are named "<name>/cpu0", "<name>/gpu1", ...
+    server_public_key: str = ""  # the router's public key file (router.pub)
+    key: str = ""  # this node's secret key file (llamapool keygen NAME); its .pub is in the router's allow-list
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """``[log]``: how every process of the daemon logs (see llamapool.log)."""
 
@@ -147,6 +158,7 @@ class Config:
     metrics: MetricsConfig | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    node: NodeConfig | None = None  # [node]: this config is for `llamapool node`
     source: str = ""
 
     @property
@@ -259,12 +271,12 @@ def _section(name: str, cls: type, raw: Any) -> Any:
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
     sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig,
-                "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig}
+                "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig}
     for key in raw:
         if key not in sections:
             raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
     parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()
-             if name in raw or name not in ("http", "metrics")}
+             if name in raw or name not in ("http", "metrics", "node")}
     if "http" in parts:
         parts["http"] = _http(parts["http"], base_dir)
     if "metrics" in parts:
@@ -300,7 +312,36 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             f"busy slot a token and prompts need the rest, got {model.max_batch_tokens}"
         )
     parts["security"] = _security(parts["security"], parts["server"], base_dir)
+    if "node" in parts:
+        parts["node"] = _node(parts["node"], parts["security"], base_dir)
     return Config(source=source, **parts)
+
+
+def _node(node: NodeConfig, sec: SecurityConfig, base_dir: Path | None) -> NodeConfig:
+    """``[node]``: a name usable in worker names, and CURVE keys for a network endpoint."""
+    import re
+    import socket
+
+    name = node.name or socket.gethostname().split(".")[0]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", name):
+        raise ConfigError(f"node.name: {name!r} must be letters, digits, '.', '_', '-' (no '/' or ':'); "
+                          f"it prefixes the node's worker names")
+    if not node.join:
+        raise ConfigError("node.join: is required: the router's backend endpoint, e.g. \"tcp://10.0.0.1:5556\"")
+    paths = {}
+    for key in ("server_public_key", "key"):
+        value = getattr(node, key)
+        if value and base_dir is not None and not Path(value).is_absolute():
+            value = str((base_dir / value).resolve())
+        paths[key] = value
+    node = dataclasses.replace(node, name=name, **paths)
+    if needs_curve(node.join) and not (node.server_public_key and node.key) and not sec.insecure_tcp:
+        raise ConfigError(f"node.join: {node.join} is a network endpoint: set node.server_public_key (the router's "
+                          f".pub) and node.key (this node's .key, `llamapool keygen NAME`), or [security] "
+                          f"insecure_tcp = true for a router without CURVE (see docs/security.md)")
+    if bool(node.server_public_key) != bool(node.key):
+        raise ConfigError("node.server_public_key and node.key: set both or neither")
+    return node
 
 
 def _security(sec: SecurityConfig, server: ServerConfig, base_dir: Path | None) -> SecurityConfig:

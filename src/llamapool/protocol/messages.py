@@ -165,6 +165,7 @@ class Hello:
     ctx_per_slot: int
     n_vocab: int
     visible_devices: list[str]
+    node: str = ""  # the remote node it belongs to ("" for the router's own workers); its name is "node/..."
 
 
 @dataclass(slots=True)
@@ -180,6 +181,7 @@ class Heartbeat:
     reused_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     kv_used: int = 0  # KV cache cells holding tokens (running sequences and kept prefixes)
     kv_total: int = 0  # KV cache cells in all (0: not reported)
+    draining: bool = False  # from a worker: it was told to stop (SIGTERM); route nothing more to it
 
 
 @dataclass(slots=True)
@@ -220,9 +222,11 @@ class Step:
 
 @dataclass(slots=True)
 class Shutdown:
-    """Router -> worker: finish or abort what runs, then exit."""
+    """Router -> worker: finish or abort what runs, then exit. With a ``reason`` the router refused the
+    worker's hello (a name clash): the worker logs it and exits for good. Worker -> router: it leaves."""
 
     TYPE: ClassVar[str] = "shutdown"
+    reason: str = ""
 
 
 Message = (

@@ -64,6 +64,7 @@ class RouterConfig:
     affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
     model: str = ""  # the model's name: the metrics' ``model`` label and the access log
     curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
+    local_key: bytes = b""  # the supervisor's internal public key (Z85): its own workers use it
 
 
 @dataclass(eq=False)
@@ -108,6 +109,8 @@ class WorkerState:
     kv_total: int = 0
     last_sent: float = 0.0
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    key: str = ""  # its CURVE public key (Z85) on a CURVE backend
+    orphans: set[int] = field(default_factory=set)  # rids it runs that this router never gave it (aborted)
 
     @property
     def free(self) -> int:
@@ -137,6 +140,7 @@ class Router:
         self.back.setsockopt(zmq.LINGER, 0)
         self.back.setsockopt(zmq.SNDHWM, 0)
         self.back.setsockopt(zmq.RCVHWM, 0)
+        self.back.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a node worker reconnecting after a partition keeps its id
         self.control = zctx.socket(zmq.PAIR)
         self.control.connect(control_addr)
         self.monitors: list[zmq.Socket[Any]] = []  # handshake events of the CURVE sockets, for the log
@@ -150,11 +154,17 @@ class Router:
         self.jobs: dict[int, Job] = {}
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}
         self.workers: dict[str, WorkerState] = {}
+        self.remote_lost: dict[str, dict[str, Any]] = {}  # status rows of nodes' workers that left or were lost
+        self._back_keys = cfg.curve is not None and needs_curve(cfg.backend)  # peers' keys (User-Id) readable
+        self._peer: Any = None  # the last backend frame (its User-Id is the peer's key)
+        self._refusals: dict[tuple[str, str], float] = {}
         self.sup_info: dict[str, dict[str, Any]] = {}  # the supervisor's view of each worker
         self.gpus: list[dict[str, Any]] = []
         self.draining = False
         self.running = True
-        self.next_rid = 1
+        # rids are unique per router process: a node worker still running a previous router's rids never
+        # mixes them up with ours (those get aborted)
+        self.next_rid = (int.from_bytes(os.urandom(4), "big") << 16) + 1
         self.loop_progress = time.monotonic()  # read by the supervisor's watchdog
         self._last_ready = -1
         self.metrics = RouterMetrics(cfg.model)
@@ -173,7 +183,7 @@ class Router:
         while self.running:
             for sock, _ in poller.poll(timeout=int(TICK * 1000)):
                 if sock is self.back:
-                    self._drain(self.back, self._on_worker)
+                    self._drain_back()
                 elif sock is self.front:
                     self._drain(self.front, self._on_client)
                 elif sock in self.monitors:
@@ -198,6 +208,24 @@ class Router:
             except zmq.Again:
                 return
             handle(frames[0], frames[1:])
+
+    def _drain_back(self) -> None:
+        if not self._back_keys:
+            self._drain(self.back, self._on_worker)
+            return
+        for _ in range(1000):  # with CURVE: frames, to read the peer's key on a hello
+            try:
+                frames = self.back.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._peer = frames[-1]
+            self._on_worker(frames[0].bytes, [f.bytes for f in frames[1:]])
+
+    def _peer_key(self) -> str:
+        try:
+            return str(self._peer.get("User-Id")) if self._peer is not None else ""
+        except zmq.ZMQError:
+            return ""
 
     # ------------------------------------------------------------ clients
 
@@ -345,9 +373,18 @@ class Router:
             if w is not None and w.ident == ident:  # it lost track of us and says hello again
                 w.last_seen = now
                 return
+            key = self._peer_key() if self._back_keys else ""
+            why = self._refusal(name, msg, key)
+            if why:
+                self._refuse(ident, name, msg, key, why)
+                return
             if w is not None:
                 self._lose_worker(w, "replaced by a new process")
-            self.workers[name] = WorkerState(name, ident, msg, now)
+            self.workers[name] = WorkerState(name, ident, msg, now, key=key)
+            if msg.node:
+                self.remote_lost.pop(name, None)
+                LOG.info(f"worker {name} of node {msg.node} joined (pid {msg.pid}, {msg.device}, {msg.slots} slots)",
+                         worker=name, node=msg.node, key=security.fingerprint(key.encode()) if key else None)
             self.on_event(("hello", name, msg.pid))
             return
         if w is None or w.ident != ident:
@@ -358,6 +395,8 @@ class Router:
         elif isinstance(msg, Heartbeat):
             w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
             w.reused_tokens, w.kv_used, w.kv_total = msg.reused_tokens, msg.kv_used, msg.kv_total
+            if msg.draining and w.state == "ready":  # SIGTERM on its node: it finishes what it has
+                w.state = "retiring"
         elif isinstance(msg, Shutdown):  # drained and leaving
             self._lose_worker(w, "it shut down")
 
@@ -365,6 +404,9 @@ class Router:
         now = time.monotonic()
         for rid, text, ntok in step.deltas:
             job = w.jobs.get(rid)
+            if job is None and rid not in w.orphans:  # a request of a previous router, or one we lost it
+                w.orphans.add(rid)  # with (a partition): its client had its final reply; free the slot
+                self._send_worker(w, Abort(rid))
             if job is not None and job.ending is None:
                 if job.delivered == 0:
                     self.metrics.ttft.observe(now - job.queued_at)
@@ -376,6 +418,7 @@ class Router:
                 self._reply(job.client, Chunk(job.id, job.index, text, ntok))
         for rid, reason, text, n_prompt, n_gen in step.done:
             self.metrics.tokens(w.name, n_prompt, n_gen)
+            w.orphans.discard(rid)
             job = w.jobs.pop(rid, None)
             if job is None:
                 continue
@@ -419,7 +462,41 @@ class Router:
                     f"worker {w.name} was lost ({why}) after {job.delivered} tokens were delivered",
                 ))
         w.jobs.clear()
+        if w.hello.node and w.name not in self.workers:
+            if why != "it shut down":
+                LOG.warning(f"worker {w.name} of node {w.hello.node} lost: {why}", worker=w.name, node=w.hello.node)
+            self.remote_lost[w.name] = {
+                "id": w.name, "node": w.hello.node, "pid": w.hello.pid, "device": w.hello.device, "slots": 0,
+                "active": 0, "state": "stopped" if why == "it shut down" else "lost", "reason": why}
         self.on_event(("lost", w.name, w.hello.pid, why))
+
+    def _refusal(self, name: str, hello: Hello, key: str) -> str:
+        """Why a worker's hello cannot be accepted ("" if it can): its name must be unique, and the
+        name of a node's worker is "<node>/..."; a node's name belongs to the key that holds it."""
+        node = hello.node
+        if node and not name.startswith(f"{node}/"):
+            return f"the worker name {name!r} does not start with its node's name {node!r} and '/'"
+        if not node and "/" in name:
+            return f"the worker name {name!r} has a '/' but names no node"
+        if not key or (self.cfg.local_key and key == self.cfg.local_key.decode()):
+            return ""  # one of this router's own workers (or no CURVE: no key tells them apart)
+        if name in self.sup_info:
+            return f"name clash: {name!r} is one of the router's own workers"
+        for other in self.workers.values():
+            if other.key != key and (other.name == name or (node and other.hello.node == node)):
+                return (f"name clash: node {other.hello.node or other.name!r} is connected with another key "
+                        f"({security.fingerprint(other.key.encode()) if other.key else 'none'})")
+        return ""
+
+    def _refuse(self, ident: bytes, name: str, hello: Hello, key: str, why: str) -> None:
+        """Tell the worker (it logs it and exits for good) and log it here, once per 10 s per worker."""
+        with contextlib.suppress(zmq.ZMQError):
+            self.back.send_multipart([ident, codec.encode(Shutdown(reason=why))], zmq.NOBLOCK)
+        now = time.monotonic()
+        if now - self._refusals.get((name, why), -1e9) >= 10.0:
+            self._refusals[(name, why)] = now
+            LOG.warning(f"refused worker {name} (node {hello.node or '-'}, pid {hello.pid}): {why}", worker=name,
+                        node=hello.node or None, key=security.fingerprint(key.encode()) if key else None)
 
     def _dispatch(self) -> None:
         while self.queue:
@@ -516,7 +593,7 @@ class Router:
 
     def _status(self, rid: str) -> StatusReply:
         rows = []
-        names = sorted(set(self.sup_info) | set(self.workers))
+        names = sorted(set(self.sup_info) | set(self.workers) | set(self.remote_lost))
         for name in names:
             info = dict(self.sup_info.get(name, {}))
             w = self.workers.get(name)
@@ -527,12 +604,15 @@ class Router:
                     visible_devices=w.hello.visible_devices, steps=w.steps,
                     n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
                     decode_s=round(w.decode_s, 3), step_s=round(w.step_s, 3),
-                    reused_tokens=w.reused_tokens,
+                    reused_tokens=w.reused_tokens, node=w.hello.node,
                 )
+            elif name in self.remote_lost:
+                info.update(self.remote_lost[name])
             else:
                 info.setdefault("state", "starting")
                 info.update(id=name, active=0)
                 info.setdefault("slots", 0)
+            info.setdefault("node", "")
             rows.append(info)
         running = sum(len(w.jobs) for w in self.workers.values())
         return StatusReply(rid, rows, len(self.queue), running, self.draining, self.gpus)
@@ -541,6 +621,8 @@ class Router:
         for job in list(self.jobs.values()):
             self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, "llamapool stopped"))
         for w in self.workers.values():
+            if w.hello.node:  # a node's workers outlive this router: they reconnect to the next one
+                continue
             try:
                 self.back.send_multipart([w.ident, codec.encode(Shutdown())], zmq.NOBLOCK)
             except zmq.ZMQError:

@@ -114,27 +114,8 @@ class Supervisor:
         self.loop = asyncio.get_running_loop()
         logmod.configure(self.cfg.log.format, self.cfg.log.level)
         self._prepare_runtime_dir()
-        self._start_security()
-        if self.cfg.metrics is not None:
-            from llamapool.supervisor.metrics_http import serve_metrics
-
-            try:
-                curve = self._curve_for(self.cfg.frontend)  # its client uses the internal key on tcp://
-                keys = {"server_public_key": curve["server_key"].encode(), "client_key": curve["key_file"]} \
-                    if curve else None
-                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
-            except OSError as e:
-                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}")
-                return 1
-            self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
-        self.control = self.zctx.socket(zmq.PAIR)
-        self.control.bind("inproc://llamapool-control")
-        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve_key), self.zctx,
-                             "inproc://llamapool-control", on_event=self._from_router_thread)
-        self.router.bind()
-        self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
-        self.router_thread.start()
-        self._log(f"frontend {self.cfg.frontend}; model {self.cfg.model.path}")
+        if not self._start_router():
+            return 1
         handlers: dict[signal.Signals, Callable[[], Coroutine[Any, Any, None]]] = {
             signal.SIGTERM: self.drain, signal.SIGINT: self.drain,
             signal.SIGQUIT: self.fast_stop, signal.SIGHUP: self.reload,
@@ -151,17 +132,50 @@ class Supervisor:
             await asyncio.to_thread(self.metrics_server.shutdown)
         await self._stop_gateways()
         await self._shutdown_workers()
-        self._command("stop")
-        await asyncio.to_thread(self.router_thread.join, 10)
-        self.control.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
+        await self._stop_router()
         self.zctx.term()
         if self.nvml is not None:
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
         self._log("stopped")
         return self.exit_code
+
+    def _start_router(self) -> bool:
+        """CURVE, the ``[metrics]`` listener and the router thread (``llamapool node`` has none of them)."""
+        self._start_security()
+        if self.cfg.metrics is not None:
+            from llamapool.supervisor.metrics_http import serve_metrics
+
+            try:
+                curve = self._curve_for(self.cfg.frontend)  # its client uses the internal key on tcp://
+                keys = {"server_public_key": curve["server_key"].encode(), "client_key": curve["key_file"]} \
+                    if curve else None
+                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
+            except OSError as e:
+                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}")
+                return False
+            self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
+        self.control = self.zctx.socket(zmq.PAIR)
+        self.control.bind("inproc://llamapool-control")
+        local = security.load_key_file(self.internal_key_file, secret=False).public if self.internal_key_file else b""
+        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve_key, local_key=local),
+                             self.zctx, "inproc://llamapool-control", on_event=self._from_router_thread)
+        self.router.bind()
+        self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
+        self.router_thread.start()
+        self._log(f"frontend {self.cfg.frontend}; model {self.cfg.model.path}")
+        return True
+
+    async def _stop_router(self) -> None:
+        self._command("stop")
+        await asyncio.to_thread(self.router_thread.join, 10)
+        self.control.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+
+    def _loop_alive(self, now: float, wd: float) -> bool:
+        """Whether the watchdog may be fed: the router's loop made progress lately."""
+        return now - self.router.loop_progress < max(1.0, wd)
 
     def _plan(self, cfg: Config) -> list[WorkerSlot]:
         """One slot per selected GPU, or ``cpu_workers`` CPU slots when there is none."""
@@ -227,6 +241,9 @@ class Supervisor:
             chat_template=m.chat_template, **self._curve_for(self.cfg.backend),
         )
 
+    def _worker_log_env(self) -> dict[str, str]:
+        return logmod.child_env(self.cfg.log.format, self.cfg.log.level)
+
     def _start(self, slot: WorkerSlot) -> None:
         slot.state, slot.kill_reason = "starting", None
         slot.ready_event.clear()
@@ -235,7 +252,7 @@ class Supervisor:
     async def _run_worker(self, slot: WorkerSlot) -> None:
         spec = self._spec(slot)
         env = worker_env(os.environ, slot.gpu, self.cfg.workers.env, spec.threads)
-        env.update(logmod.child_env(self.cfg.log.format, self.cfg.log.level))
+        env.update(self._worker_log_env())
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.worker", spec.to_json(),
             env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -569,7 +586,7 @@ class Supervisor:
                 self.notify.status("every worker failed: " + "; ".join(sorted({str(s.reason) for s in self.slots})))
             elif not self._announced_ready:
                 self.notify.extend_timeout(10)
-            if wd is not None and now - self.router.loop_progress < max(1.0, wd):
+            if wd is not None and self._loop_alive(now, wd):
                 self.notify.watchdog()
             if self.nvml is not None and now - last_gpu > 5:
                 last_gpu = now

@@ -34,6 +34,9 @@ from llamapool.protocol.messages import (
 )
 
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
+JOINING = "joining the router at"  # logged once the model is loaded (`llamapool node` waits for it)
+LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class WorkerSpec:
     chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
     server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
     key_file: str = ""  # with server_key: this worker's secret key file (llamapool keygen format)
+    node: str = ""  # the node it belongs to (`llamapool node`): its name is "<node>/<slot>"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -188,6 +192,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     sock = zctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt_string(zmq.ROUTING_ID, f"{spec.name}:{os.getpid()}")
+    public = b""
     if spec.server_key:
         from llamapool import security
 
@@ -197,6 +202,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
             print(f"llamapool worker {spec.name}: FATAL: {e}", file=sys.stderr, flush=True)
             return EXIT_PERMANENT
         security.set_client_keys(sock, spec.server_key.encode(), public, secret)
+    link = _network_link(spec, sock, public)
     sock.connect(spec.backend)
     pull = zctx.socket(zmq.PULL)
     out_addr = f"inproc://engine-out-{os.getpid()}"
@@ -205,18 +211,30 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     hello = codec.encode(Hello(
         worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
         slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
-        visible_devices=seen,
+        visible_devices=seen, node=spec.node,
     ))
     sock.send(hello)
+    if spec.node:  # `llamapool node` marks the worker ready on this line (its workers log at info at least)
+        _logger(spec).info(f"model loaded; {JOINING} {spec.backend}")
     loop.start()
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(pull, zmq.POLLIN)
+    if link is not None:
+        poller.register(link.monitor, zmq.POLLIN)
     stop = threading.Event()
     bye = codec.encode(Shutdown())
-    signal.signal(signal.SIGTERM, lambda *_: loop.inbox.put(Shutdown()))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C goes to it
+    exit_code = 0
+    draining = False
     next_beat = 0.0
+
+    def on_term(*_: Any) -> None:
+        nonlocal draining, next_beat
+        draining, next_beat = True, 0.0  # tell the router now: it routes nothing more here
+        loop.inbox.put(Shutdown())
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C goes to it
     parent = os.getppid()
     router_seen = time.monotonic()
     silent_after = spec.heartbeat_interval * spec.heartbeat_liveness
@@ -235,11 +253,15 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                 active=len(engine.active) + len(engine.waiting), steps=loop.steps,
                 busy_for=(now - started) if started else 0.0,
                 decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
-                kv_used=kv_used, kv_total=kv_total,
+                kv_used=kv_used, kv_total=kv_total, draining=draining,
             )))
             next_beat = now + spec.heartbeat_interval
         for s, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
-            if s is pull:
+            if link is not None and s is link.monitor:
+                if link.events():  # a new connection (the router restarted, or a partition healed)
+                    sock.send(hello)  # introduce ourselves at once rather than after the silence
+                    router_seen = time.monotonic()
+            elif s is pull:
                 while True:
                     try:
                         frame = pull.recv(zmq.NOBLOCK)
@@ -260,14 +282,87 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                     except codec.ProtocolError as e:
                         _logger(spec).warning(f"bad router message: {e}")
                         continue
+                    if isinstance(msg, Shutdown) and msg.reason:
+                        _logger(spec).error(f"FATAL: the router refused this worker: {msg.reason}")
+                        exit_code = EXIT_PERMANENT
                     if not isinstance(msg, Heartbeat):
                         loop.inbox.put(msg)
     loop.join(timeout=5)
+    if link is not None:
+        sock.disable_monitor()
+        link.monitor.close(linger=0)
     sock.close()
     pull.close()
     zctx.term()
     engine.close()
-    return 0
+    return exit_code
+
+
+class _Link:
+    """A network (tcp://) worker's view of its connection: logs connects, drops and refusals."""
+
+    def __init__(self, spec: WorkerSpec, monitor: zmq.Socket, public: bytes):
+        self.spec, self.monitor, self.public = spec, monitor, public
+        self.connects = 0
+        self.refused_at = 0.0
+        self.refusals = 0
+        self.log = _logger(spec)
+
+    def events(self) -> bool:
+        """Handle the monitor's events; True when a new connection to the router is up (not the first)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        reconnected = False
+        while self.monitor.poll(0):
+            ev = recv_monitor_message(self.monitor)
+            kind, value = int(ev["event"]), int(ev["value"])
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connects += 1
+                self.log.info(f"connected to the router at {self.spec.backend}" +
+                              (" again" if self.connects > 1 else ""))
+                reconnected = reconnected or self.connects > 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.log.warning(f"lost the connection to the router at {self.spec.backend}; reconnecting")
+            else:
+                self._refused(kind, value)
+        return reconnected
+
+    def _refused(self, kind: int, value: int) -> None:
+        """A failed handshake (rate-limited: once, then once every 30 s with the count)."""
+        now = time.monotonic()
+        self.refusals += 1
+        if self.refused_at and now - self.refused_at < 30:
+            return
+        self.refused_at = now
+        from llamapool.security import fingerprint
+
+        key = f"key {fingerprint(self.public)}" if self.public else "no key"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = (f"the router refused this worker's {key} (ZAP status {value}): its .pub is not in the "
+                   f"router's authorized_keys")
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            why = f"handshake failed, ZMTP error {value:#x} (a wrong server public key, or the router uses no CURVE)"
+        else:
+            why = f"the router hung up during the handshake ({value}): a refused {key} or a wrong server key"
+        more = f" ({self.refusals} attempts so far)" if self.refusals > 1 else ""
+        self.log.error(f"cannot join {self.spec.backend}: {why}{more}")
+
+
+def _network_link(spec: WorkerSpec, sock: zmq.Socket, public: bytes) -> _Link | None:
+    """A worker on a network backend (a node's, on another host): ZeroMQ heartbeats drop a dead TCP
+    connection within ``heartbeat_interval * heartbeat_liveness`` and reconnect at once (a partition
+    can leave it open for minutes); a monitor logs its connects, drops and refusals. None for ipc://."""
+    if spec.backend.startswith(("ipc://", "inproc://")):
+        return None
+    ivl = max(100, int(spec.heartbeat_interval * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ivl * spec.heartbeat_liveness)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, ivl * spec.heartbeat_liveness)  # the router drops us as fast
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, ivl)  # retry a SYN lost in a partition without TCP's backoff
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, ivl)
+    sock.setsockopt(zmq.SNDHWM, 0)  # a long partition must not block the I/O loop on a full pipe
+    return _Link(spec, sock.get_monitor_socket(LINK_EVENTS), public)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,155 @@
+"""``llamapool node``: this host's workers, serving a router on another host.
+
+A node is the supervisor without its router, gateway and metrics listener: the same worker
+lifecycle (spawn, reap, restart with backoff, flap limit, start timeout, SIGTERM drain, SIGHUP
+reload, sd_notify), but its workers connect to the remote router's backend (``[node] join``) with
+the node's CURVE key, under the names ``<node>/<slot>``. The router treats them as its own:
+heartbeats, re-dispatch of unstarted requests, ``worker_lost`` for streams in flight.
+
+The node never talks to the router itself. A worker is ready once its model is loaded (it logs
+``joining the router at``); from then on it keeps its model and its connection through router
+restarts and network partitions: ZeroMQ reconnects (over CURVE, with the same keys) and the worker
+says hello again on every new connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+from llamapool import log as logmod
+from llamapool import security
+from llamapool.config import Config, ConfigError
+from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
+from llamapool.worker.server import JOINING, WorkerSpec
+
+
+class NodeSupervisor(Supervisor):
+    """The :class:`Supervisor`'s worker lifecycle for workers that join a remote router."""
+
+    def __init__(self, config: Config, nvml: Any | None = None, use_nvml: bool = True):
+        if config.node is None:
+            raise ConfigError("node: the config has no [node] table (join, name, server_public_key, key): "
+                              "`llamapool node` runs workers for a router on another host")
+        super().__init__(config, nvml, use_nvml)
+        self.node = config.node
+        self.router_key = b""
+        self._check_keys(config)
+
+    def _check_keys(self, cfg: Config) -> None:
+        """Read both key files now: a bad one is an error naming it (exit 2), not a worker that flaps."""
+        assert cfg.node is not None
+        if cfg.node.server_public_key:
+            self.router_key = security.load_key_file(cfg.node.server_public_key, secret=False).public
+            security.load_key_file(cfg.node.key, secret=True)
+
+    # ------------------------------------------------------------ no router here
+
+    def _start_router(self) -> bool:
+        node = self.node
+        if self.cfg.http is not None or self.cfg.metrics is not None:
+            self._log("WARNING: [http] and [metrics] are ignored by `llamapool node`: the router's host serves them")
+        how = (f"CURVE, node key {security.load_key_file(node.key, secret=False).fingerprint}, router key "
+               f"{security.fingerprint(self.router_key)}" if self.router_key else "no CURVE")
+        self._log(f"node {node.name}: workers join the router at {node.join} ({how}); model {self.cfg.model.path}")
+        return True
+
+    async def _stop_router(self) -> None:
+        return None
+
+    def _loop_alive(self, now: float, wd: float) -> bool:
+        return True
+
+    def _start_gateways(self) -> None:
+        return None
+
+    # ------------------------------------------------------------ workers named and connected for the node
+
+    def _plan(self, cfg: Config) -> list[WorkerSlot]:
+        assert cfg.node is not None
+        slots = super()._plan(cfg)
+        for slot in slots:
+            slot.name = f"{cfg.node.name}/{slot.name}"
+        return slots
+
+    def _spec(self, slot: WorkerSlot) -> WorkerSpec:
+        node = self.node
+        spec = dataclasses.replace(super()._spec(slot), backend=node.join, node=node.name)
+        if self.router_key:
+            spec = dataclasses.replace(spec, server_key=self.router_key.decode(), key_file=node.key)
+        return spec
+
+    def _worker_log_env(self) -> dict[str, str]:
+        # the workers log at info at least: their "joining" line is how the node knows they are ready
+        # (their lines are filtered again at the node's own level when it re-emits them)
+        level = self.cfg.log.level if self.cfg.log.level == "debug" else "info"
+        return logmod.child_env(self.cfg.log.format, level)
+
+    def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
+        msg = super()._child_line(slot, raw)
+        if JOINING in msg and slot.state == "starting" and slot.proc is not None:
+            self._on_router(("hello", slot.name, slot.proc.pid))
+        return msg
+
+    # ------------------------------------------------------------ what the router's control socket did
+
+    def _command(self, *cmd: Any) -> None:
+        """The base class's messages to its router thread, done here: readiness for systemd, and
+        ``retire`` (reload) as SIGTERM, which makes the worker finish its requests and leave."""
+        op = cmd[0]
+        if op == "info":
+            ready = sum(1 for s in self.slots if s.state == "ready")
+            if ready != self._ready_workers or not self._announced_ready:
+                self._on_router(("ready", ready, 0))
+        elif op == "retire":
+            slot = next((s for s in self.slots if s.name == cmd[1]), None)
+            if slot is not None and slot.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.terminate()
+
+    async def drain(self) -> None:
+        """SIGTERM/SIGINT: each worker tells the router to route nothing more to it, finishes what it
+        runs (within ``server.drain_timeout``) and leaves; then the node exits 0."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.notify.stopping()
+        self.notify.extend_timeout(self.cfg.server.drain_timeout + 15)
+        self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
+        live = [s for s in self.slots if s.proc is not None]
+        for slot in live:
+            slot.state = "stopped"
+            assert slot.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                slot.proc.terminate()
+        await self._reap_by(live, time.monotonic() + self.cfg.server.drain_timeout)
+        self._stop.set()
+
+    async def reload(self) -> None:
+        """SIGHUP: as the supervisor's (the workers replaced one at a time), with the new [node] keys checked."""
+        if self.stopping or not self.cfg.source:
+            return
+        from llamapool.config import load_config
+
+        try:
+            new = load_config(self.cfg.source)
+            if new.node is None:
+                raise ConfigError("node: the new config has no [node] table")
+            self._check_keys(new)
+        except ConfigError as e:
+            self._log(f"reload refused, keeping the running config: {e}", "error")
+            return
+        self.node = new.node
+        await super().reload()
+
+
+def serve_node(config: Config) -> int:
+    """Run ``llamapool node`` in the foreground on uvloop until a signal stops it."""
+    import uvloop
+
+    return uvloop.run(NodeSupervisor(config).run())
+
+
+__all__ = ["NodeSupervisor", "serve_node"]

@@ -1,0 +1,254 @@
+"""``llamapool node``: a host's workers joining a remote router's tcp:// CURVE backend.
+
+A router daemon (one local worker, CURVE frontend and backend on loopback) and ``llamapool node``
+processes, all real processes on real sockets: the node's workers show in status with their node
+and serve; a node key not in the allow-list, and a node name already held by another key, are
+refused and logged on both sides; a router killed and started again on the same ports gets the
+node's workers back without the node restarting them; SIGTERM on a node drains its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llamapool.security import load_key_file, write_key_pair
+from tests.conftest import Daemon, curve_setup, launch, write_config
+from tests.loadgen import Load
+
+
+class Node:
+    """A ``llamapool node`` process with its config and log in ``folder``."""
+
+    def __init__(self, folder: Path, model_path: str, join: str, keys: Path, key: str, name: str,
+                 cpu_workers: int = 2, **sections: dict[str, Any]):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        node = {"join": join, "name": name, "server_public_key": str(keys / "router.pub"),
+                "key": str(keys / f"{key}.key")}
+        self.config = write_config(folder / "node.toml", model_path, folder / "run", node=node,
+                                   workers={"cpu_workers": cpu_workers}, **sections)
+        self.log = folder / "node.log"
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "node", "--config",
+                                          str(self.config)], stdout=fh, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def wait_log(self, text: str, timeout: float = 30.0) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            log = self.log.read_text(errors="replace")
+            if text in log:
+                return log
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} not in the node's log:\n{self.log_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"the node did not stop on {sig}:\n{self.log_text()}") from None
+        return self.proc.returncode
+
+
+def wait_log(d: Daemon, text: str, timeout: float = 30.0) -> str:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        log = d.log.read_text(errors="replace")
+        if text in log:
+            return log
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in the router's log:\n{d.log_text()}")
+
+
+def node_rows(d: Daemon, node: str) -> list[dict[str, Any]]:
+    return [w for w in d.status()["workers"] if w.get("node") == node]
+
+
+def wait_node_ready(d: Daemon, node: str, n: int, timeout: float = 60.0,
+                    pids: set[int] | None = None) -> list[dict[str, Any]]:
+    end = time.monotonic() + timeout
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < end:
+        try:
+            rows = [w for w in node_rows(d, node) if w["state"] == "ready"]
+        except Exception:  # the router is (re)starting
+            rows = []
+        if len(rows) >= n and (pids is None or {w["pid"] for w in rows} == pids):
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"{n} workers of node {node} not ready in {timeout}s: {rows}\n{d.log_text()}")
+
+
+def served_by(d: Daemon, prefix: str, tries: int = 20) -> str:
+    """Send micro-batches until one prompt is answered by a worker whose name starts with ``prefix``."""
+    with d.client() as c:
+        for _ in range(tries):
+            for done in c.generate_many(["hello node"] * 12, max_tokens=2, ignore_eos=True):
+                if done.worker.startswith(prefix):
+                    return done.worker
+    raise AssertionError(f"no request was served by {prefix}*")
+
+
+@pytest.fixture
+def pool(tmp_path: Path, model_path: str) -> Iterator[dict[str, Any]]:
+    """A router daemon with a CURVE tcp:// frontend and backend, one local worker, and keys for nodes:
+    "nodeb" and "nodec" allowed, "mallory" not."""
+    sections, client_kw = curve_setup(tmp_path)
+    keys, allowed = tmp_path / "keys", Path(sections["security"]["authorized_keys"])
+    for name in ("nodeb", "nodec"):
+        write_key_pair(keys, name, force=True)
+        (allowed / f"{name}.pub").write_bytes((keys / f"{name}.pub").read_bytes())
+    env: dict[str, Any] = {"tmp": tmp_path, "model": model_path, "keys": keys, "sections": sections,
+                           "client_kw": client_kw, "nodes": [], "routers": []}
+
+    def router() -> Daemon:
+        d = launch(tmp_path / "router", model_path, workers={"cpu_workers": 1}, **sections)
+        d.endpoint, d.client_kw = sections["server"]["frontend"], client_kw
+        env["routers"].append(d)
+        d.wait_ready(1)
+        return d
+
+    def node(name: str = "nodeB", key: str = "nodeb", folder: str = "", **kw: Any) -> Node:
+        n = Node(tmp_path / (folder or name), model_path, sections["server"]["backend"], keys, key, name, **kw)
+        env["nodes"].append(n)
+        return n
+
+    env["router"], env["node"] = router, node
+    yield env
+    for n in env["nodes"]:
+        n.stop(signal.SIGQUIT, timeout=30)
+    for d in env["routers"]:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGQUIT, timeout=30)
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"llamapool.worker.*{tmp_path}"], capture_output=True, text=True)
+    assert not left.stdout.strip(), f"worker processes left behind: {left.stdout}"
+
+
+def test_a_node_joins_shows_its_node_and_serves(pool: dict[str, Any]) -> None:
+    d = pool["router"]()
+    node = pool["node"]("nodeB")
+    rows = wait_node_ready(d, "nodeB", 2)
+    assert sorted(w["id"] for w in rows) == ["nodeB/cpu0", "nodeB/cpu1"]
+    local = next(w for w in d.status()["workers"] if w["id"] == "cpu0")
+    assert local["node"] == "" and local["state"] == "ready"
+    assert served_by(d, "nodeB/").startswith("nodeB/cpu")
+    with d.client() as c:
+        text = c.metrics()
+    assert 'node="nodeB"' in text and 'worker="nodeB/cpu0"' in text
+    assert 'llamapool_worker_state{device="cpu",node="nodeB",state="ready",worker="nodeB/cpu1"} 1.0' in text
+    assert "worker nodeB/cpu0 of node nodeB joined" in d.log_text()
+    assert "connected to the router at tcp://" in node.log_text()
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "status", "--endpoint", d.endpoint,
+                        "--key", str(pool["keys"] / "alice.key"), "--server-key", str(pool["keys"] / "router.pub")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "NODE" in r.stdout and "nodeB/cpu1" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_node_key_not_in_the_allow_list_is_refused_and_logged(pool: dict[str, Any]) -> None:
+    d = pool["router"]()
+    mallory = load_key_file(pool["keys"] / "mallory.pub", secret=False)
+    node = pool["node"]("nodeM", key="mallory", cpu_workers=1)
+    log = wait_log(d, mallory.fingerprint)
+    line = next(ln for ln in log.splitlines() if mallory.fingerprint in ln)
+    assert "refused a CURVE client" in line and "not in authorized_keys" in line
+    node_log = node.wait_log("cannot join")
+    assert "refused this worker's key " + mallory.fingerprint in node_log, node_log
+    assert node_rows(d, "nodeM") == [] and node.proc.poll() is None, "refused, it keeps trying"
+
+
+def test_a_node_name_held_by_another_key_is_refused_on_both_sides(pool: dict[str, Any]) -> None:
+    d = pool["router"]()
+    pool["node"]("nodeB", cpu_workers=1)
+    first = wait_node_ready(d, "nodeB", 1)
+    impostor = pool["node"]("nodeB", key="nodec", folder="impostor", cpu_workers=1)
+    log = wait_log(d, "refused worker nodeB/cpu0")
+    assert "name clash" in log
+    node_log = impostor.wait_log("FATAL: the router refused this worker: name clash")
+    assert "FAILED, not restarting" in impostor.wait_log("FAILED, not restarting"), node_log
+    assert [w["pid"] for w in wait_node_ready(d, "nodeB", 1)] == [first[0]["pid"]], "the first one keeps its name"
+
+
+def test_a_restarted_router_gets_the_node_back_untouched(pool: dict[str, Any]) -> None:
+    d = pool["router"]()
+    node = pool["node"]("nodeB")
+    pids = {w["pid"] for w in wait_node_ready(d, "nodeB", 2)}
+    d.proc.kill()  # the router daemon dies: no goodbye to anyone
+    d.proc.wait()
+    t0 = time.monotonic()
+    d2 = pool["router"]()  # the same config: the same ports and keys, a new process
+    rows = wait_node_ready(d2, "nodeB", 2, pids=pids)
+    back = time.monotonic() - t0
+    assert {w["pid"] for w in rows} == pids, "the node's workers were not restarted"
+    assert served_by(d2, "nodeB/").startswith("nodeB/")
+    assert "restarting" not in node.log_text() and "started pid" in node.log_text()
+    assert node.log_text().count("started pid") == 2
+    assert "connected to the router at" in node.wait_log("again")
+    print(f"router restart: node workers back {back:.2f}s after the new router was started")
+
+
+def test_node_sigterm_drains_its_workers(pool: dict[str, Any]) -> None:
+    d = pool["router"]()
+    node = pool["node"]("nodeB")
+    wait_node_ready(d, "nodeB", 2)
+    router_pub = load_key_file(pool["keys"] / "router.pub", secret=False).public
+    alice = load_key_file(pool["keys"] / "alice.key", secret=True)
+    assert alice.secret is not None
+    load = Load(d.endpoint, 12, max_tokens=150, curve=(router_pub, alice.public, alice.secret))
+    thread = load.start()
+    end = time.monotonic() + 30
+    while time.monotonic() < end and sum(w["active"] for w in node_rows(d, "nodeB")) == 0:
+        time.sleep(0.05)
+    assert sum(w["active"] for w in node_rows(d, "nodeB")) > 0, "the node runs some of the streams"
+    node.proc.send_signal(signal.SIGTERM)
+    thread.join(120)
+    load.check_every_request_answered_once()
+    assert load.summary() == {"sent": 12, "finals": 12, "result": 12}, load.summary()
+    assert node.stop() == 0
+    assert all(w["state"] == "stopped" for w in node_rows(d, "nodeB")), node_rows(d, "nodeB")
+    with d.client() as c:
+        assert c.generate("after", max_tokens=2, ignore_eos=True).worker == "cpu0"
+    assert "draining" in node.log_text()
+
+
+def test_node_config_is_checked(tmp_path: Path) -> None:
+    from llamapool.config import ConfigError, from_dict
+
+    base = {"model": {"path": "m"}}
+    with pytest.raises(ConfigError, match=r"node\.join: is required"):
+        from_dict({**base, "node": {"name": "a"}})
+    with pytest.raises(ConfigError, match=r"node\.name"):
+        from_dict({**base, "node": {"join": "tcp://h:1", "name": "a/b", "key": "k", "server_public_key": "p"}})
+    with pytest.raises(ConfigError, match=r"node\.join: tcp://h:1 .*server_public_key"):
+        from_dict({**base, "node": {"join": "tcp://h:1", "name": "a"}})
+    cfg = from_dict({**base, "node": {"join": "tcp://h:1", "key": "k/n.key", "server_public_key": "k/r.pub"}},
+                    tmp_path)
+    assert cfg.node is not None and cfg.node.name and "/" not in cfg.node.name  # the host name
+    assert cfg.node.key == str(tmp_path / "k" / "n.key")
+    assert from_dict(base).node is None
+    write_key_pair(tmp_path, "r")
+    cfg_file = write_config(tmp_path / "n.toml", "m", tmp_path / "run",
+                            node={"join": "tcp://127.0.0.1:1", "key": str(tmp_path / "r.pub"),
+                                  "server_public_key": str(tmp_path / "r.pub")})
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "node", "--config", str(cfg_file)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "r.pub" in r.stderr and "no secret-key" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg_file)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "llamapool node" in r.stderr, r.stderr
