@@ -208,3 +208,105 @@ def wait_models(d: Daemon, names: list[str], timeout: float = 90.0) -> dict[str,
             return st
         time.sleep(0.1)
     raise AssertionError(f"models {names} not ready: {st}\n{d.log_text()}")
+
+
+# ---------------------------------------------------------------- units: planning, env, engine parameters
+
+
+class FourGpus:
+    """FakeNvml with four GPUs."""
+
+    def __new__(cls) -> Any:
+        from tests.test_supervisor_units import FakeNvml
+
+        nv = FakeNvml()
+        nv.uuids = [f"GPU-{i}{i}{i}{i}" for i in range(4)]
+        return nv
+
+
+def plan(raw: dict[str, Any], nvml: Any = None) -> tuple[Any, list[Any]]:
+    from llamapool.config import from_dict
+    from llamapool.supervisor.arbiter import Supervisor
+
+    cfg = from_dict(raw)
+    sup = Supervisor(cfg, nvml=nvml, use_nvml=nvml is not None)
+    sup.slots = sup._plan(cfg)
+    return sup, sup.slots
+
+
+def test_a_gpu_group_worker_gets_its_group_and_a_split_spec() -> None:
+    from llamapool.supervisor.env import worker_env
+
+    sup, slots = plan({"models": [
+        {"name": "big", "path": "/b.gguf", "devices": [[0, 1], ["GPU-2222", 3]], "tensor_split": [3, 1]},
+    ]}, FourGpus())
+    assert [(s.name, s.device) for s in slots] == [("big-gpu0+1", "GPU-0000,GPU-1111"),
+                                                   ("big-gpu2+3", "GPU-2222,GPU-3333")]
+    env = worker_env({"CUDA_VISIBLE_DEVICES": "0"}, slots[1].gpus, {"CUDA_VISIBLE_DEVICES": "1"}, 4)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-2222,GPU-3333" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    spec = sup._spec(slots[0])
+    assert spec.device == "GPU-0000,GPU-1111" and spec.n_gpus == 2 and spec.tensor_split == [3.0, 1.0]
+    assert spec.model_name == "big"
+    info = slots[1].info()
+    assert info["gpu_indices"] == [2, 3] and info["model"] == "big"
+
+
+def test_models_share_the_gpus_without_overlap_and_auto_takes_the_rest() -> None:
+    _, slots = plan({"models": [{"name": "a", "path": "/a.gguf"},
+                                {"name": "b", "path": "/b.gguf", "devices": [["GPU-1111", 2]]}]}, FourGpus())
+    assert [s.name for s in slots] == ["a-gpu0", "a-gpu3", "b-gpu1+2"]
+    _, legacy = plan({"model": {"path": "/m.gguf"}}, FourGpus())
+    assert [s.name for s in legacy] == ["gpu0", "gpu1", "gpu2", "gpu3"], "one [model]: the names stay"
+
+
+@pytest.mark.parametrize("models, match", [
+    ([{"devices": [1]}, {"devices": ["GPU-1111"]}], r"models\[1\]\.devices: GPU 1 \(GPU-1111\) of model 'b' is "
+                                                    r"also given to model 'a'"),
+    ([{}, {}], r"models\[1\]\.devices: \"auto\" finds no GPU left for model 'b'"),
+    ([{"devices": [7]}, {}], r"models\[0\]\.devices: no GPU 7"),
+])
+def test_gpu_conflicts_found_with_nvml_name_both_models(models: list[dict[str, Any]], match: str) -> None:
+    from llamapool.config import ConfigError
+
+    tables = [{"name": n, "path": f"/{n}.gguf", **m} for n, m in zip("ab", models, strict=True)]
+    with pytest.raises(ConfigError, match=match):
+        plan({"models": tables}, FourGpus())
+
+
+def test_cpu_cores_are_split_between_all_cpu_workers_of_all_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    sup, slots = plan({"workers": {"devices": "cpu"}, "models": [
+        {"name": "a", "path": "/a.gguf", "cpu_workers": 2}, {"name": "b", "path": "/b.gguf", "cpu_workers": 1},
+        {"name": "c", "path": "/c.gguf", "cpu_workers": 1, "threads": 5}]})
+    assert [s.name for s in slots] == ["a-cpu0", "a-cpu1", "b-cpu0", "c-cpu0"]
+    assert [sup._spec(s).threads for s in slots] == [3, 3, 3, 5]  # 12 cores / 4 CPU workers; c sets its own
+    assert [sup._spec(s).device for s in slots] == ["cpu"] * 4
+
+
+def test_engine_splits_layers_over_a_group_and_checks_it_sees_exactly_its_gpus() -> None:
+    import llama_cpp as L
+
+    from llamapool.worker.engine import EngineConfig, model_params
+    from llamapool.worker.server import WorkerSpec, gpu_mismatch
+
+    one, _ = model_params(EngineConfig("/m.gguf", gpu=True))
+    assert one.split_mode == L.LLAMA_SPLIT_MODE_NONE and one.n_gpu_layers == -1
+    cpu, _ = model_params(EngineConfig("/m.gguf"))
+    assert cpu.n_gpu_layers == 0 and cpu.split_mode == L.LLAMA_SPLIT_MODE_NONE
+    two, keep = model_params(EngineConfig("/m.gguf", gpu=True, n_gpus=2, tensor_split=(3.0, 1.0)))
+    assert two.split_mode == L.LLAMA_SPLIT_MODE_LAYER and two.n_gpu_layers == -1 and two.main_gpu == 0
+    assert [two.tensor_split[i] for i in range(3)] == [3.0, 1.0, 0.0] and keep is not None
+    auto, _ = model_params(EngineConfig("/m.gguf", gpu=True, n_gpus=2))
+    assert auto.split_mode == L.LLAMA_SPLIT_MODE_LAYER and not auto.tensor_split  # llama.cpp's own split
+
+    base = {"name": "w", "backend": "ipc://x", "model_path": "/m", "slots": 1, "ctx_per_slot": 8,
+            "max_batch_tokens": 8, "n_ubatch": 8, "threads": 1, "flash_attn": True, "heartbeat_interval": 1.0,
+            "heartbeat_liveness": 3}
+    group = WorkerSpec(device="GPU-a,GPU-b", **base)  # type: ignore[arg-type]
+    assert group.n_gpus == 2 and gpu_mismatch(group, ["H200 (0:19)", "H200 (0:1A)"]) == ""
+    assert "expected exactly 2" in gpu_mismatch(group, ["H200 (0:19)"])
+    assert "expected exactly one" in gpu_mismatch(WorkerSpec(device="GPU-a", **base), [])  # type: ignore[arg-type]
+    assert "expected none" in gpu_mismatch(WorkerSpec(device="cpu", **base), ["H200"])  # type: ignore[arg-type]
+    assert WorkerSpec.from_json(group.to_json()) == group
