@@ -310,3 +310,46 @@ def test_engine_splits_layers_over_a_group_and_checks_it_sees_exactly_its_gpus()
     assert "expected exactly one" in gpu_mismatch(WorkerSpec(device="GPU-a", **base), [])  # type: ignore[arg-type]
     assert "expected none" in gpu_mismatch(WorkerSpec(device="cpu", **base), ["H200"])  # type: ignore[arg-type]
     assert WorkerSpec.from_json(group.to_json()) == group
+
+
+def test_router_keeps_a_removed_models_worker_until_its_queue_is_served() -> None:
+    import zmq
+
+    from llamapool.protocol import codec
+    from llamapool.protocol.messages import Error, Generate, Hello, Result, Run, Step
+    from llamapool.router.broker import Router, RouterConfig
+
+    ctx = zmq.Context()
+    ctl = ctx.socket(zmq.PAIR)
+    ctl.bind("inproc://ctl-models")
+    r = Router(RouterConfig("inproc://f-models", "inproc://b-models", models=("a", "b")), ctx, "inproc://ctl-models")
+    sent: list[tuple[str, Any]] = []
+    replies: list[Any] = []
+    r._send_worker = lambda w, msg: sent.append((w.name, msg))  # type: ignore[method-assign]
+    r._reply = lambda client, msg: replies.append(msg)  # type: ignore[method-assign]
+    try:
+        r._on_worker(b"b-cpu0:7", [codec.encode(Hello("b-cpu0", 7, "cpu", "desc", 1, 64, 10, [], "b"))])
+        r._on_worker(b"a-cpu0:8", [codec.encode(Hello("a-cpu0", 8, "cpu", "desc", 1, 64, 10, [], "a"))])
+        r._on_client(b"c", [codec.encode(Generate("x", ["p1", "p2"], batch=True, model="b"))])
+        r._dispatch()
+        runs = [(n, m.rid) for n, m in sent if isinstance(m, Run)]
+        assert [n for n, _ in runs] == ["b-cpu0"] and len(r.queues["b"]) == 1, "b's jobs wait for b's worker"
+        r._on_control(("models", ["a"]))
+        r._on_control(("retire", "b-cpu0"))
+        r._housekeeping(time.monotonic())
+        assert not any(type(m).__name__ == "Shutdown" for _, m in sent), "retired before its queue was served"
+        r._on_client(b"c", [codec.encode(Generate("y", ["p"], model="b"))])
+        assert isinstance(replies[-1], Error) and replies[-1].code == "unknown_model"
+        assert "'a'" in replies[-1].message and "'b'" in replies[-1].message
+        r._on_step(r.workers["b-cpu0"], Step(done=[[runs[0][1], "length", "t", 1, 1]]))
+        r._dispatch()
+        second = [m.rid for n, m in sent if isinstance(m, Run)][-1]
+        assert second != runs[0][1] and not r.queues["b"]
+        r._housekeeping(time.monotonic())
+        assert type(sent[-1][1]).__name__ == "Shutdown" and sent[-1][0] == "b-cpu0"
+        r._on_step(r.workers["b-cpu0"], Step(done=[[second, "length", "t", 1, 1]]))
+        assert [m.model for m in replies if isinstance(m, Result)] == ["b", "b"]
+    finally:
+        for sock in (r.front, r.back, r.control, ctl):
+            sock.close(linger=0)
+        ctx.term()
