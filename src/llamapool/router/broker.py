@@ -368,7 +368,7 @@ class Router:
                 return
             if w is not None:
                 self._lose_worker(w, "replaced by a new process")
-            model = msg.model_name or self.models[0]
+            model = msg.model_name if isinstance(msg.model_name, str) and msg.model_name else self.models[0]
             if model not in self.models:
                 LOG.warning(f"worker {name} serves model {model!r}, which is not in the pool "
                             f"({', '.join(self.models)}): no request can reach it", worker=name)
@@ -547,6 +547,7 @@ class Router:
                 self._retire(w)
         elif op == "models":  # ("models", [name, ...]): the pool's models now (reload); the first is the default
             self.models = list(cmd[1]) or [""]
+            self.metrics.model = self.models[0]
             for model in self.models:
                 self._queue(model)
         elif op == "drain":  # refuse new requests; accepted ones (queued too) still run
