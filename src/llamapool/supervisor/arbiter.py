@@ -108,6 +108,7 @@ class Supervisor:
         self._ready_workers = 0
         self._queued = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._reload_lock = asyncio.Lock()  # one SIGHUP at a time: a second one waits for the first
         # CURVE (docs/security.md): the router's key and allow-list, read now so that a bad key file
         # is a start-up error (exit 2) naming it; the internal key is made in the runtime dir in run()
         self.curve_key: security.KeyPair | None = None
@@ -509,6 +510,10 @@ class Supervisor:
         """SIGHUP: re-read the config and apply its models list: new models' workers start, removed
         models' workers finish what they have (and what waits for them) and exit, and the workers of
         models that stay are replaced one device at a time (with the model's new settings)."""
+        async with self._reload_lock:
+            await self._reload()
+
+    async def _reload(self) -> None:
         if self.stopping or not self.cfg.source:
             return
         try:
