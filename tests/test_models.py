@@ -353,3 +353,32 @@ def test_router_keeps_a_removed_models_worker_until_its_queue_is_served() -> Non
         for sock in (r.front, r.back, r.control, ctl):
             sock.close(linger=0)
         ctx.term()
+
+
+def test_generate_model_field_on_the_wire() -> None:
+    import msgpack
+
+    from llamapool.client.calls import generate_frame
+    from llamapool.protocol import codec
+    from llamapool.protocol.messages import Generate, Hello, StatusReply
+
+    msg = codec.decode([generate_frame("r", ["p"], False, False, None, {}, "beta")], codec.CLIENT_TYPES)
+    assert isinstance(msg, Generate) and msg.model == "beta"
+    plain = codec.decode([generate_frame("r", ["p"], False, False, None, {})], codec.CLIENT_TYPES)
+    assert isinstance(plain, Generate) and plain.model is None and "model" not in codec.to_dict(plain)
+    assert codec.decode([codec.encode(msg)], codec.CLIENT_TYPES) == msg
+    for bad in (5, "", "x" * 129, ["a"]):
+        frame = msgpack.packb({"v": 1, "type": "generate", "id": "r", "prompt": "p", "model": bad})
+        with pytest.raises(codec.ProtocolError) as e:
+            codec.decode([frame], codec.CLIENT_TYPES)
+        assert e.value.field == "model" and e.value.id == "r"
+    with pytest.raises(TypeError, match="model must be a string"):
+        generate_frame("r", ["p"], False, False, None, {}, 5)  # type: ignore[arg-type]
+    # older peers: a hello without model_name, a status reply without models
+    old_hello = {"v": 1, "type": "hello", "worker": "w", "pid": 1, "device": "cpu", "model": "d", "slots": 1,
+                 "ctx_per_slot": 8, "n_vocab": 8, "visible_devices": []}
+    hello = codec.decode([msgpack.packb(old_hello)], codec.WORKER_TYPES)
+    assert isinstance(hello, Hello) and hello.model_name == ""
+    reply = codec.decode([msgpack.packb({"v": 1, "type": "status_reply", "id": "s", "workers": [], "queued": 0,
+                                         "running": 0})], codec.REPLY_TYPES)
+    assert isinstance(reply, StatusReply) and reply.models == []
