@@ -382,3 +382,42 @@ def test_generate_model_field_on_the_wire() -> None:
     reply = codec.decode([msgpack.packb({"v": 1, "type": "status_reply", "id": "s", "workers": [], "queued": 0,
                                          "running": 0})], codec.REPLY_TYPES)
     assert isinstance(reply, StatusReply) and reply.models == []
+
+
+def test_router_dispatch_skips_a_worker_lost_on_send() -> None:
+    """A worker whose socket is gone is lost on the send; its job goes to another worker of the model
+    (it once looped on the lost worker)."""
+    import zmq
+
+    from llamapool.protocol import codec
+    from llamapool.protocol.messages import Generate, Hello, Run
+    from llamapool.router.broker import Router, RouterConfig
+
+    ctx = zmq.Context()
+    ctl = ctx.socket(zmq.PAIR)
+    ctl.bind("inproc://ctl-lost")
+    r = Router(RouterConfig("inproc://f-lost", "inproc://b-lost", models=("a",)), ctx, "inproc://ctl-lost")
+    sent: list[str] = []
+
+    def send(w: Any, msg: Any) -> None:
+        if w.name == "a-cpu0":
+            r._lose_worker(w, "its socket disconnected")
+        elif isinstance(msg, Run):
+            sent.append(w.name)
+
+    r._send_worker = send  # type: ignore[method-assign]
+    r._reply = lambda client, msg: None  # type: ignore[method-assign]
+    try:
+        for i in (0, 1):
+            hello = Hello(f"a-cpu{i}", i, "cpu", "d", 2, 64, 10, [], "a")
+            r._on_worker(f"a-cpu{i}:{i}".encode(), [codec.encode(hello)])
+        r._on_client(b"c", [codec.encode(Generate("x", ["p"]))])
+        t = threading.Thread(target=r._dispatch, daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), "dispatch loops on a lost worker"
+        assert sent == ["a-cpu1"] and set(r.workers) == {"a-cpu1"} and not r.queues["a"]
+    finally:
+        for sock in (r.front, r.back, r.control, ctl):
+            sock.close(linger=0)
+        ctx.term()

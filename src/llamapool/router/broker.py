@@ -450,7 +450,7 @@ class Router:
 
     def _dispatch(self) -> None:
         """Each model's queue, oldest first, to that model's workers (prefix affinity among them)."""
-        for model, queue in self.queues.items():
+        for model, queue in list(self.queues.items()):  # a lost worker may requeue (and add a queue)
             if queue:
                 self._dispatch_model(queue, [w for w in self.workers.values() if w.model == model])
 
@@ -471,6 +471,8 @@ class Router:
             if LOG.enabled("debug"):
                 LOG.debug("dispatch", id=job.req, worker=w.name, rid=job.rid)
             self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.req))
+            if self.workers.get(w.name) is not w:  # its socket was gone: lost, and the job is queued again
+                pool.remove(w)
 
     def _hopeless(self, model: str) -> str:
         """Why no worker of ``model`` can ever take its work (it left the pool, or every worker of it
