@@ -71,6 +71,23 @@ def test_each_model_is_served_by_its_own_workers_concurrently(pool: tuple[Daemon
     assert rows["beta-cpu0"]["slots"] == 2 and rows["alpha-cpu0"]["slots"] == 4  # per-model slots
 
 
+def test_metrics_carry_each_models_name(pool: tuple[Daemon, str]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    d, _ = pool
+    with d.client() as c:
+        c.generate("hi", model="beta", max_tokens=3, ignore_eos=True)
+        c.generate("hi", model="alpha", max_tokens=3, ignore_eos=True)
+        fams = {f.name: f for f in text_string_to_metric_families(c.metrics())}
+    ok = {s.labels["model"]: s.value for s in fams["llamapool_requests"].samples
+          if s.name == "llamapool_requests_total" and s.labels["outcome"] == "ok"}
+    assert ok["alpha"] >= 1 and ok["beta"] >= 1
+    gen = {s.labels["worker"]: s.labels["model"] for s in fams["llamapool_generated_tokens"].samples}
+    assert gen["alpha-cpu0"] == "alpha" and gen["beta-cpu0"] == "beta"
+    ttft = {s.labels["model"] for s in fams["llamapool_request_duration_seconds"].samples}
+    assert ttft == {"alpha", "beta"}
+
+
 def test_client_default_model_and_async_client(pool: tuple[Daemon, str]) -> None:
     import asyncio
 
@@ -123,6 +140,8 @@ def test_gateway_lists_both_models_and_routes_by_model(pool: tuple[Daemon, str])
     _, url = pool
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+    listed = httpx.get(url + "/v1/models").json()["data"]
+    assert [(m["id"], m["workers"]) for m in listed] == [("alpha", ["alpha-cpu0"]), ("beta", ["beta-cpu0"])]
     beta = client.completions.create(model="beta", prompt="Hello", max_tokens=4, **GREEDY)
     assert beta.model == "beta"
     chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "Hi"}],

@@ -106,12 +106,13 @@ class Gateway:
         except oai.ApiError as e:
             return error_response(e)
         try:  # the router's list is the current one (a reload may have changed it)
-            names = [m["name"] for m in (await self.client.status(timeout=2.0)).get("models") or []]
+            models = (await self.client.status(timeout=2.0)).get("models") or []
         except LlamapoolError:
-            names = []
+            models = []
+        # each model's worker ids ride along ("workers": not OpenAI's, clients ignore it)
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llamapool"}
-            for name in names or [self.spec.model]]})
+            {"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"]}
+            for m in models or [{"name": self.spec.model, "workers": []}]]})
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
