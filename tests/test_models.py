@@ -440,3 +440,20 @@ def test_router_dispatch_skips_a_worker_lost_on_send() -> None:
         for sock in (r.front, r.back, r.control, ctl):
             sock.close(linger=0)
         ctx.term()
+
+
+def test_a_bad_models_list_on_sighup_is_refused_and_the_pool_keeps_serving(tmp_path: Path, model_path: str) -> None:
+    d = launch(tmp_path / "d", model_path, models=models(model_path, TWO[0]))
+    try:
+        d.wait_ready(1)
+        write_config(d.config, model_path, d.config.parent / "run",
+                     models=models(model_path, TWO[0], {"name": "alpha", "devices": [0]}))
+        d.proc.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 30
+        while "reload refused" not in d.log_text() and time.monotonic() < end:
+            time.sleep(0.1)
+        assert "reload refused, keeping the running config: models[1].name: 'alpha'" in d.log_text()
+        with d.client() as c:
+            assert c.generate("still here", model="alpha", max_tokens=2).worker == "alpha-cpu0"
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
