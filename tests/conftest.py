@@ -72,15 +72,22 @@ class Daemon:
         return self.proc.returncode
 
 
-def write_config(path: Path, model_file: str, runtime: Path, **sections: dict[str, Any]) -> Path:
+def write_config(path: Path, model_file: str, runtime: Path, **sections: Any) -> Path:
+    """A config file; ``models=[{...}, ...]`` writes ``[[models]]`` tables instead of ``[model]``."""
+    models: list[dict[str, Any]] | None = sections.pop("models", None)
     base: dict[str, dict[str, Any]] = {
         "server": {"runtime_dir": str(runtime), "queue_timeout": 30.0, "drain_timeout": 20.0},
         "model": {"path": model_file, "ctx_per_slot": 512, "max_batch_tokens": 512, "n_ubatch": 512},
         "workers": {"devices": "cpu", "cpu_workers": 2, "slots": 4, "threads": 1},
     }
+    if models is not None:
+        del base["model"]
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     lines = []
+    for table in models or []:
+        lines.append("[[models]]")
+        lines.extend(f"{k} = {_toml(v)}" for k, v in table.items())
     for name, values in base.items():
         lines.append(f"[{name}]")
         for k, v in values.items():
@@ -105,8 +112,7 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
-def launch(folder: Path, model_file: str, env: dict[str, str] | None = None,
-           **sections: dict[str, Any]) -> Daemon:
+def launch(folder: Path, model_file: str, env: dict[str, str] | None = None, **sections: Any) -> Daemon:
     """``llamapool serve`` as a subprocess, with its config, runtime dir and log in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = write_config(folder / "llamapool.toml", model_file, folder / "run", **sections)
@@ -151,8 +157,7 @@ def start_daemon(tmp_path: Path, model_path: str) -> Iterator[Callable[..., Daem
     """Start ``llamapool serve`` as a subprocess; stops it (and checks no worker is left) after."""
     started: list[Daemon] = []
 
-    def start(wait_workers: int | None = 2, env: dict[str, str] | None = None,
-              **sections: dict[str, Any]) -> Daemon:
+    def start(wait_workers: int | None = 2, env: dict[str, str] | None = None, **sections: Any) -> Daemon:
         d = launch(tmp_path / f"d{len(started)}", model_path, env, **sections)
         started.append(d)
         if wait_workers:

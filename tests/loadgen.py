@@ -27,6 +27,7 @@ class Load:
     n: int
     max_tokens: int = 40
     timeout: float = 120.0
+    model: str | None = None  # the pool's model to ask (None: the first)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     first_chunk: threading.Event = field(default_factory=threading.Event)
     chunks_seen: int = 0
@@ -48,10 +49,11 @@ class Load:
         for i in range(self.n):
             rid = f"{self.prefix}-{i}"
             self.outcomes[rid] = Outcome()
-            sock.send(msgpack.packb({
-                "v": 1, "type": "generate", "id": rid, "prompt": f"request number {i}", "stream": True,
-                "params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True},
-            }))
+            req = {"v": 1, "type": "generate", "id": rid, "prompt": f"request number {i}", "stream": True,
+                   "params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}}
+            if self.model is not None:
+                req["model"] = self.model
+            sock.send(msgpack.packb(req))
         end = time.monotonic() + self.timeout
         grace_end: float | None = None
         while time.monotonic() < end:

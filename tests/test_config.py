@@ -80,3 +80,60 @@ def test_http_table_is_optional_and_checked(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text("# no keys\n")
     with pytest.raises(ConfigError, match="holds no key"):
         from_dict({"model": {"path": "m"}, "http": {"api_keys_file": str(tmp_path / "empty")}})
+
+
+# ---------------------------------------------------------------- [[models]]
+
+
+def _two(a: dict, b: dict, **sections: dict) -> dict:
+    return {"models": [{"name": "a", "path": "/a.gguf", **a}, {"name": "b", "path": "/b.gguf", **b}], **sections}
+
+
+def test_models_tables_take_the_workers_keys_as_defaults_and_override_them() -> None:
+    cfg = from_dict(_two({"slots": 2, "devices": [[0, 1], [2, 3]], "tensor_split": [3, 1]}, {},
+                         workers={"devices": "cpu", "cpu_workers": 3, "slots": 6, "threads": 2}))
+    a, b = cfg.models
+    assert (a.name, a.slots, a.devices, a.groups, a.tensor_split) == ("a", 2, [[0, 1], [2, 3]], [[0, 1], [2, 3]],
+                                                                      [3.0, 1.0])
+    assert (b.slots, b.devices, b.cpu_workers, b.threads, b.groups) == (6, "cpu", 3, 2, None)
+    assert cfg.model is a and cfg.model_name == "a" and cfg.model_names == ["a", "b"] and cfg.models_table
+
+
+def test_legacy_model_table_is_a_pool_of_one_named_by_its_file() -> None:
+    cfg = from_dict({"model": {"path": "/srv/Llama-8B.gguf"}, "workers": {"devices": [1], "slots": 3}})
+    assert cfg.model_names == ["Llama-8B"] and not cfg.models_table
+    assert cfg.model.devices == [1] and cfg.model.slots == 3 and cfg.model.groups == [[1]]
+    named = from_dict({"models": [{"path": "/srv/Llama-8B.gguf"}]})
+    assert named.model_names == ["Llama-8B"] and named.models_table
+
+
+@pytest.mark.parametrize("raw, match", [
+    (_two({"devices": [0, 1]}, {"devices": [[1, 2]]}),
+     r"models\[1\]\.devices: GPU 1 of model 'b' is also in model 'a' \(models\[0\]\.devices\)"),
+    (_two({"devices": ["GPU-x"]}, {"devices": ["GPU-x"]}), r"models\[1\]\.devices: GPU 'GPU-x'.*'a'"),
+    (_two({"devices": [[0, 1], [1]]}, {}), r"models\[0\]\.devices: GPU 1 is listed twice"),
+    (_two({"devices": [[0, "x"]]}, {}), r"models\[0\]\.devices: must be"),
+    (_two({"devices": [[]]}, {}), r"models\[0\]\.devices: must be"),
+    (_two({"tensor_split": [1, 1]}, {}), r"models\[0\]\.tensor_split: has 2 shares"),
+    (_two({"devices": [[0, 1]], "tensor_split": [1]}, {}), r"models\[0\]\.tensor_split: has 1 shares"),
+    (_two({"devices": [[0, 1]], "tensor_split": [-1, 2]}, {}), r"models\[0\]\.tensor_split: must be"),
+    (_two({}, {"name": "a"}), r"models\[1\]\.name: 'a' is also the name of models\[0\]"),
+    (_two({"name": "bad name"}, {}), r"models\[0\]\.name: 'bad name' must be"),
+    (_two({"slots": 0}, {}), r"models\[0\]\.slots: must be > 0"),
+    (_two({"cpu_workers": -1}, {}), r"models\[0\]\.cpu_workers: must be > 0"),
+    (_two({}, {"path": ""}), r"models\[1\]\.path: is required"),
+    (_two({}, {"bogus": 1}), r"models\[1\]\.bogus: unknown key"),
+    (_two({"max_batch_tokens": 4, "slots": 4}, {}), r"models\[0\]\.max_batch_tokens: must be >"),
+    ({"models": []}, r"models: must be one or more"),
+    ({"models": [5]}, r"models\[0\]: must be a table"),
+    ({"model": {"path": "/m"}, "models": [{"path": "/m"}]}, r"models: give either \[model\]"),
+])
+def test_bad_models_config_names_the_key(raw: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        from_dict(raw)
+
+
+def test_default_config_documents_the_model_keys() -> None:
+    text = (ROOT / "configs" / "default.toml").read_text()
+    for key in ("[[models]]", "tensor_split", "cpu_workers", "name ="):
+        assert key in text, key

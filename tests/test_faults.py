@@ -271,7 +271,7 @@ envelopes = st.fixed_dictionaries(
     {"v": st.sampled_from([1, 2, "1", None]), "type": st.sampled_from(
         ["generate", "cancel", "status", "hello", "step", "run", "x"])},
     optional={"id": values, "prompt": values, "prompts": values, "params": values, "stream": values,
-              "timeout": values},
+              "timeout": values, "model": values},
 )
 frames = st.one_of(
     st.binary(max_size=64),

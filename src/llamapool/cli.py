@@ -67,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               "seed": args.seed, "stop": args.stop or None}
     if args.ignore_eos:
         params["ignore_eos"] = True
-    with Client(_endpoint(args), timeout=args.timeout, **_keys(args)) as client:
+    with Client(_endpoint(args), timeout=args.timeout, model=args.model, **_keys(args)) as client:
         try:
             client.status(timeout=5)  # fail fast when no daemon answers
             stream = client.stream(args.prompt, **params)
@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             assert done is not None
             sys.stdout.write("\n")
             print(f"[{done.finish_reason}; {done.usage.prompt_tokens} prompt + "
-                  f"{done.usage.completion_tokens} completion tokens; worker {done.worker}]",
+                  f"{done.usage.completion_tokens} completion tokens; model {done.model}, worker {done.worker}]",
                   file=sys.stderr)
         except LlamapoolError as e:
             print(f"\nerror: {e}", file=sys.stderr)
@@ -100,7 +100,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history = list(start)
     tty = sys.stdin.isatty()
     failed = False
-    with Client(_endpoint(args), timeout=args.timeout, **_keys(args)) as client:
+    with Client(_endpoint(args), timeout=args.timeout, model=args.model, **_keys(args)) as client:
         try:
             client.status(timeout=5)  # fail fast when no daemon answers
         except LlamapoolError as e:
@@ -157,7 +157,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    cols: tuple[str, ...] = ("id", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
+    for i, m in enumerate(st.get("models") or []):
+        print(f"model {m['name']}{' (default)' if i == 0 else ''}: {len(m['workers'])} worker(s) "
+              f"{', '.join(m['workers']) or '-'}; queued {m['queued']}, running {m['running']}")
+    cols: tuple[str, ...] = ("id", "model", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
     if any(w.get("node") for w in st["workers"]):
         cols = ("id", "node", *cols[1:])
     rows = [[str(w.get(c, "") if w.get(c) is not None else "-") for c in cols] for w in st["workers"]]
@@ -227,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--timeout", type=float, default=300.0)
+    g.add_argument("--model", help="the pool's model to use (default: the pool's first)")
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("chat", help="chat with the model (one message per line; keeps the history)")
@@ -236,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.8)
     c.add_argument("--seed", type=int)
     c.add_argument("--timeout", type=float, default=300.0)
+    c.add_argument("--model", help="the pool's model to use (default: the pool's first)")
     c.set_defaults(fn=cmd_chat)
 
     st = sub.add_parser("status", help="show the workers")

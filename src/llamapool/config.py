@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +55,22 @@ class ServerConfig:
     # fewer free slots than the least-loaded worker
 
 
+Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
+Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | [0, 1] | [[0, 1], [2, 3]]
+POOL_KEYS = ("devices", "cpu_workers", "slots", "threads")  # [workers] keys a model may override
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
+    """One model of the pool: a ``[[models]]`` table (or the legacy ``[model]``).
+
+    ``devices``, ``cpu_workers``, ``slots`` and ``threads`` default to the ``[workers]`` keys of the
+    same name; a model's own key overrides them.
+    """
+
     path: str = ""
+    name: str = ""  # "" -> the model file's stem; requests name the model by it
     ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
     # Per-step token budget: one token per decoding sequence, prompt chunks fill the rest.
     # 0 = auto: 4096 on a GPU (measured: docs/benchmarks.md), 512 on CPU workers.
@@ -67,6 +81,18 @@ class ModelConfig:
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
     chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
+    devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] (a worker per GPU) | [[0, 1], [2, 3]] (per group)
+    cpu_workers: int = 2  # CPU workers when devices = "cpu" or no GPU is found
+    slots: int = 8  # parallel sequences per worker
+    threads: int = 0  # CPU threads per worker; 0 -> the cores split between all CPU workers
+    tensor_split: list[float] = field(default_factory=list)  # per GPU of a group; [] -> llama.cpp's split
+
+    @property
+    def groups(self) -> list[list[Device]] | None:
+        """The explicit GPU groups (one worker each), or None for "auto" and "cpu"."""
+        if isinstance(self.devices, str):
+            return None
+        return [d if isinstance(d, list) else [d] for d in self.devices]
 
 
 def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
@@ -78,7 +104,10 @@ def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
 
 @dataclass(frozen=True)
 class WorkersConfig:
-    devices: str | list[int | str] = "auto"  # "auto" | "cpu" | [0, 1] | ["GPU-<uuid>", ...]
+    """Pool-wide worker settings. ``devices``, ``cpu_workers``, ``slots`` and ``threads`` are the
+    defaults of every model (a model's own key overrides them)."""
+
+    devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] | ["GPU-<uuid>", ...] | [[0, 1], [2, 3]]
     cpu_workers: int = 2
     slots: int = 8
     threads: int = 0  # CPU threads per worker; 0 -> split the cores between CPU workers
@@ -152,7 +181,7 @@ class LogConfig:
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    models: tuple[ModelConfig, ...] = (ModelConfig(name="llamapool"),)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     http: HttpConfig | None = None
     metrics: MetricsConfig | None = None
@@ -160,11 +189,21 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     node: NodeConfig | None = None  # [node]: this config is for `llamapool node`
     source: str = ""
+    models_table: bool = False  # the models came from [[models]] (worker names carry the model's name)
+
+    @property
+    def model(self) -> ModelConfig:
+        """The first model: the one a request without ``model`` gets."""
+        return self.models[0]
 
     @property
     def model_name(self) -> str:
-        """The name the HTTP API lists and requests may give: the model file's stem."""
-        return Path(self.model.path).stem or "llamapool"
+        """The first model's name (the default model)."""
+        return self.models[0].name
+
+    @property
+    def model_names(self) -> list[str]:
+        return [m.name for m in self.models]
 
     @property
     def runtime_dir(self) -> Path:
@@ -194,7 +233,7 @@ class Config:
 
 _POSITIVE = {
     "server.max_queue", "server.queue_timeout", "server.drain_timeout", "server.max_message_bytes",
-    "model.ctx_per_slot", "model.n_ubatch",
+    "model.ctx_per_slot", "model.n_ubatch", "model.cpu_workers", "model.slots",
     "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
@@ -209,22 +248,43 @@ _REPLACED = {
 }
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Check ``value`` against the type of the key's default value."""
-    if key == "workers.devices":
-        if value in ("auto", "cpu"):
-            return value
-        if isinstance(value, list) and value and all(
-            (isinstance(d, int) and not isinstance(d, bool) and d >= 0)
-            or (isinstance(d, str) and d.startswith(("GPU-", "MIG-")))
-            for d in value
-        ):
-            return value
-        raise ConfigError(
-            f"{key}: must be \"auto\", \"cpu\", or a non-empty list of GPU indices or "
-            f"\"GPU-<uuid>\" strings, got {value!r}"
-        )
-    if key == "workers.env":
+def _is_device(d: Any) -> bool:
+    return (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or \
+        (isinstance(d, str) and d.startswith(("GPU-", "MIG-")))
+
+
+def _devices(key: str, value: Any) -> Devices:
+    """``"auto"``, ``"cpu"``, or a list of GPUs (a worker each) or of GPU groups (a worker per group)."""
+    if value in ("auto", "cpu"):
+        return str(value)
+    if isinstance(value, list) and value and all(
+        _is_device(d) or (isinstance(d, list) and d and all(_is_device(x) for x in d)) for d in value
+    ):
+        flat = [x for d in value for x in (d if isinstance(d, list) else [d])]
+        twice = sorted({repr(x) for x in flat if flat.count(x) > 1})
+        if twice:
+            raise ConfigError(f"{key}: GPU {', '.join(twice)} is listed twice: a GPU belongs to one worker")
+        return list(value)
+    raise ConfigError(
+        f"{key}: must be \"auto\", \"cpu\", a non-empty list of GPU indices or \"GPU-<uuid>\" strings, "
+        f"or a list of such lists (one worker per group), got {value!r}"
+    )
+
+
+def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
+    """Check ``value`` against the type of the key's default value; ``rule`` is the key whose
+    rules apply (``model.slots`` for ``models[1].slots``), ``key`` the name in errors."""
+    rule = rule or key
+    if rule in ("workers.devices", "model.devices"):
+        return _devices(key, value)
+    if rule == "model.tensor_split":
+        if not isinstance(value, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value) \
+                or (value and not sum(value) > 0):
+            raise ConfigError(f"{key}: must be a list of non-negative numbers (a share per GPU of a group), "
+                              f"got {value!r}")
+        return [float(v) for v in value]
+    if rule == "workers.env":
         if not isinstance(value, dict) or not all(
             isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()
         ):
@@ -244,37 +304,115 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     elif isinstance(default, str):
         if not isinstance(value, str):
             raise ConfigError(f"{key}: must be a string, got {value!r}")
-    if key in _POSITIVE and value <= 0:
+    if rule in _POSITIVE and value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value!r}")
-    if key in ("workers.threads", "server.affinity_slack", "model.max_batch_tokens") and value < 0:
+    if rule in ("workers.threads", "model.threads", "server.affinity_slack", "model.max_batch_tokens") \
+            and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
 
 
-def _section(name: str, cls: type, raw: Any) -> Any:
+def _section(name: str, cls: type, raw: Any, base: Any = None, rule: str = "") -> Any:
+    """Build ``cls`` from the table ``raw`` named ``name`` (over ``base``, else the defaults)."""
+    rule = rule or name
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: must be a table")
     known = {f.name: f for f in dataclasses.fields(cls)}
     kw = {}
     for key, value in raw.items():
-        if f"{name}.{key}" in _REPLACED:
-            raise ConfigError(f"{name}.{key}: {_REPLACED[f'{name}.{key}']}")
+        if f"{rule}.{key}" in _REPLACED:
+            raise ConfigError(f"{name}.{key}: {_REPLACED[f'{rule}.{key}']}")
         if key not in known:
             raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
         f = known[key]
         factory: Any = f.default_factory
         default = f.default if f.default is not dataclasses.MISSING else factory()
-        kw[key] = _coerce(f"{name}.{key}", value, default)
-    return cls(**kw)
+        kw[key] = _coerce(f"{name}.{key}", value, default, f"{rule}.{key}")
+    return dataclasses.replace(base, **kw) if base is not None else cls(**kw)
+
+
+def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) -> tuple[ModelConfig, ...]:
+    """``[[models]]`` (or the legacy ``[model]``, a pool of one), each over the ``[workers]`` defaults."""
+    if "model" in raw and "models" in raw:
+        raise ConfigError("models: give either [model] (one model) or [[models]] tables, not both")
+    if "models" in raw:
+        tables = raw["models"]
+        if not isinstance(tables, list) or not tables:
+            raise ConfigError("models: must be one or more [[models]] tables")
+        named = [(f"models[{i}]", t) for i, t in enumerate(tables)]
+    else:
+        named = [("model", raw.get("model", {}))]
+    pool = ModelConfig(**{k: getattr(workers, k) for k in POOL_KEYS})
+    models: list[ModelConfig] = []
+    for key, table in named:
+        m: ModelConfig = _section(key, ModelConfig, table, pool, "model")
+        models.append(_model(key, m, base_dir, explicit="name" in table, listed=key != "model"))
+    seen: dict[str, str] = {}
+    for (key, _), m in zip(named, models, strict=True):
+        if m.name in seen:
+            raise ConfigError(f"{key}.name: {m.name!r} is also the name of {seen[m.name]}: names must be unique")
+        seen[m.name] = key
+    _check_overlap(named, models)
+    return tuple(models)
+
+
+def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, listed: bool) -> ModelConfig:
+    """Resolve one model's paths and name, and check the keys that depend on each other."""
+    if m.engine not in ("llama", "echo"):
+        raise ConfigError(f"{key}.engine: must be \"llama\" or \"echo\", got {m.engine!r}")
+    if not m.path and m.engine == "llama":
+        raise ConfigError(f"{key}.path: is required")
+    if base_dir is not None and m.path and not Path(m.path).is_absolute():
+        m = dataclasses.replace(m, path=str((base_dir / m.path).resolve()))
+    if not m.name:
+        m = dataclasses.replace(m, name=Path(m.path).stem or "llamapool")
+    if (listed or explicit) and not MODEL_NAME.fullmatch(m.name):
+        raise ConfigError(f"{key}.name: {m.name!r} must be 1 to 64 letters, digits, '.', '_', '-' or '/', "
+                          f"starting with a letter or digit" + ("" if explicit else " (set name = \"...\")"))
+    if m.chat_template:
+        from llamapool.worker.chat import check_template_file  # Jinja2 only, no llama.cpp
+
+        if base_dir is not None and not Path(m.chat_template).is_absolute():
+            m = dataclasses.replace(m, chat_template=str((base_dir / m.chat_template).resolve()))
+        try:
+            check_template_file(m.chat_template)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if m.max_batch_tokens and m.max_batch_tokens <= m.slots:
+        raise ConfigError(
+            f"{key}.max_batch_tokens: must be > the slots per worker ({m.slots}): every step gives each "
+            f"busy slot a token and prompts need the rest, got {m.max_batch_tokens}"
+        )
+    if m.tensor_split:
+        groups = m.groups
+        if groups is None or any(len(g) != len(m.tensor_split) for g in groups):
+            raise ConfigError(f"{key}.tensor_split: has {len(m.tensor_split)} shares; it needs devices given as "
+                              f"groups of as many GPUs (devices = {m.devices!r})")
+    return m
+
+
+def _check_overlap(named: list[tuple[str, Any]], models: list[ModelConfig]) -> None:
+    """A GPU named (by index or UUID) in two models' ``devices`` is an error naming both. (An index
+    and a UUID of one GPU are caught at start, once NVML says which is which.)"""
+    owner: dict[Device, tuple[str, str]] = {}
+    for (key, _), m in zip(named, models, strict=True):
+        for group in m.groups or []:
+            for d in group:
+                if d in owner and owner[d][1] != m.name:
+                    other_key, other = owner[d]
+                    raise ConfigError(
+                        f"{key}.devices: GPU {d!r} of model {m.name!r} is also in model {other!r} "
+                        f"({other_key}.devices): a GPU belongs to at most one worker")
+                owner[d] = (key, m.name)
 
 
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
-    sections = {"server": ServerConfig, "model": ModelConfig, "workers": WorkersConfig, "http": HttpConfig,
+    sections = {"server": ServerConfig, "workers": WorkersConfig, "http": HttpConfig,
                 "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig}
     for key in raw:
-        if key not in sections:
-            raise ConfigError(f"{key}: unknown section (known: {', '.join(sections)})")
+        if key not in sections and key not in ("model", "models"):
+            raise ConfigError(f"{key}: unknown section (known: server, models, model, {', '.join(list(sections)[1:])})")
     parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()
              if name in raw or name not in ("http", "metrics", "node")}
     if "http" in parts:
@@ -283,38 +421,16 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
         host, _, port = parts["metrics"].listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"metrics.listen: must be \"host:port\", got {parts['metrics'].listen!r}")
-    model: ModelConfig = parts["model"]
-    if model.engine not in ("llama", "echo"):
-        raise ConfigError(f"model.engine: must be \"llama\" or \"echo\", got {model.engine!r}")
-    if not model.path and model.engine == "llama":
-        raise ConfigError("model.path: is required")
-    if base_dir is not None and not Path(model.path).is_absolute():
-        parts["model"] = model = dataclasses.replace(model, path=str((base_dir / model.path).resolve()))
-    if model.chat_template:
-        from llamapool.worker.chat import check_template_file  # Jinja2 only, no llama.cpp
-
-        if base_dir is not None and not Path(model.chat_template).is_absolute():
-            parts["model"] = model = dataclasses.replace(
-                model, chat_template=str((base_dir / model.chat_template).resolve()))
-        try:
-            check_template_file(model.chat_template)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
     log: LogConfig = parts["log"]
     if log.format not in ("text", "json"):
         raise ConfigError(f"log.format: must be \"text\" or \"json\", got {log.format!r}")
     if log.level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level: must be \"debug\", \"info\", \"warning\" or \"error\", got {log.level!r}")
-    workers: WorkersConfig = parts["workers"]
-    if model.max_batch_tokens and model.max_batch_tokens <= workers.slots:
-        raise ConfigError(
-            f"model.max_batch_tokens: must be > workers.slots ({workers.slots}): every step gives each "
-            f"busy slot a token and prompts need the rest, got {model.max_batch_tokens}"
-        )
+    models = _models(raw, parts["workers"], base_dir)
     parts["security"] = _security(parts["security"], parts["server"], base_dir)
     if "node" in parts:
         parts["node"] = _node(parts["node"], parts["security"], base_dir)
-    return Config(source=source, **parts)
+    return Config(source=source, models=models, models_table="models" in raw, **parts)
 
 
 def _node(node: NodeConfig, sec: SecurityConfig, base_dir: Path | None) -> NodeConfig:

@@ -8,6 +8,7 @@ from llamapool.client.errors import (
     OverloadedError,
     RequestTimeoutError,
     UnavailableError,
+    UnknownModelError,
     WorkerLostError,
 )
 from llamapool.client.sync import Client, Stream
@@ -15,6 +16,6 @@ from llamapool.client.types import Completion, StreamChunk, Usage
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
-    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "Usage",
+    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "UnknownModelError", "Usage",
     "WorkerLostError",
 ]

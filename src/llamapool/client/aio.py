@@ -68,13 +68,15 @@ class AsyncStream:
 class AsyncClient:
     """One DEALER socket; a reader task hands each reply to the request that waits for it.
 
-    ``server_public_key`` and ``client_key``: CURVE on ``tcp://``, as for :class:`llamapool.Client`.
+    ``model``, ``server_public_key`` and ``client_key``: as for :class:`llamapool.Client`.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
-                 server_public_key: KeySource | None = None, client_key: KeySource | None = None):
+                 server_public_key: KeySource | None = None, client_key: KeySource | None = None,
+                 model: str | None = None):
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
+        self.model = model
         keys = curve_keys(self.endpoint, server_public_key, client_key)
         self._zctx = zmq.asyncio.Context()
         self._sock = self._zctx.socket(zmq.DEALER)
@@ -117,10 +119,11 @@ class AsyncClient:
             raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline") from None
 
     async def _run(self, prompts: list[Prompt], batch: bool, timeout: float | None,
-                   params: dict[str, Any]) -> Pending:
+                   params: dict[str, Any], model: str | None) -> Pending:
         rid = new_id()
         t, wait = self._budget(timeout)
-        q = await self._open(generate_frame(rid, prompts, batch, False, t, params), rid, t)
+        frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model)
+        q = await self._open(frame, rid, t)
         pending = Pending(len(prompts))
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
@@ -139,40 +142,43 @@ class AsyncClient:
         with contextlib.suppress(zmq.Again):  # not connected: nothing to cancel there
             await self._sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
-        return (await self._run([prompt], False, timeout, params)).completions()[0]
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
+                       **params: Any) -> Completion:
+        return (await self._run([prompt], False, timeout, params, model)).completions()[0]
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
-                            return_exceptions: bool = False, **params: Any
+                            return_exceptions: bool = False, model: str | None = None, **params: Any
                             ) -> list[Completion] | list[Completion | LlamapoolError]:
-        pending = await self._run(list(prompts), True, timeout, params)
+        pending = await self._run(list(prompts), True, timeout, params, model)
         if return_exceptions:
             return [r for r in pending.results if r is not None]
         return pending.completions()
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                   **params: Any) -> Completion:
+                   model: str | None = None, **params: Any) -> Completion:
         """The model's reply to a chat (see :meth:`llamapool.Client.chat`)."""
-        return await self.generate(chat_prompt(messages), timeout=timeout, **params)
+        return await self.generate(chat_prompt(messages), timeout=timeout, model=model, **params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                    **params: Any) -> AsyncStream:
+                    model: str | None = None, **params: Any) -> AsyncStream:
         """:meth:`chat`, streamed: ``async for chunk in client.chat_stream(...)``."""
-        return self.stream(chat_prompt(messages), timeout=timeout, **params)
+        return self.stream(chat_prompt(messages), timeout=timeout, model=model, **params)
 
-    def stream(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> AsyncStream:
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
+               **params: Any) -> AsyncStream:
         """Async iterator of chunks (``completion`` is set at the end); leaving it early cancels the request.
 
         The request is sent when the iteration starts.
         """
         done: list[Completion] = []
-        return AsyncStream(self._stream(prompt, timeout, params, done), done)
+        return AsyncStream(self._stream(prompt, timeout, params, done, self.model if model is None else model),
+                           done)
 
     async def _stream(self, prompt: Prompt, timeout: float | None, params: dict[str, Any],
-                      done: list[Completion]) -> AsyncGenerator[StreamChunk, None]:
+                      done: list[Completion], model: str | None) -> AsyncGenerator[StreamChunk, None]:
         rid = new_id()
         t, wait = self._budget(timeout)
-        q = await self._open(generate_frame(rid, [prompt], False, True, t, params), rid, t)
+        q = await self._open(generate_frame(rid, [prompt], False, True, t, params, model), rid, t)
         pending = Pending(1)
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
@@ -201,7 +207,7 @@ class AsyncClient:
             self._waiting.pop(rid, None)
         if not isinstance(msg, StatusReply):
             raise LlamapoolError("internal", f"unexpected reply {msg!r}")
-        return {"workers": msg.workers, "queued": msg.queued, "running": msg.running,
+        return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
                 "draining": msg.draining, "gpus": msg.gpus}
 
     async def metrics(self, *, timeout: float = 5.0) -> str:

@@ -86,8 +86,11 @@ def new_id() -> str:
 
 
 def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
-                   timeout: float | None, params: dict[str, Any]) -> bytes:
-    """Encode a generate request. Unknown parameter names are rejected here, early."""
+                   timeout: float | None, params: dict[str, Any], model: str | None = None) -> bytes:
+    """Encode a generate request. Unknown parameter names are rejected here, early. ``model``: the
+    pool's model to run it (None: the pool's first model)."""
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"model must be a string, got {type(model).__name__}")
     for k in params:
         if k not in PARAM_NAMES:
             raise TypeError(f"unknown generation parameter {k!r} (known: {', '.join(PARAM_NAMES)})")
@@ -103,6 +106,8 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
         d["prompt"] = prompts[0]
     if timeout is not None:
         d["timeout"] = timeout
+    if model is not None:
+        d["model"] = model
     try:
         return msgpack.packb(d, use_bin_type=True)
     except (OverflowError, TypeError) as e:
@@ -131,7 +136,7 @@ class Pending:
         if isinstance(msg, Result):
             self._set(msg.index, Completion(msg.text, msg.finish_reason,
                                             Usage(msg.prompt_tokens, msg.completion_tokens),
-                                            msg.worker, msg.index))
+                                            msg.worker, msg.index, msg.model))
         elif isinstance(msg, Error):
             err = from_reply(msg)
             if msg.index is None:  # the whole request failed

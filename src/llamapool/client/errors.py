@@ -26,6 +26,11 @@ class BadRequestError(LlamapoolError):
     """The request was malformed or a field was invalid (``.field`` names it)."""
 
 
+class UnknownModelError(BadRequestError):
+    """The request named a model that is not in the pool (``.field == "model"``; the message lists
+    the pool's models)."""
+
+
 class OverloadedError(LlamapoolError):
     """The daemon's queue is full; retry later."""
 
@@ -58,6 +63,7 @@ _BY_CODE: dict[str, type[LlamapoolError]] = {
     ErrorCode.UNAVAILABLE: UnavailableError,
     ErrorCode.WORKER_LOST: WorkerLostError,
     ErrorCode.NO_CHAT_TEMPLATE: BadRequestError,
+    ErrorCode.UNKNOWN_MODEL: UnknownModelError,
 }
 
 

@@ -114,15 +114,18 @@ class Stream:
 class Client:
     """Blocking llamapool client: ``generate``, ``stream``, ``chat``, ``chat_stream``, ``generate_many``, ``status``.
 
+    ``model``: the pool's model that calls without their own ``model=`` use (None: the pool's first).
     For a ``tcp://`` endpoint with CURVE, give ``server_public_key`` (the router's ``.pub`` file, or its
     Z85 or raw key as bytes) and ``client_key`` (your ``.key`` file from ``llamapool keygen``, or the
     secret key as bytes); the router must list your public key. They are ignored on ``ipc://``.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
-                 server_public_key: KeySource | None = None, client_key: KeySource | None = None):
+                 server_public_key: KeySource | None = None, client_key: KeySource | None = None,
+                 model: str | None = None):
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
+        self.model = model
         self._keys = curve_keys(self.endpoint, server_public_key, client_key)
         self._zctx = zmq.Context()
         self._local = threading.local()
@@ -143,12 +146,13 @@ class Client:
         return t, (None if t is None else time.monotonic() + t + 1.0)
 
     def _submit(self, prompts: list[Prompt], batch: bool, stream: bool, timeout: float | None,
-                params: dict[str, Any]) -> tuple[_Conn, str, float | None]:
+                params: dict[str, Any], model: str | None) -> tuple[_Conn, str, float | None]:
         rid = new_id()
         t, deadline = self._deadline(timeout)
+        frame = generate_frame(rid, prompts, batch, stream, t, params, self.model if model is None else model)
         check_endpoint(self.endpoint)
         conn = self._conn()
-        self._send(conn, generate_frame(rid, prompts, batch, stream, t, params), t)
+        self._send(conn, frame, t)
         return conn, rid, deadline
 
     def _send(self, conn: _Conn, frame: bytes, timeout: float | None) -> None:
@@ -173,34 +177,37 @@ class Client:
             conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}),
                            zmq.NOBLOCK)
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Completion:
-        """Generate a completion for one prompt (text or token ids)."""
-        conn, rid, deadline = self._submit([prompt], False, False, timeout, params)
+    def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
+                 **params: Any) -> Completion:
+        """Generate a completion for one prompt (text or token ids) with ``model`` (a name in the pool;
+        None: the client's ``model``, else the pool's first)."""
+        conn, rid, deadline = self._submit([prompt], False, False, timeout, params, model)
         pending = Pending(1)
         self._collect(conn, rid, pending, deadline)
         return pending.completions()[0]
 
-    def stream(self, prompt: Prompt, *, timeout: float | None = None, **params: Any) -> Stream:
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
+               **params: Any) -> Stream:
         """Stream a completion as text deltas."""
-        conn, rid, deadline = self._submit([prompt], False, True, timeout, params)
+        conn, rid, deadline = self._submit([prompt], False, True, timeout, params, model)
         return Stream(self, conn, rid, deadline)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-             **params: Any) -> Completion:
+             model: str | None = None, **params: Any) -> Completion:
         """The model's reply to a chat: ``messages`` are ``{"role": ..., "content": ...}`` maps, rendered
         on the worker with the model's chat template (the reply is the assistant's next turn)."""
-        return self.generate(chat_prompt(messages), timeout=timeout, **params)
+        return self.generate(chat_prompt(messages), timeout=timeout, model=model, **params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                    **params: Any) -> Stream:
+                    model: str | None = None, **params: Any) -> Stream:
         """:meth:`chat`, streamed as text deltas (like :meth:`stream`)."""
-        return self.stream(chat_prompt(messages), timeout=timeout, **params)
+        return self.stream(chat_prompt(messages), timeout=timeout, model=model, **params)
 
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
-                      return_exceptions: bool = False, **params: Any
+                      return_exceptions: bool = False, model: str | None = None, **params: Any
                       ) -> list[Completion] | list[Completion | LlamapoolError]:
         """One micro-batch message; one result per prompt, in order."""
-        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, params)
+        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, params, model)
         pending = Pending(len(prompts))
         self._collect(conn, rid, pending, deadline)
         if return_exceptions:
@@ -208,7 +215,8 @@ class Client:
         return pending.completions()
 
     def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
-        """The daemon's view: ``workers`` (id, pid, device, state, slots, active, ...), queue."""
+        """The daemon's view: ``models`` (name, workers, queued, running; the first is the default),
+        ``workers`` (id, model, pid, device, state, slots, active, ...), the queue."""
         rid = new_id()
         conn = self._conn()
         self._send(conn, msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), timeout)
@@ -219,7 +227,7 @@ class Client:
             raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
         if not isinstance(msg, StatusReply):
             raise LlamapoolError("internal", f"unexpected reply {msg!r}")
-        return {"workers": msg.workers, "queued": msg.queued, "running": msg.running,
+        return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
                 "draining": msg.draining, "gpus": msg.gpus}
 
     def metrics(self, *, timeout: float = 5.0) -> str:

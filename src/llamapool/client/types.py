@@ -18,6 +18,7 @@ class Completion:
     usage: Usage
     worker: str  # id of the worker that served it
     index: int = 0
+    model: str = ""  # the pool's model that served it
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ class GatewaySpec:
     frontend: str  # the router's frontend endpoint
     host: str
     port: int
-    model: str  # the name /v1/models lists and requests may name
+    model: str  # the pool's first model: a request without ``model`` gets it (/v1/models asks the router)
     api_keys_file: str = ""  # "" -> no authentication
     drain_timeout: float = 60.0
     request_timeout: float = 600.0  # a request's deadline at the router (-> 504)

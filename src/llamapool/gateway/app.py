@@ -105,8 +105,14 @@ class Gateway:
             self._authorised(request)
         except oai.ApiError as e:
             return error_response(e)
+        try:  # the router's list is the current one (a reload may have changed it)
+            models = (await self.client.status(timeout=2.0)).get("models") or []
+        except LlamapoolError:
+            models = []
+        # each model's worker ids ride along ("workers": not OpenAI's, clients ignore it)
         return JSONResponse({"object": "list", "data": [
-            {"id": self.spec.model, "object": "model", "created": 0, "owned_by": "llamapool"}]})
+            {"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"]}
+            for m in models or [{"name": self.spec.model, "workers": []}]]})
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
@@ -122,16 +128,16 @@ class Gateway:
                 body = json.loads(await request.body())
             except ValueError as e:
                 raise oai.ApiError(400, f"the request body is not valid JSON: {e}") from None
-            req = (oai.parse_chat if chat else oai.parse_completion)(body, self.spec.model)
+            req = (oai.parse_chat if chat else oai.parse_completion)(body)
             n_prompts = len(req.prompts)
             if req.stream:
-                streams = [self.client.stream(p, timeout=self.spec.request_timeout, **req.params)
+                streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, **req.params)
                            for p in req.prompts]
                 first = await _unless_gone(request, _start(streams))  # errors before the first token are HTTP errors
                 return StreamingResponse(self._sse(req, chat, streams, first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             done = cast(list[Completion], await _unless_gone(request, self.client.generate_many(
-                req.prompts, timeout=self.spec.request_timeout, **req.params)))
+                req.prompts, timeout=self.spec.request_timeout, model=req.model, **req.params)))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
         except oai.ApiError as e:
@@ -142,15 +148,15 @@ class Gateway:
             return error_response(oai.ApiError(400, str(e)))
         pt = sum(c.usage.prompt_tokens for c in done)
         ct = sum(c.usage.completion_tokens for c in done)
+        model = done[0].model or req.model or self.spec.model
         if chat:
-            return JSONResponse(oai.chat_body(req, self.spec.model, done[0].text, done[0].finish_reason, pt, ct))
-        return JSONResponse(oai.completion_body(req, self.spec.model, [(c.text, c.finish_reason) for c in done],
-                                                pt, ct))
+            return JSONResponse(oai.chat_body(req, model, done[0].text, done[0].finish_reason, pt, ct))
+        return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct))
 
     async def _sse(self, req: oai.Request, chat: bool, streams: list[AsyncStream],
                    first: list[Any]) -> AsyncIterator[bytes]:
         """The event stream; leaving it (the client went away) cancels every request still running."""
-        w = oai.ChunkWriter(req, self.spec.model, chat)
+        w = oai.ChunkWriter(req, req.model or self.spec.model, chat)
         pt = ct = 0
         try:
             if chat:

@@ -46,7 +46,9 @@ _STATUS = {
     ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
     ErrorCode.TIMEOUT: (504, "timeout"),
     ErrorCode.WORKER_LOST: (502, "server_error"),
+    ErrorCode.UNKNOWN_MODEL: (404, "invalid_request_error"),
 }
+_CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found"}  # llamapool's code -> OpenAI's, where they differ
 
 
 _PROMPT_FIELD = re.compile(r"(?:prompts(\[\d+\])|prompt)(.*)", re.DOTALL)
@@ -71,7 +73,7 @@ def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1) ->
     status, kind = _STATUS.get(e.code, (500, "server_error"))
     param = param_name(e, chat, n_prompts)
     headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
-    return ApiError(status, e.message, type_=kind, param=param, code=e.code, headers=headers)
+    return ApiError(status, e.message, type_=kind, param=param, code=_CODE.get(e.code, e.code), headers=headers)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Request:
     params: dict[str, Any]
     stream: bool
     include_usage: bool
+    model: str | None = None  # the model the body names; None: the pool's first
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -107,13 +110,17 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool 
     return v
 
 
-def _common(body: Any, model: str, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool]:
+def _model(body: dict[str, Any]) -> str | None:
+    """The model the body names (the router answers ``unknown_model``, a 404, when the pool lacks it)."""
+    named = body.get("model")
+    if named is not None and (not isinstance(named, str) or not 0 < len(named) <= 128):
+        raise bad("model", f"'model' must be a model name (1 to 128 characters), got {named!r}")
+    return named
+
+
+def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    named = body.get("model")
-    if named is not None and named != model:
-        raise ApiError(404, f"The model '{named}' does not exist (this server has '{model}')",
-                       param="model", code="model_not_found")
     for key, fine in _UNSUPPORTED.items():
         if key in body and body[key] not in fine:
             raise ApiError(400, f"'{key}' is not supported by llamapool (got {body[key]!r})",
@@ -160,9 +167,9 @@ def _common(body: Any, model: str, default_max_tokens: int) -> tuple[dict[str, A
     return params, bool(stream), include_usage
 
 
-def parse_completion(body: Any, model: str) -> Request:
+def parse_completion(body: Any) -> Request:
     """``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids."""
-    params, stream, include_usage = _common(body, model, 16)
+    params, stream, include_usage = _common(body, 16)
     p = body.get("prompt")
     prompts: list[Prompt]
     if isinstance(p, str):
@@ -179,12 +186,12 @@ def parse_completion(body: Any, model: str) -> Request:
                             "or a list of lists of token ids (none of them empty)")
     if any(isinstance(x, list) and any(isinstance(t, int) and t < 0 for t in x) for x in prompts):
         raise bad("prompt", "token ids must be >= 0")
-    return Request(prompts, params, stream, include_usage)
+    return Request(prompts, params, stream, include_usage, _model(body))
 
 
-def parse_chat(body: Any, model: str) -> Request:
+def parse_chat(body: Any) -> Request:
     """``POST /v1/chat/completions``: the messages go to the worker, which renders the model's template."""
-    params, stream, include_usage = _common(body, model, 1 << 20)  # until end of turn or the context
+    params, stream, include_usage = _common(body, 1 << 20)  # until end of turn or the context
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -210,7 +217,7 @@ def parse_chat(body: Any, model: str) -> Request:
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of parts")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": content})
-    return Request([out], params, stream, include_usage)  # type: ignore[list-item]
+    return Request([out], params, stream, include_usage, _model(body))  # type: ignore[list-item]
 
 
 # ---------------------------------------------------------------- responses

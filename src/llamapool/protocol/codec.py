@@ -83,6 +83,8 @@ def to_dict(msg: Message) -> dict[str, Any]:
         else:
             d["prompt"] = prompts[0]
         del d["batch"]
+        if msg.model is None:
+            del d["model"]
     return d
 
 
@@ -210,7 +212,7 @@ def parse_params(raw: Any) -> SamplingParams:
 
 
 def _generate(d: dict[str, Any]) -> Generate:
-    _check_keys(d, frozenset({"v", "type", "id", "prompt", "prompts", "params", "stream", "timeout"}))
+    _check_keys(d, frozenset({"v", "type", "id", "prompt", "prompts", "params", "stream", "timeout", "model"}))
     rid = _str(d, "id")
     try:
         if "prompt" in d and "prompts" in d:
@@ -232,10 +234,11 @@ def _generate(d: dict[str, Any]) -> Generate:
         if timeout is not None and not (_is_num(timeout) and timeout > 0):
             raise _invalid("timeout", "must be a positive number of seconds")
         params = parse_params(d.get("params"))
+        model = None if d.get("model") is None else _str(d, "model")
     except ProtocolError as e:
         e.id = rid
         raise
-    return Generate(rid, prompts, params, stream, None if timeout is None else float(timeout), batch)
+    return Generate(rid, prompts, params, stream, None if timeout is None else float(timeout), batch, model)
 
 
 def _plain(cls: type) -> Callable[[dict[str, Any]], Message]:

@@ -31,6 +31,7 @@ class ErrorCode:
     WORKER_LOST = "worker_lost"
     INTERNAL = "internal"
     NO_CHAT_TEMPLATE = "no_chat_template"  # chat messages sent to a model without a chat template
+    UNKNOWN_MODEL = "unknown_model"  # the request's ``model`` is not in the pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class Generate:
     stream: bool = False
     timeout: float | None = None
     batch: bool = False  # True when the client sent ``prompts`` rather than ``prompt``
+    model: str | None = None  # the pool's model to run it; None -> the first model
 
 
 @dataclass(slots=True)
@@ -114,6 +116,7 @@ class Result:
     prompt_tokens: int
     completion_tokens: int
     worker: str
+    model: str = ""  # the model that answered
 
 
 @dataclass(slots=True)
@@ -138,6 +141,7 @@ class StatusReply:
     running: int
     draining: bool = False
     gpus: list[dict[str, Any]] = field(default_factory=list)
+    models: list[dict[str, Any]] = field(default_factory=list)  # name, workers, queued; the first is the default
 
 
 @dataclass(slots=True)
@@ -165,6 +169,7 @@ class Hello:
     ctx_per_slot: int
     n_vocab: int
     visible_devices: list[str]
+    model_name: str = ""  # the model's name in the pool; "" -> the pool's first model
     node: str = ""  # the remote node it belongs to ("" for the router's own workers); its name is "node/..."
 
 

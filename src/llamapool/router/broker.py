@@ -1,7 +1,7 @@
 """The router: a ZeroMQ broker between clients (frontend) and workers (backend).
 
 One thread, one poll loop. Clients send requests; each prompt becomes a :class:`Job` that waits
-in a FIFO queue until the worker with the most free slots takes it. Workers stream step reports
+in its model's FIFO queue until the worker of that model with the most free slots takes it. Workers stream step reports
 back; the router forwards chunks and exactly one final reply per prompt. The supervisor talks to
 the router over an inproc PAIR socket (``control``) with small Python tuples.
 """
@@ -62,7 +62,7 @@ class RouterConfig:
     heartbeat_liveness: int = 3
     step_timeout: float = 60.0
     affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
-    model: str = ""  # the model's name: the metrics' ``model`` label and the access log
+    models: tuple[str, ...] = ("",)  # the pool's model names; the first is the default model
     curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
     local_key: bytes = b""  # the supervisor's internal public key (Z85): its own workers use it
 
@@ -88,6 +88,7 @@ class Job:
     last_token: float = 0.0  # when its last chunk came (metrics: inter-token latency)
     req: str = ""  # the request id in logs: the client's id (+ "/index" in a micro-batch)
     dispatched_at: float = 0.0  # when it was last sent to a worker
+    model: str = ""  # the model that runs it (a name in the pool)
     first_at: float = 0.0  # when its first chunk went to the client
     last_worker: str = ""  # the worker that ran it last (for the access log)
 
@@ -98,7 +99,9 @@ class WorkerState:
     ident: bytes
     hello: Hello
     last_seen: float
+    model: str = ""  # its model's name in the pool
     state: str = "ready"  # ready | retiring
+    closing: bool = False  # its model left the pool: retire it once that model's queue is empty
     jobs: dict[int, Job] = field(default_factory=dict)
     steps: int = 0
     busy_for: float = 0.0
@@ -150,7 +153,8 @@ class Router:
                 if needs_curve(endpoint):
                     security.set_server_keys(sock, cfg.curve)
                     self.monitors.append(sock.get_monitor_socket(security.HANDSHAKE_EVENTS))
-        self.queue: deque[Job] = deque()
+        self.models: list[str] = list(cfg.models) or [""]  # the first is the default model
+        self.queues: dict[str, deque[Job]] = {m: deque() for m in self.models}  # FIFO per model
         self.jobs: dict[int, Job] = {}
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}
         self.workers: dict[str, WorkerState] = {}
@@ -167,7 +171,15 @@ class Router:
         self.next_rid = (int.from_bytes(os.urandom(4), "big") << 16) + 1
         self.loop_progress = time.monotonic()  # read by the supervisor's watchdog
         self._last_ready = -1
-        self.metrics = RouterMetrics(cfg.model)
+        self.metrics = RouterMetrics(self.models[0])
+
+    @property
+    def queued(self) -> int:
+        """Prompts waiting, all models together."""
+        return sum(len(q) for q in self.queues.values())
+
+    def _queue(self, model: str) -> deque[Job]:
+        return self.queues.setdefault(model, deque())
 
     def bind(self) -> None:
         self.front.bind(self.cfg.frontend)
@@ -260,20 +272,27 @@ class Router:
             self._reply(client, Error(msg.id, ErrorCode.DUPLICATE_ID,
                                       f"request id {msg.id!r} is already in flight", field="id"))
             return
+        model = self.models[0] if msg.model is None else msg.model
+        if model not in self.models:
+            self.metrics.outcome(ErrorCode.UNKNOWN_MODEL, len(msg.prompts), self.models[0])
+            self._reply(client, Error(msg.id, ErrorCode.UNKNOWN_MODEL, f"model {model!r} is not in this pool "
+                                      f"(models: {', '.join(repr(m) for m in self.models)})", field="model"))
+            return
         if self.draining:
-            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts))
+            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts), model)
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
             return
-        hopeless = self._hopeless()
+        hopeless = self._hopeless(model)
         if hopeless:
-            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts))
+            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts), model)
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, hopeless))
             return
-        if len(self.queue) + len(msg.prompts) > self.cfg.max_queue:
-            self.metrics.outcome(ErrorCode.OVERLOADED, len(msg.prompts))
+        queue = self._queue(model)
+        if len(queue) + len(msg.prompts) > self.cfg.max_queue:
+            self.metrics.outcome(ErrorCode.OVERLOADED, len(msg.prompts), model)
             self._reply(client, Error(
                 msg.id, ErrorCode.OVERLOADED,
-                f"queue is full ({len(self.queue)} waiting, server.max_queue={self.cfg.max_queue})",
+                f"queue of model {model!r} is full ({len(queue)} waiting, server.max_queue={self.cfg.max_queue})",
             ))
             return
         now = time.monotonic()
@@ -281,10 +300,10 @@ class Router:
         jobs = []
         for i, prompt in enumerate(msg.prompts):
             job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline,
-                      keys=prefix_keys(prompt), req=f"{msg.id}/{i}" if msg.batch else msg.id)
+                      keys=prefix_keys(prompt), req=f"{msg.id}/{i}" if msg.batch else msg.id, model=model)
             self.next_rid += 1
             self.jobs[job.rid] = job
-            self.queue.append(job)
+            queue.append(job)
             jobs.append(job)
         self.by_request[key] = jobs
 
@@ -292,10 +311,11 @@ class Router:
         """Send the one final reply of ``job`` and forget it; one access log line per prompt."""
         self._forget(job)
         if isinstance(msg, Result):
-            self.metrics.outcome("cancelled" if msg.finish_reason == "cancelled" else "ok")
+            msg.model = job.model
+            self.metrics.outcome("cancelled" if msg.finish_reason == "cancelled" else "ok", 1, job.model)
         elif isinstance(msg, Error):
-            self.metrics.outcome(msg.code)
-        self.metrics.e2e.observe(time.monotonic() - job.queued_at)
+            self.metrics.outcome(msg.code, 1, job.model)
+        self.metrics.of(job.model).e2e.observe(time.monotonic() - job.queued_at)
         self._reply(job.client, msg)
         self._access(job, msg)
 
@@ -311,14 +331,14 @@ class Router:
             outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         else:
             return
-        LOG.info("access", id=job.req, model=self.cfg.model or None, worker=job.last_worker or None,
+        LOG.info("access", id=job.req, model=job.model or None, worker=job.last_worker or None,
                  outcome=outcome, finish=finish, prompt_tokens=n_prompt, generated_tokens=n_gen,
                  stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
                  duration_ms=ms(now))
 
     def _gone(self, job: Job) -> None:
         """Drop ``job`` whose client went away: no reply."""
-        self.metrics.outcome("disconnected")
+        self.metrics.outcome("disconnected", 1, job.model)
         self._forget(job)
 
     def _error(self, job: Job, code: str, message: str) -> Error:
@@ -328,8 +348,9 @@ class Router:
     def _cancel_job(self, job: Job, code: str | None) -> None:
         """Stop a job. ``code`` None: the client is gone, no reply; "cancelled": a normal finish."""
         if job.worker is None:
-            if job in self.queue:
-                self.queue.remove(job)
+            queue = self.queues.get(job.model)
+            if queue is not None and job in queue:
+                queue.remove(job)
             if code is None:
                 self._gone(job)
             elif code == "cancelled":
@@ -380,11 +401,16 @@ class Router:
                 return
             if w is not None:
                 self._lose_worker(w, "replaced by a new process")
-            self.workers[name] = WorkerState(name, ident, msg, now, key=key)
+            model = msg.model_name if isinstance(msg.model_name, str) and msg.model_name else self.models[0]
+            if model not in self.models:
+                LOG.warning(f"worker {name} serves model {model!r}, which is not in the pool "
+                            f"({', '.join(self.models)}): no request can reach it", worker=name)
+            self.workers[name] = WorkerState(name, ident, msg, now, model, key=key)
             if msg.node:
                 self.remote_lost.pop(name, None)
                 LOG.info(f"worker {name} of node {msg.node} joined (pid {msg.pid}, {msg.device}, {msg.slots} slots)",
                          worker=name, node=msg.node, key=security.fingerprint(key.encode()) if key else None)
+            self._queue(model)
             self.on_event(("hello", name, msg.pid))
             return
         if w is None or w.ident != ident:
@@ -409,15 +435,16 @@ class Router:
                 self._send_worker(w, Abort(rid))
             if job is not None and job.ending is None:
                 if job.delivered == 0:
-                    self.metrics.ttft.observe(now - job.queued_at)
+                    self.metrics.of(job.model).ttft.observe(now - job.queued_at)
                 elif ntok > job.delivered:
-                    self.metrics.itl.observe((now - job.last_token) / (ntok - job.delivered), ntok - job.delivered)
+                    n = ntok - job.delivered
+                    self.metrics.of(job.model).itl.observe((now - job.last_token) / n, n)
                 job.delivered, job.last_token = ntok, now
                 if not job.first_at:
                     job.first_at = now
                 self._reply(job.client, Chunk(job.id, job.index, text, ntok))
         for rid, reason, text, n_prompt, n_gen in step.done:
-            self.metrics.tokens(w.name, n_prompt, n_gen)
+            self.metrics.tokens(w.name, n_prompt, n_gen, w.model)
             w.orphans.discard(rid)
             job = w.jobs.pop(rid, None)
             if job is None:
@@ -455,7 +482,7 @@ class Router:
                 else:
                     self._finish(job, self._error(job, job.ending, f"request {job.ending}"))
             elif job.delivered == 0:
-                self.queue.appendleft(job)  # invisible retry on another worker
+                self._queue(job.model).appendleft(job)  # invisible retry on another worker
             else:
                 self._finish(job, self._error(
                     job, ErrorCode.WORKER_LOST,
@@ -499,15 +526,21 @@ class Router:
                         node=hello.node or None, key=security.fingerprint(key.encode()) if key else None)
 
     def _dispatch(self) -> None:
-        while self.queue:
-            job = self.queue[0]
-            w = pick_worker(self.workers.values(), job.keys, self.cfg.affinity_slack)
+        """Each model's queue, oldest first, to that model's workers (prefix affinity among them)."""
+        for model, queue in list(self.queues.items()):  # a lost worker may requeue (and add a queue)
+            if queue:
+                self._dispatch_model(queue, [w for w in self.workers.values() if w.model == model])
+
+    def _dispatch_model(self, queue: deque[Job], pool: list[WorkerState]) -> None:
+        while queue:
+            job = queue[0]
+            w = pick_worker(pool, job.keys, self.cfg.affinity_slack)
             if w is None:
                 return
-            self.queue.popleft()
+            queue.popleft()
             if not job.started:
                 job.started = time.monotonic()
-                self.metrics.queue_wait.observe(job.started - job.queued_at)
+                self.metrics.of(job.model).queue_wait.observe(job.started - job.queued_at)
             job.worker = job.last_worker = w.name
             job.dispatched_at = time.monotonic()
             w.jobs[job.rid] = job
@@ -515,13 +548,19 @@ class Router:
             if LOG.enabled("debug"):
                 LOG.debug("dispatch", id=job.req, worker=w.name, rid=job.rid)
             self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.req))
+            if self.workers.get(w.name) is not w:  # its socket was gone: lost, and the job is queued again
+                pool.remove(w)
 
-    def _hopeless(self) -> str:
-        """Why no worker can ever take work (every worker failed for good), or "" if one may."""
-        if self.workers or not self.sup_info:
+    def _hopeless(self, model: str) -> str:
+        """Why no worker of ``model`` can ever take its work (it left the pool, or every worker of it
+        failed for good), or "" if one may."""
+        if any(w.model == model for w in self.workers.values()):
             return ""
-        if all(i.get("state") == "failed" for i in self.sup_info.values()):
-            reasons = sorted({str(i.get("reason")) for i in self.sup_info.values()})
+        if model not in self.models:
+            return f"model {model!r} was removed from the pool"
+        rows = [i for i in self.sup_info.values() if i.get("model", self.models[0]) == model]
+        if rows and all(i.get("state") == "failed" for i in rows):
+            reasons = sorted({str(i.get("reason")) for i in rows})
             return f"no worker can serve: every worker failed ({'; '.join(reasons)}); see llamapool status"
         return ""
 
@@ -541,20 +580,27 @@ class Router:
             elif now - w.last_sent >= self.cfg.heartbeat_interval:
                 w.last_sent = now
                 self._send_worker(w, Heartbeat())
-        hopeless = self._hopeless()
+        hopeless = {m: self._hopeless(m) for m, q in self.queues.items() if q}
         for job in list(self.jobs.values()):
-            if job.worker is None and hopeless:
-                self.queue.remove(job)
-                self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, hopeless))
+            if job.worker is None and hopeless.get(job.model):
+                self.queues[job.model].remove(job)
+                self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, hopeless[job.model]))
             elif job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
-                self.queue.remove(job)
+                self.queues[job.model].remove(job)
+                ready = sum(1 for w in self.workers.values() if w.model == job.model and w.routable)
                 self._finish(job, self._error(
                     job, ErrorCode.UNAVAILABLE,
-                    f"no worker slot became free within server.queue_timeout="
-                    f"{self.cfg.queue_timeout:g}s ({len(self.workers)} workers ready)",
+                    f"no worker slot of model {job.model!r} became free within server.queue_timeout="
+                    f"{self.cfg.queue_timeout:g}s ({ready} workers ready)",
                 ))
             elif job.deadline is not None and now > job.deadline:
                 self._cancel_job(job, ErrorCode.TIMEOUT)
+        for w in list(self.workers.values()):
+            if w.closing and not self.queues.get(w.model):
+                self._retire(w)
+        for model in [m for m, q in self.queues.items() if not q and m not in self.models
+                      and not any(w.model == m for w in self.workers.values())]:
+            del self.queues[model]
         if self.draining and not self.jobs:
             self.on_event(("drained",))
 
@@ -574,9 +620,15 @@ class Router:
                 self._lose_worker(w, cmd[3])
         elif op == "retire":  # ("retire", name): stop routing to it and let it drain and exit
             w = self.workers.get(cmd[1])
-            if w is not None:
-                w.state = "retiring"
-                self._send_worker(w, Shutdown())
+            if w is not None and w.model not in self.models and self.queues.get(w.model):
+                w.closing = True  # its model left the pool: it serves what waits for it first
+            elif w is not None:
+                self._retire(w)
+        elif op == "models":  # ("models", [name, ...]): the pool's models now (reload); the first is the default
+            self.models = list(cmd[1]) or [""]
+            self.metrics.model = self.models[0]
+            for model in self.models:
+                self._queue(model)
         elif op == "drain":  # refuse new requests; accepted ones (queued too) still run
             self.draining = True
         elif op == "cancel_all":
@@ -585,11 +637,15 @@ class Router:
         elif op == "stop":
             self.running = False
 
+    def _retire(self, w: WorkerState) -> None:
+        w.state, w.closing = "retiring", False
+        self._send_worker(w, Shutdown())
+
     def _report_ready(self) -> None:
         n = sum(1 for w in self.workers.values() if w.routable)
         if n != self._last_ready:
             self._last_ready = n
-            self.on_event(("ready", n, len(self.queue)))
+            self.on_event(("ready", n, self.queued))
 
     def _status(self, rid: str) -> StatusReply:
         rows = []
@@ -600,7 +656,7 @@ class Router:
             if w is not None:
                 info.update(
                     id=name, pid=w.hello.pid, device=w.hello.device, state=w.state,
-                    slots=w.hello.slots, active=len(w.jobs), model=w.hello.model,
+                    slots=w.hello.slots, active=len(w.jobs), model=w.model, model_desc=w.hello.model,
                     visible_devices=w.hello.visible_devices, steps=w.steps,
                     n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
                     decode_s=round(w.decode_s, 3), step_s=round(w.step_s, 3),
@@ -615,7 +671,11 @@ class Router:
             info.setdefault("node", "")
             rows.append(info)
         running = sum(len(w.jobs) for w in self.workers.values())
-        return StatusReply(rid, rows, len(self.queue), running, self.draining, self.gpus)
+        models = [{"name": m, "workers": [r["id"] for r in rows if r.get("model", self.models[0]) == m],
+                   "queued": len(self.queues.get(m, ())),
+                   "running": sum(len(w.jobs) for w in self.workers.values() if w.model == m)}
+                  for m in self.models]
+        return StatusReply(rid, rows, self.queued, running, self.draining, self.gpus, models)
 
     def _close(self) -> None:
         for job in list(self.jobs.values()):

@@ -1,6 +1,7 @@
 """The supervisor: the daemon's main process and the whole worker lifecycle in one class.
 
-It finds GPUs with NVML, spawns one worker process per device with an environment it builds,
+It finds GPUs with NVML, spawns one worker process per device (a GPU, a group of GPUs, or a CPU
+share) of each model of the pool with an environment it builds,
 runs the router in a thread, watches its children, restarts the dead with backoff, and turns
 signals into drain (TERM/INT), fast stop (QUIT) and rolling reload (HUP). It never imports
 llama_cpp, so it never creates a CUDA context.
@@ -31,7 +32,7 @@ import zmq
 
 from llamapool import log as logmod
 from llamapool import security
-from llamapool.config import Config, ConfigError, load_config, needs_curve, step_budget
+from llamapool.config import Config, ConfigError, ModelConfig, load_config, needs_curve, step_budget
 from llamapool.router import Router, RouterConfig
 from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
@@ -47,10 +48,12 @@ KILL_GRACE = 2.0  # seconds between SIGABRT and SIGKILL for a hung worker
 
 @dataclass(eq=False)
 class WorkerSlot:
-    """One device and the succession of worker processes that serve it."""
+    """One device (a GPU, a group of GPUs, or a CPU share) of one model, and the succession of worker
+    processes that serve it."""
 
     name: str
-    gpu: gpumod.Gpu | None
+    gpus: tuple[gpumod.Gpu, ...] = ()
+    model: ModelConfig | None = None  # None for a gateway process
     state: str = "starting"  # starting | ready | backoff | retiring | failed | stopped
     proc: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
@@ -66,8 +69,14 @@ class WorkerSlot:
     exits: dict[str, int] = field(default_factory=dict)  # unexpected exits by reason (metrics)
 
     @property
+    def gpu(self) -> gpumod.Gpu | None:
+        """The (first) GPU, None for a CPU worker."""
+        return self.gpus[0] if self.gpus else None
+
+    @property
     def device(self) -> str:
-        return self.gpu.uuid if self.gpu else "cpu"
+        """"cpu", or the GPUs' UUIDs joined by "," (the worker's CUDA_VISIBLE_DEVICES)."""
+        return ",".join(g.uuid for g in self.gpus) if self.gpus else "cpu"
 
     def info(self) -> dict[str, Any]:
         return {
@@ -75,6 +84,7 @@ class WorkerSlot:
             "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
             "reason": self.reason, "log_tail": list(self.log)[-10:],
             "gpu_index": self.gpu.index if self.gpu else None, "exits": dict(self.exits),
+            "gpu_indices": [g.index for g in self.gpus], "model": self.model.name if self.model else None,
         }
 
 
@@ -98,6 +108,7 @@ class Supervisor:
         self._ready_workers = 0
         self._queued = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._reload_lock = asyncio.Lock()  # one SIGHUP at a time: a second one waits for the first
         # CURVE (docs/security.md): the router's key and allow-list, read now so that a bad key file
         # is a start-up error (exit 2) naming it; the internal key is made in the runtime dir in run()
         self.curve_key: security.KeyPair | None = None
@@ -113,6 +124,7 @@ class Supervisor:
     async def run(self) -> int:
         self.loop = asyncio.get_running_loop()
         logmod.configure(self.cfg.log.format, self.cfg.log.level)
+        self.slots = self._plan(self.cfg)  # a GPU given to two models is a ConfigError (exit 2)
         self._prepare_runtime_dir()
         if not self._start_router():
             return 1
@@ -122,7 +134,6 @@ class Supervisor:
         }
         for sig, handler in handlers.items():
             self.loop.add_signal_handler(sig, self._spawn_task_of, handler)
-        self.slots = self._plan(self.cfg)
         for slot in self.slots:
             self._start(slot)
         self._start_gateways()
@@ -163,7 +174,8 @@ class Supervisor:
         self.router.bind()
         self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
         self.router_thread.start()
-        self._log(f"frontend {self.cfg.frontend}; model {self.cfg.model.path}")
+        self._log(f"frontend {self.cfg.frontend}; models " + ", ".join(
+            f"{m.name} ({m.path})" for m in self.cfg.models))
         return True
 
     async def _stop_router(self) -> None:
@@ -178,13 +190,22 @@ class Supervisor:
         return now - self.router.loop_progress < max(1.0, wd)
 
     def _plan(self, cfg: Config) -> list[WorkerSlot]:
-        """One slot per selected GPU, or ``cpu_workers`` CPU slots when there is none."""
-        chosen = gpumod.select(self.gpus, cfg.workers.devices)
-        if chosen:
-            return [WorkerSlot(f"gpu{g.index}", g) for g in chosen]
-        if cfg.workers.devices != "cpu":
-            self._log("no GPU found through NVML; starting CPU workers")
-        return [WorkerSlot(f"cpu{i}", None) for i in range(cfg.workers.cpu_workers)]
+        """Each model's slots: one per GPU or group of GPUs, or ``cpu_workers`` CPU slots when it has
+        none. Worker names are ``gpu0``, ``gpu0+1`` (a group), ``cpu0``; with ``[[models]]`` tables
+        the model's name comes first (``chat-gpu0``), so names are unique across models."""
+        keys = [f"models[{i}]" for i in range(len(cfg.models))] if cfg.models_table else ["model"]
+        groups = gpumod.plan_groups(self.gpus, cfg.models, keys)
+        slots = []
+        for m in cfg.models:
+            prefix = f"{m.name}-" if cfg.models_table else ""
+            if groups[m.name]:
+                slots += [WorkerSlot(f"{prefix}gpu{'+'.join(str(g.index) for g in group)}", group, m)
+                          for group in groups[m.name]]
+                continue
+            if m.devices != "cpu":
+                self._log(f"{m.name}: no GPU found through NVML; starting CPU workers")
+            slots += [WorkerSlot(f"{prefix}cpu{i}", (), m) for i in range(m.cpu_workers)]
+        return slots
 
     def _prepare_runtime_dir(self) -> None:
         d = self.cfg.runtime_dir
@@ -221,24 +242,26 @@ class Supervisor:
             frontend=cfg.frontend, backend=cfg.backend, max_queue=s.max_queue,
             queue_timeout=s.queue_timeout, max_message_bytes=s.max_message_bytes,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-            step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, model=cfg.model_name,
+            step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
         )
 
     # ------------------------------------------------------------ spawning and reaping
 
     def _spec(self, slot: WorkerSlot) -> WorkerSpec:
-        m, w = self.cfg.model, self.cfg.workers
-        n_cpu = sum(1 for s in self.slots if s.gpu is None) or 1
-        threads = cpu_threads(n_cpu, w.threads) if slot.gpu is None else min(8, cpu_threads(
-            len(self.slots), w.threads))
+        m, w = slot.model or self.cfg.model, self.cfg.workers
+        live = [s for s in self.slots if s.state not in ("stopped", "retiring")] or [slot]
+        # the cores are split between every CPU worker of every model (a model's threads overrides)
+        n_cpu = sum(1 for s in live if not s.gpus) or 1
+        threads = cpu_threads(n_cpu, m.threads) if not slot.gpus else min(8, cpu_threads(len(live), m.threads))
         return WorkerSpec(
             name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
-            slots=w.slots, ctx_per_slot=m.ctx_per_slot,
-            max_batch_tokens=step_budget(m.max_batch_tokens, w.slots, slot.gpu is not None),
+            slots=m.slots, ctx_per_slot=m.ctx_per_slot,
+            max_batch_tokens=step_budget(m.max_batch_tokens, m.slots, bool(slot.gpus)),
             n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
-            chat_template=m.chat_template, **self._curve_for(self.cfg.backend),
+            chat_template=m.chat_template, model_name=m.name, tensor_split=list(m.tensor_split),
+            **self._curve_for(self.cfg.backend),
         )
 
     def _worker_log_env(self) -> dict[str, str]:
@@ -251,7 +274,7 @@ class Supervisor:
 
     async def _run_worker(self, slot: WorkerSlot) -> None:
         spec = self._spec(slot)
-        env = worker_env(os.environ, slot.gpu, self.cfg.workers.env, spec.threads)
+        env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads)
         env.update(self._worker_log_env())
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.worker", spec.to_json(),
@@ -333,7 +356,7 @@ class Supervisor:
         if self.cfg.http is None:
             return
         self._log(f"HTTP gateway: http://{self.cfg.http.listen} ({self.cfg.http.processes} process(es))")
-        self.gateways = [WorkerSlot(f"http{i}", None) for i in range(self.cfg.http.processes)]
+        self.gateways = [WorkerSlot(f"http{i}") for i in range(self.cfg.http.processes)]
         for gw in self.gateways:
             self._spawn_task(self._run_gateway(gw))
 
@@ -501,12 +524,18 @@ class Supervisor:
         self._stop.set()
 
     async def reload(self) -> None:
-        """SIGHUP: re-read the config, then replace the workers one device at a time."""
+        """SIGHUP: re-read the config and apply its models list: new models' workers start, removed
+        models' workers finish what they have (and what waits for them) and exit, and the workers of
+        models that stay are replaced one device at a time (with the model's new settings)."""
+        async with self._reload_lock:
+            await self._reload()
+
+    async def _reload(self) -> None:
         if self.stopping or not self.cfg.source:
             return
         try:
             new = load_config(self.cfg.source)
-            gpumod.select(self.gpus, new.workers.devices)
+            plan = self._plan(new)
             allowed = (security.load_authorized_keys(new.security.authorized_keys)
                        if self.allow is not None and new.security.authorized_keys else None)
         except ConfigError as e:
@@ -516,18 +545,74 @@ class Supervisor:
             self.allow.directory, self.allow.keys = new.security.authorized_keys, allowed
             self._log(f"authorized_keys: {len(allowed)} key(s) in {self.allow.directory}")
         self.notify.reloading()
-        self._log("reloading: replacing workers one at a time")
+        old = {s.name: s for s in self.slots}
+        planned = {s.name: s for s in plan}
+        staying = [(old[n], planned[n]) for n in planned if n in old]
+        added = [s for n, s in planned.items() if n not in old]
+        removed = [s for n, s in old.items() if n not in planned]
+        before = set(self.cfg.model_names)
+        self._log(f"reloading: models {', '.join(new.model_names)}"
+                  f" (added: {', '.join(m for m in new.model_names if m not in before) or 'none'}; removed: "
+                  f"{', '.join(m for m in before if m not in new.model_names) or 'none'}); "
+                  f"{len(added)} worker(s) to start, {len(removed)} to retire, {len(staying)} to replace")
         self.cfg = new
         logmod.configure(new.log.format, new.log.level)
+        self._command("models", new.model_names)
         self._spawn_task(self._reload_gateways())
-        for slot in list(self.slots):
+        # a new worker whose GPU a leaving worker holds starts once that one has exited
+        held = {g.uuid for s in removed for g in s.gpus}
+        blocked = [s for s in added if any(g.uuid in held for g in s.gpus)]
+        for slot in added:
+            if slot not in blocked:
+                self.slots.append(slot)
+                self._start(slot)
+        for slot, want in staying:
             if self.stopping:
                 return
             # each replacement may drain for drain_timeout and load for start_timeout
             self.notify.extend_timeout(new.server.drain_timeout + new.workers.start_timeout)
+            slot.model, slot.gpus = want.model, want.gpus
             await self._replace(slot)
+        await self._wait_ready([s for s in added if s not in blocked])
+        await asyncio.gather(*(self._retire(slot) for slot in removed))
+        for slot in blocked:
+            self.slots.append(slot)
+            self._start(slot)
+        await self._wait_ready(blocked)
         self._log("reload done")
         self.notify.ready()
+
+    async def _wait_ready(self, slots: list[WorkerSlot]) -> None:
+        for slot in slots:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.ready_event.wait(), self.cfg.workers.start_timeout)
+
+    async def _retire(self, slot: WorkerSlot) -> None:
+        """A worker that leaves the pool: it finishes its requests (and, when its model left, what is
+        queued for that model), then exits; then it is forgotten."""
+        proc = slot.proc
+        ready = slot.state == "ready"
+        slot.state = "retiring"
+        self._publish(slot)
+        if proc is not None and ready:
+            self._command("retire", slot.name)
+            try:
+                await asyncio.wait_for(proc.wait(), self.cfg.server.drain_timeout + self.cfg.server.queue_timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        elif proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        while slot.proc is not None:  # let the reaper run
+            await asyncio.sleep(0.05)
+        slot.state = "stopped"
+        if slot in self.slots:
+            self.slots.remove(slot)
+        self._command("forget", slot.name)
+        self._log(f"{slot.name}: retired")
 
     async def _replace(self, slot: WorkerSlot) -> None:
         old = slot.proc
@@ -596,7 +681,7 @@ class Supervisor:
                     row["xid_errors"] = xids.get(row["uuid"], 0)
                 self._command("gpus", rows)
                 for row in rows:
-                    lost = next((s for s in self.slots if s.gpu and s.gpu.uuid == row["uuid"]), None)
+                    lost = next((s for s in self.slots if any(g.uuid == row["uuid"] for g in s.gpus)), None)
                     if row.get("lost") and lost is not None and lost.state != "failed":
                         lost.state, lost.reason = "failed", f"GPU lost: {row.get('error')}"
                         if lost.proc is not None:

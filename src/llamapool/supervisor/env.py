@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from llamapool.supervisor.gpus import Gpu
 from llamapool.supervisor.sdnotify import scrub_env
 
 
 def worker_env(
-    base: Mapping[str, str], gpu: Gpu | None, extra: Mapping[str, str], threads: int
+    base: Mapping[str, str], gpus: Gpu | Sequence[Gpu] | None, extra: Mapping[str, str], threads: int
 ) -> dict[str, str]:
-    """``base`` without systemd's variables, plus ``[workers.env]``, plus the device pinning.
+    """``base`` without systemd's variables, plus ``[workers.env]``, plus the device pinning:
+    ``CUDA_VISIBLE_DEVICES`` is the UUIDs of the worker's GPU or group of GPUs ("" for CPU).
 
     The device variables are applied last so no config can point two workers at one GPU.
     """
+    group = [] if gpus is None else [gpus] if isinstance(gpus, Gpu) else list(gpus)
     env = scrub_env(base)  # only the main process talks to systemd
     env.update(extra)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["CUDA_VISIBLE_DEVICES"] = gpu.uuid if gpu is not None else ""
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in group)
     env["PYTHONUNBUFFERED"] = "1"
-    if gpu is None:
+    if not group:
         env.setdefault("OMP_NUM_THREADS", str(threads))
     return env
 

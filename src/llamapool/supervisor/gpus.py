@@ -6,7 +6,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from llamapool.config import ConfigError
+from llamapool.config import ConfigError, Device, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,51 @@ def select(gpus: list[Gpu], devices: str | list[int | str]) -> list[Gpu]:
             )
         chosen.append(match[0])
     return chosen
+
+
+def _find(gpus: list[Gpu], d: Device, key: str) -> Gpu:
+    match = [g for g in gpus if (g.index == d if isinstance(d, int) else g.uuid == d)]
+    if not match:
+        raise ConfigError(f"{key}: no GPU {d!r} (NVML sees {[g.uuid for g in gpus] or 'none'})")
+    return match[0]
+
+
+def plan_groups(gpus: list[Gpu], models: tuple[ModelConfig, ...] | list[ModelConfig],
+                keys: list[str] | None = None) -> dict[str, list[tuple[Gpu, ...]]]:
+    """Each model's GPU groups, one worker per group ([] means CPU workers).
+
+    Explicit ``devices`` are resolved first; ``"auto"`` takes every GPU no other model lists, one
+    worker each. A GPU in two models is a :class:`ConfigError` naming both (``keys`` name each
+    model's table in errors).
+    """
+    keys = keys or [f"models[{i}]" for i in range(len(models))]
+    owner: dict[str, str] = {}  # GPU uuid -> model name
+    out: dict[str, list[tuple[Gpu, ...]]] = {}
+
+    def claim(m: ModelConfig, key: str, group: tuple[Gpu, ...]) -> None:
+        for g in group:
+            if g.uuid in owner and owner[g.uuid] != m.name:
+                raise ConfigError(f"{key}.devices: GPU {g.index} ({g.uuid}) of model {m.name!r} is also given "
+                                  f"to model {owner[g.uuid]!r}: a GPU belongs to at most one worker")
+            owner[g.uuid] = m.name
+
+    for m, key in zip(models, keys, strict=True):
+        groups = m.groups
+        if groups is not None:
+            out[m.name] = [tuple(_find(gpus, d, f"{key}.devices") for d in group) for group in groups]
+            for group in out[m.name]:
+                claim(m, key, group)
+    for m, key in zip(models, keys, strict=True):
+        if m.devices == "auto":
+            out[m.name] = [(g,) for g in gpus if g.uuid not in owner]
+            if gpus and not out[m.name]:
+                raise ConfigError(f"{key}.devices: \"auto\" finds no GPU left for model {m.name!r}: models "
+                                  f"{sorted(set(owner.values()))} have them all; give each model its devices")
+            for group in out[m.name]:
+                claim(m, key, group)
+        elif m.devices == "cpu":
+            out[m.name] = []
+    return {m.name: out[m.name] for m in models}
 
 
 def health(nvml: Any | None, gpus: list[Gpu]) -> list[dict[str, Any]]:

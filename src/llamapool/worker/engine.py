@@ -49,6 +49,26 @@ class EngineConfig:
     backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
     kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see below)
     chat_template: str = ""  # a Jinja2 chat template file, used instead of the GGUF's
+    n_gpus: int = 1  # GPUs this process sees (with gpu): more than one splits the layers between them
+    tensor_split: tuple[float, ...] = ()  # each GPU's share of the layers; () -> llama.cpp's (by free memory)
+
+
+def model_params(cfg: EngineConfig) -> tuple[Any, Any]:
+    """llama.cpp's model parameters: every layer on the GPU(s), none on CPU workers. Over several GPUs
+    (a worker of a GPU group) the layers are split between them (split mode layer, ``tensor_split``
+    shares if given). Returns the parameters and the ctypes array they point to (keep it alive)."""
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = -1 if cfg.gpu else 0
+    mp.main_gpu = 0
+    keep = None
+    if cfg.gpu and cfg.n_gpus > 1:
+        mp.split_mode = L.LLAMA_SPLIT_MODE_LAYER
+        if cfg.tensor_split:
+            keep = (ctypes.c_float * max(L.llama_max_devices(), len(cfg.tensor_split)))(*cfg.tensor_split)
+            mp.tensor_split = ctypes.cast(keep, ctypes.POINTER(ctypes.c_float))
+    else:
+        mp.split_mode = L.LLAMA_SPLIT_MODE_NONE
+    return mp, keep
 
 
 @dataclass(eq=False)
@@ -143,10 +163,7 @@ class Engine:
             raise EngineError(f"model file {cfg.model_path} does not exist")
         quiet_llama_logs()
         L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        mp.n_gpu_layers = -1 if cfg.gpu else 0
-        mp.split_mode = L.LLAMA_SPLIT_MODE_NONE
-        mp.main_gpu = 0
+        mp, self._tensor_split = model_params(cfg)
         self.model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
         if not self.model:
             raise EngineError(f"llama.cpp could not load model {cfg.model_path} (corrupt or unsupported)")

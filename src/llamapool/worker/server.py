@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
@@ -45,7 +45,7 @@ class WorkerSpec:
 
     name: str
     backend: str
-    device: str  # "cpu" or "GPU-<uuid>"
+    device: str  # "cpu", "GPU-<uuid>", or a group's UUIDs joined by "," (= CUDA_VISIBLE_DEVICES)
     model_path: str
     slots: int
     ctx_per_slot: int
@@ -62,6 +62,13 @@ class WorkerSpec:
     server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
     key_file: str = ""  # with server_key: this worker's secret key file (llamapool keygen format)
     node: str = ""  # the node it belongs to (`llamapool node`): its name is "<node>/<slot>"
+    model_name: str = ""  # the model's name in the pool (its Hello says it; "" -> the pool's first model)
+    tensor_split: list[float] = field(default_factory=list)  # a GPU group's layer shares
+
+    @property
+    def n_gpus(self) -> int:
+        """The GPUs this worker must see: those of its device (0 for a CPU worker)."""
+        return 0 if self.device == "cpu" else len(self.device.split(","))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -165,21 +172,28 @@ def serve(spec: WorkerSpec) -> int:
                 max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
                 gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
                 gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache,
-                chat_template=spec.chat_template,
+                chat_template=spec.chat_template, n_gpus=max(1, spec.n_gpus),
+                tensor_split=tuple(spec.tensor_split),
             )
         )
     except EngineError as e:
         _logger(spec).error(f"FATAL: {e}")
         return EXIT_PERMANENT if e.permanent else 1
     seen = visible_gpus()
-    if len(seen) != (1 if gpu else 0):
-        _logger(spec).error(
-            f"FATAL: llama.cpp sees GPUs {seen} in this process; "
-            f"expected {'exactly one' if gpu else 'none'} (device {spec.device}, "
-            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
-        )
+    wrong = gpu_mismatch(spec, seen)
+    if wrong:
+        _logger(spec).error(f"FATAL: {wrong}")
         return EXIT_PERMANENT
     return _serve(spec, engine, seen)
+
+
+def gpu_mismatch(spec: WorkerSpec, seen: list[str]) -> str:
+    """Why the GPUs llama.cpp sees in this process are not exactly the worker's ("" when they are)."""
+    if len(seen) == spec.n_gpus:
+        return ""
+    want = {0: "none", 1: "exactly one"}.get(spec.n_gpus, f"exactly {spec.n_gpus}")
+    return (f"llama.cpp sees GPUs {seen} in this process; expected {want} (device {spec.device}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
 
 
 def _logger(spec: WorkerSpec) -> logmod.Logger:
@@ -211,7 +225,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     hello = codec.encode(Hello(
         worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
         slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
-        visible_devices=seen, node=spec.node,
+        visible_devices=seen, node=spec.node, model_name=spec.model_name,
     ))
     sock.send(hello)
     if spec.node:  # `llamapool node` marks the worker ready on this line (its workers log at info at least)
