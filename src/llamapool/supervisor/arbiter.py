@@ -163,7 +163,7 @@ class Supervisor:
                     if curve else None
                 self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
             except OSError as e:
-                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}")
+                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}", "error")
                 return False
             self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
         self.control = self.zctx.socket(zmq.PAIR)
@@ -219,7 +219,7 @@ class Supervisor:
         if self.allow is None:
             if plain:
                 self._log(f"WARNING: security.insecure_tcp = true: {', '.join(plain)} use(s) no CURVE: no "
-                          f"encryption, and anyone who can connect can use the pool (see docs/security.md)")
+                          f"encryption, and anyone who can connect can use the pool (see docs/security.md)", "warning")
             return
         key, _ = security.write_key_pair(self.cfg.runtime_dir, "internal", force=True)
         internal = security.load_key_file(key, secret=True)
