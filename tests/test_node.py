@@ -252,3 +252,25 @@ def test_node_config_is_checked(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg_file)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "llamapool node" in r.stderr, r.stderr
+
+
+def test_a_router_without_local_workers_serves_through_its_nodes(pool: dict[str, Any]) -> None:
+    """``devices = "remote"``: a router host with no GPU runs no worker; its nodes serve the model."""
+    d = launch(pool["tmp"] / "head", pool["model"], workers={"devices": "remote"}, **pool["sections"])
+    d.endpoint, d.client_kw = pool["sections"]["server"]["frontend"], pool["client_kw"]
+    pool["routers"].append(d)
+    wait_log(d, 'devices = "remote": no local worker')
+    pool["node"]("nodeB")
+    wait_node_ready(d, "nodeB", 2)
+    assert all(w.get("node") == "nodeB" for w in d.status()["workers"])
+    with d.client() as c:
+        done = list(c.generate_many(["through a node"] * 8, max_tokens=4, ignore_eos=True))
+    assert len(done) == 8 and all(r.worker.startswith("nodeB/") for r in done)
+
+
+def test_remote_devices_belong_to_a_router_config(tmp_path: Path, model_path: str) -> None:
+    from llamapool.config import ConfigError, load_config
+    cfg = write_config(tmp_path / "n.toml", model_path, tmp_path / "run", workers={"devices": "remote"},
+                       node={"join": "ipc:///tmp/nowhere.sock", "name": "n1"})
+    with pytest.raises(ConfigError, match='"remote"'):
+        load_config(cfg)

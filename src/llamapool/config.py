@@ -56,7 +56,7 @@ class ServerConfig:
 
 
 Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
-Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | [0, 1] | [[0, 1], [2, 3]]
+Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | "remote" | [0, 1] | [[0, 1], [2, 3]]
 POOL_KEYS = ("devices", "cpu_workers", "slots", "threads")  # [workers] keys a model may override
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
 
@@ -82,6 +82,7 @@ class ModelConfig:
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
     chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
     devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] (a worker per GPU) | [[0, 1], [2, 3]] (per group)
+    # | "remote": no local worker, `llamapool node` hosts serve it (a router host without GPUs)
     cpu_workers: int = 2  # CPU workers when devices = "cpu" or no GPU is found
     slots: int = 8  # parallel sequences per worker
     threads: int = 0  # CPU threads per worker; 0 -> the cores split between all CPU workers
@@ -89,7 +90,7 @@ class ModelConfig:
 
     @property
     def groups(self) -> list[list[Device]] | None:
-        """The explicit GPU groups (one worker each), or None for "auto" and "cpu"."""
+        """The explicit GPU groups (one worker each), or None for "auto", "cpu" and "remote"."""
         if isinstance(self.devices, str):
             return None
         return [d if isinstance(d, list) else [d] for d in self.devices]
@@ -254,8 +255,9 @@ def _is_device(d: Any) -> bool:
 
 
 def _devices(key: str, value: Any) -> Devices:
-    """``"auto"``, ``"cpu"``, or a list of GPUs (a worker each) or of GPU groups (a worker per group)."""
-    if value in ("auto", "cpu"):
+    """``"auto"``, ``"cpu"``, ``"remote"`` (no local worker: nodes serve the model), or a list of GPUs
+    (a worker each) or of GPU groups (a worker per group)."""
+    if value in ("auto", "cpu", "remote"):
         return str(value)
     if isinstance(value, list) and value and all(
         _is_device(d) or (isinstance(d, list) and d and all(_is_device(x) for x in d)) for d in value
@@ -266,7 +268,7 @@ def _devices(key: str, value: Any) -> Devices:
             raise ConfigError(f"{key}: GPU {', '.join(twice)} is listed twice: a GPU belongs to one worker")
         return list(value)
     raise ConfigError(
-        f"{key}: must be \"auto\", \"cpu\", a non-empty list of GPU indices or \"GPU-<uuid>\" strings, "
+        f"{key}: must be \"auto\", \"cpu\", \"remote\", a non-empty list of GPU indices or \"GPU-<uuid>\" strings, "
         f"or a list of such lists (one worker per group), got {value!r}"
     )
 
@@ -430,6 +432,10 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
     parts["security"] = _security(parts["security"], parts["server"], base_dir)
     if "node" in parts:
         parts["node"] = _node(parts["node"], parts["security"], base_dir)
+        remote = [m.name for m in models if m.devices == "remote"]
+        if remote:
+            raise ConfigError(f"devices: \"remote\" (model {remote[0]!r}) is for a router's config; "
+                              f"a node runs the workers of its models itself")
     return Config(source=source, models=models, models_table="models" in raw, **parts)
 
 

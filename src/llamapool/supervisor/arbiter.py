@@ -202,6 +202,9 @@ class Supervisor:
                 slots += [WorkerSlot(f"{prefix}gpu{'+'.join(str(g.index) for g in group)}", group, m)
                           for group in groups[m.name]]
                 continue
+            if m.devices == "remote":
+                self._log(f"{m.name}: devices = \"remote\": no local worker; `llamapool node` hosts serve it")
+                continue
             if m.devices != "cpu":
                 self._log(f"{m.name}: no GPU found through NVML; starting CPU workers")
             slots += [WorkerSlot(f"{prefix}cpu{i}", (), m) for i in range(m.cpu_workers)]

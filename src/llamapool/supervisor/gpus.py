@@ -56,7 +56,7 @@ def discover(nvml: Any | None) -> list[Gpu]:
 
 def select(gpus: list[Gpu], devices: str | list[int | str]) -> list[Gpu]:
     """The GPUs ``workers.devices`` asks for; [] means CPU workers."""
-    if devices == "cpu":
+    if devices in ("cpu", "remote"):
         return []
     if devices == "auto":
         return gpus
@@ -111,7 +111,7 @@ def plan_groups(gpus: list[Gpu], models: tuple[ModelConfig, ...] | list[ModelCon
                                   f"{sorted(set(owner.values()))} have them all; give each model its devices")
             for group in out[m.name]:
                 claim(m, key, group)
-        elif m.devices == "cpu":
+        elif m.devices in ("cpu", "remote"):
             out[m.name] = []
     return {m.name: out[m.name] for m in models}
 
