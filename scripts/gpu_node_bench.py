@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="local/node pairs per workload")
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--cpu", action="store_true", help="tiny model on CPU workers (checks the script)")
+    ap.add_argument("--checks-only", action="store_true", help="skip the local/node runs")
     args = ap.parse_args()
 
     from llamapool import Client
@@ -114,7 +116,7 @@ def main() -> int:
         return row
 
     table = []
-    for name in args.workloads:
+    for name in [] if args.checks_only else args.workloads:
         c = args.concurrency
         work = make_workload(name, 4 * c, n_vocab, seed=0, ctx=sum(FIXED[name]))
         ctx = work.longest + 16
@@ -150,11 +152,13 @@ def main() -> int:
         nvml = gpumod.load_nvml()
         h = nvml.nvmlDeviceGetHandleByIndex(0)
         on_gpu = sorted(p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(h))
+    # this process is on the GPU's list too: it read the model's vocabulary through llama.cpp
     models_row = {"mode": "two-models", "big_served_by": sorted(set(big)), "small_served_by": sorted(set(small)),
-                  "worker_pids": pids, "gpu0_compute_pids": on_gpu,
+                  "worker_pids": pids, "gpu0_compute_pids": on_gpu, "bench_pid": os.getpid(),
                   "models": [m["name"] for m in st.get("models", [])]}
     models_row["ok"] = (set(big) == {"big-gpu0" if not args.cpu else "big-cpu0"} and set(small) == {"small-cpu0"}
-                        and (args.cpu or on_gpu == [pids["big-gpu0"]]))
+                        and (args.cpu or (pids["big-gpu0"] in on_gpu and pids["small-cpu0"] not in on_gpu
+                                          and set(on_gpu) <= {pids["big-gpu0"], os.getpid()})))
     gb.stop_daemon(proc, logf)
     record(models_row)
 
@@ -176,8 +180,9 @@ def main() -> int:
     summary = ["| workload | streams | local worker tok/s | node worker over CURVE TCP tok/s | node / local |",
                "|---|---|---|---|---|", *table, "",
                f"two models: big -> {models_row['big_served_by']}, small -> {models_row['small_served_by']}; "
-               f"GPU 0 compute pids {models_row['gpu0_compute_pids']} (big-gpu0 pid "
-               f"{pids.get('big-gpu0')}): {'OK' if models_row['ok'] else 'WRONG'}",
+               f"GPU 0 compute pids {models_row['gpu0_compute_pids']} (big-gpu0 pid {pids.get('big-gpu0')}, "
+               f"small-cpu0 pid {pids.get('small-cpu0')}, this script {os.getpid()}): "
+               f"{'OK' if models_row['ok'] else 'WRONG'}",
                f"gpu group [[0]]: {json.dumps({k: v for k, v in group_row.items() if k != 'row'})}"]
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     print("\n".join(summary))

@@ -85,8 +85,10 @@ def test_closing_a_stream_frees_its_slot(daemon) -> None:  # type: ignore[no-unt
         while time.monotonic() < end and sum(w["active"] for w in c.status()["workers"]):
             time.sleep(0.02)
         assert sum(w["active"] for w in c.status()["workers"]) == 0
-        # the worker stopped generating: far fewer steps than the 400 tokens asked for
-        assert engine_steps(c) - before < 100
+        # the worker stopped generating well before the 400 tokens asked for (the tiny model makes a
+        # step in about a millisecond, so a loaded 2-core machine may still run tens of steps while
+        # the cancel travels client -> router -> worker)
+        assert engine_steps(c) - before < 300
 
 
 def test_stop_strings_end_the_text_before_them(daemon) -> None:  # type: ignore[no-untyped-def]
