@@ -210,7 +210,8 @@ def test_node_sigterm_drains_its_workers(pool: dict[str, Any]) -> None:
     router_pub = load_key_file(pool["keys"] / "router.pub", secret=False).public
     alice = load_key_file(pool["keys"] / "alice.key", secret=True)
     assert alice.secret is not None
-    load = Load(d.endpoint, 12, max_tokens=150, curve=(router_pub, alice.public, alice.secret))
+    # long enough streams that the node is seen running some of them on a loaded machine
+    load = Load(d.endpoint, 12, max_tokens=400, curve=(router_pub, alice.public, alice.secret))
     thread = load.start()
     end = time.monotonic() + 30
     while time.monotonic() < end and sum(w["active"] for w in node_rows(d, "nodeB")) == 0:
