@@ -108,3 +108,45 @@ def test_duplicate_request_id_in_flight_is_refused(shared_daemon) -> None:  # ty
         assert kinds == [ErrorCode.DUPLICATE_ID, "result"], replies
     finally:
         ctx.destroy(linger=0)
+
+
+def test_an_oversized_request_gets_too_large_under_its_own_id(shared_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Over server.max_message_bytes (4 MiB): the SDK's request fails at once with ``too_large``,
+    not after its timeout (the error must carry the request's id to reach it)."""
+    import time
+
+    from llamapool.client.errors import BadRequestError
+
+    with shared_daemon.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(BadRequestError) as e:
+            c.generate("a" * 6_000_000, max_tokens=2, timeout=20)
+        assert e.value.code == ErrorCode.TOO_LARGE and "server.max_message_bytes" in e.value.message
+        assert time.monotonic() - t0 < 5
+        assert c.generate("still there?", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+
+
+def test_a_frame_the_router_would_drop_is_refused_by_the_sdk() -> None:
+    from llamapool.client.calls import generate_frame
+    from llamapool.client.errors import BadRequestError
+    from llamapool.protocol import codec
+
+    with pytest.raises(BadRequestError) as e:
+        generate_frame("x", ["a" * (codec.TRANSPORT_MAX_FRAME + 1)], False, False, None, {})
+    assert e.value.code == ErrorCode.TOO_LARGE and e.value.field == "prompt"
+
+
+def test_a_megabytes_long_prompt_is_refused_without_tokenizing_it(shared_daemon) -> None:  # type: ignore[no-untyped-def]
+    """3 MB of text cannot fit the context: refused before the tokenizer runs (it would hold the
+    worker's engine thread for many seconds), and the worker keeps serving others meanwhile."""
+    import time
+
+    from llamapool.client.errors import BadRequestError
+
+    with shared_daemon.client() as c:
+        t0 = time.monotonic()
+        with pytest.raises(BadRequestError) as e:
+            c.generate("word " * 600_000, max_tokens=2)
+        took = time.monotonic() - t0
+        assert e.value.code == ErrorCode.INVALID_REQUEST and "model.ctx_per_slot" in e.value.message
+        assert took < 3, f"took {took:.1f}s"

@@ -109,9 +109,14 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
     if model is not None:
         d["model"] = model
     try:
-        return msgpack.packb(d, use_bin_type=True)
+        frame: bytes = msgpack.packb(d, use_bin_type=True)
     except (OverflowError, TypeError) as e:
         raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
+    if len(frame) > codec.TRANSPORT_MAX_FRAME:  # the router would drop the connection, not answer
+        raise BadRequestError(ErrorCode.TOO_LARGE, f"request is {len(frame)} bytes; the router takes at most "
+                              f"{codec.TRANSPORT_MAX_FRAME} (and answers too_large above server.max_message_bytes)",
+                              field="prompt")
+    return frame
 
 
 @dataclass

@@ -41,6 +41,9 @@ MAX_SEED = 2**32 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ROLE_LEN = 64
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
+# Frames the router takes in at all (ZMQ_MAXMSGSIZE; a larger one makes ZeroMQ drop the connection,
+# so the sender would hear nothing): anything up to this gets a ``too_large`` error under its id.
+TRANSPORT_MAX_FRAME = 64 * 1024 * 1024
 
 
 class ProtocolError(Exception):
@@ -288,6 +291,23 @@ ROUTER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
 }
 
 
+def peek_id(frame: bytes) -> str | None:
+    """The ``id`` of an encoded request without decoding the rest (a too-large message still gets
+    its error under its id): map keys are read, other values skipped."""
+    try:
+        up = msgpack.Unpacker(raw=False, max_buffer_size=len(frame) + 1)
+        up.feed(frame)
+        for _ in range(min(up.read_map_header(), 64)):
+            key = up.unpack()
+            if key == "id":
+                value = up.unpack()
+                return value if isinstance(value, str) and len(value) <= MAX_ID_LEN else None
+            up.skip()
+    except Exception:  # not a map, truncated, ...: no id to answer under
+        return None
+    return None
+
+
 def decode(
     frames: list[bytes],
     types: dict[str, Callable[[dict[str, Any]], Message]],
@@ -299,7 +319,8 @@ def decode(
     frame = frames[0]
     if len(frame) > max_frame:
         raise ProtocolError(
-            ErrorCode.TOO_LARGE, f"message is {len(frame)} bytes, the limit is {max_frame}"
+            ErrorCode.TOO_LARGE, f"message is {len(frame)} bytes, the limit is {max_frame} "
+            f"(server.max_message_bytes)", id=peek_id(frame)
         )
     try:
         d = msgpack.unpackb(frame, raw=False, strict_map_key=True)

@@ -135,7 +135,7 @@ class Router:
         self.front = zctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.front.setsockopt(zmq.LINGER, 0)
-        self.front.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes * 4)
+        self.front.setsockopt(zmq.MAXMSGSIZE, max(codec.TRANSPORT_MAX_FRAME, cfg.max_message_bytes * 4))
         self.front.setsockopt(zmq.SNDHWM, 0)
         self.front.setsockopt(zmq.RCVHWM, 0)
         self.back = zctx.socket(zmq.ROUTER)

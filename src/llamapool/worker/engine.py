@@ -203,6 +203,7 @@ class Engine:
             )
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.max_piece = self._max_piece_bytes()
         self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = _Batch(cp.n_batch)
@@ -258,6 +259,21 @@ class Engine:
         return chain
 
     # ------------------------------------------------------------ requests in and out
+
+    def _max_piece_bytes(self) -> int:
+        """An upper bound on the bytes one token stands for (its vocabulary text is at least as long),
+        so that a prompt far over the context is refused without tokenizing it (megabytes take
+        seconds, on the engine thread)."""
+        longest = 1
+        for t in range(self.n_vocab):
+            text = L.llama_vocab_get_text(self.vocab, t)
+            if text and len(text) > longest:
+                longest = len(text)
+        return longest
+
+    def _surely_too_long(self, n_bytes: int) -> bool:
+        """``n_bytes`` of text make at least ``n_bytes / max_piece`` tokens: over the limit?"""
+        return n_bytes // self.max_piece >= self.cfg.ctx_per_slot
 
     def tokenize(self, text: str) -> list[int]:
         data = text.encode()
@@ -361,6 +377,16 @@ class Engine:
         return seq_id, best
 
     def _prompt_tokens(self, prompt: Prompt) -> list[int]:
+        text_bytes = 0
+        for part in [prompt] if isinstance(prompt, str) else prompt:
+            content = part.get("content") if isinstance(part, dict) else part
+            if isinstance(content, str):
+                text_bytes += len(content.encode())
+        if self._surely_too_long(text_bytes):
+            raise ValueError(
+                f"prompt is {text_bytes} bytes of text, at least {text_bytes // self.max_piece} tokens; the limit is "
+                f"{self.cfg.ctx_per_slot - 1} (model.ctx_per_slot)"
+            )
         if isinstance(prompt, str):
             tokens = self.tokenize(prompt)
         elif prompt and isinstance(prompt[0], dict):  # chat messages
