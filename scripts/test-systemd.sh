@@ -157,7 +157,7 @@ done
 say "states seen:$seen (after $(since "$t0") s)"
 say "$(ct systemctl status "$UNIT" --no-pager | sed -n '1,6p')"
 journal="$(ct journalctl -b -u "$UNIT" -o cat --no-pager)"
-ready_line=$(grep -n "llamapool: ready: " <<<"$journal" | head -1 | cut -d: -f1)
+ready_line=$(grep -n "llamapool: ready (READY=1)" <<<"$journal" | head -1 | cut -d: -f1)
 started_line=$(grep -n "^Started " <<<"$journal" | head -1 | cut -d: -f1)
 if [[ "$seen" == *activating* && "$(prop ActiveState)" == active && -n "$ready_line" && -n "$started_line" &&
       "$ready_line" -lt "$started_line" ]]; then

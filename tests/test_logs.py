@@ -81,6 +81,14 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
     too_long = _ask(d.endpoint, "req-text-2", [1] * 600)  # > ctx_per_slot=512: the worker refuses it
     assert isinstance(too_long, Error) and too_long.code == "invalid_request"
     text = _wait_for(d.log, "id=req-text-2")
+    from llamapool.client.errors import UnknownModelError
+
+    with d.client() as c:  # refused before it was queued: still one access line
+        try:
+            c.generate("hi", model="nope", max_tokens=2)
+        except UnknownModelError:
+            pass
+    _wait_for(d.log, "outcome=unknown_model")
     assert d.stop() == 0
     text = d.log.read_text()
     lines = text.splitlines()
@@ -92,6 +100,8 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
     assert any(ln.startswith("<4>[cpu") and "request failed: prompt has 600 tokens" in ln
                and "id=req-text-2" in ln for ln in lines), text
     assert any(ln.startswith("<6>llamapool: ready") for ln in lines), text
+    assert any(ln.startswith("<6>llamapool: router: access id=") and "model=nope outcome=unknown_model" in ln
+               for ln in lines), text
 
 
 def test_log_helpers() -> None:
@@ -110,3 +120,21 @@ def test_log_helpers() -> None:
 
     msg = codec.decode([msgpack.packb(d)], codec.ROUTER_TYPES)
     assert isinstance(msg, Run) and msg.req == ""
+
+
+def test_a_childs_unprefixed_library_lines_keep_their_level(capsys) -> None:  # type: ignore[no-untyped-def]
+    """uvicorn writes ``ERROR: ...``/``WARNING: ...`` itself: the supervisor re-emits them at that level."""
+    from llamapool.config import from_dict
+    from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
+
+    sup = Supervisor(from_dict({"model": {"path": "/m.gguf"}, "log": {"format": "json"}}), use_nvml=False)
+    slot = WorkerSlot("http0", (), None)
+    logmod.configure("json", "info", env={})
+    try:
+        for raw in (b"ERROR:    Cancel 1 running task(s), timeout graceful shutdown exceeded",
+                    b"WARNING:  Invalid HTTP request received.", b"INFO:     Started server process"):
+            sup._child_line(slot, raw)
+    finally:
+        logmod.configure("text", "info")
+    levels = [json.loads(ln)["level"] for ln in capsys.readouterr().err.splitlines()]
+    assert levels == ["error", "warning", "info"]

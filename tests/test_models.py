@@ -193,6 +193,10 @@ def test_sighup_adds_and_removes_models_with_zero_failures_for_the_one_that_stay
             assert c.generate("hi", model="gamma", max_tokens=2).worker == "gamma-cpu0"
             with pytest.raises(UnknownModelError):
                 c.generate("hi", model="beta", max_tokens=2)
+            text = c.metrics()  # the retired worker keeps its counters and shows as stopped, not starting
+        beta_states = {ln.split('state="')[1].split('"')[0]: ln.rsplit(" ", 1)[1] for ln in text.splitlines()
+                       if ln.startswith("llamapool_worker_state{") and 'worker="beta-cpu0"' in ln}
+        assert beta_states.get("stopped") == "1.0" and beta_states.get("starting") == "0.0", beta_states
         # and back: gamma leaves, beta returns
         write_config(d.config, model_path, d.config.parent / "run", server={"queue_timeout": 60.0},
                      models=models(model_path, *TWO))

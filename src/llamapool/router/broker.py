@@ -268,32 +268,25 @@ class Router:
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         key = (client, msg.id)
         if key in self.by_request:
-            self.metrics.outcome(ErrorCode.DUPLICATE_ID, len(msg.prompts))
-            self._reply(client, Error(msg.id, ErrorCode.DUPLICATE_ID,
-                                      f"request id {msg.id!r} is already in flight", field="id"))
+            self._refuse_request(client, msg, None, ErrorCode.DUPLICATE_ID,
+                                 f"request id {msg.id!r} is already in flight", "id")
             return
         model = self.models[0] if msg.model is None else msg.model
         if model not in self.models:
-            self.metrics.outcome(ErrorCode.UNKNOWN_MODEL, len(msg.prompts), self.models[0])
-            self._reply(client, Error(msg.id, ErrorCode.UNKNOWN_MODEL, f"model {model!r} is not in this pool "
-                                      f"(models: {', '.join(repr(m) for m in self.models)})", field="model"))
+            self._refuse_request(client, msg, None, ErrorCode.UNKNOWN_MODEL, f"model {model!r} is not in this pool "
+                                 f"(models: {', '.join(repr(m) for m in self.models)})", "model")
             return
         if self.draining:
-            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts), model)
-            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
+            self._refuse_request(client, msg, model, ErrorCode.UNAVAILABLE, "llamapool is shutting down")
             return
         hopeless = self._hopeless(model)
         if hopeless:
-            self.metrics.outcome(ErrorCode.UNAVAILABLE, len(msg.prompts), model)
-            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, hopeless))
+            self._refuse_request(client, msg, model, ErrorCode.UNAVAILABLE, hopeless)
             return
         queue = self._queue(model)
         if len(queue) + len(msg.prompts) > self.cfg.max_queue:
-            self.metrics.outcome(ErrorCode.OVERLOADED, len(msg.prompts), model)
-            self._reply(client, Error(
-                msg.id, ErrorCode.OVERLOADED,
-                f"queue of model {model!r} is full ({len(queue)} waiting, server.max_queue={self.cfg.max_queue})",
-            ))
+            self._refuse_request(client, msg, model, ErrorCode.OVERLOADED, f"queue of model {model!r} is full "
+                                 f"({len(queue)} waiting, server.max_queue={self.cfg.max_queue})")
             return
         now = time.monotonic()
         deadline = now + msg.timeout if msg.timeout else None
@@ -306,6 +299,16 @@ class Router:
             queue.append(job)
             jobs.append(job)
         self.by_request[key] = jobs
+
+    def _refuse_request(self, client: bytes, msg: Generate, model: str | None, code: str, message: str,
+                        fld: str | None = None) -> None:
+        """Answer a request refused before it was queued: count it (under the pool's first model when
+        its own is unknown), reply, and write its access line."""
+        self.metrics.outcome(code, len(msg.prompts), model or self.models[0])
+        self._reply(client, Error(msg.id, code, message, field=fld))
+        if LOG.enabled("info"):
+            LOG.info("access", id=msg.id, model=model or (msg.model if isinstance(msg.model, str) else None),
+                     outcome=code, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
 
     def _finish(self, job: Job, msg: Message) -> None:
         """Send the one final reply of ``job`` and forget it; one access log line per prompt."""
@@ -588,10 +591,14 @@ class Router:
             elif job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
                 self.queues[job.model].remove(job)
                 ready = sum(1 for w in self.workers.values() if w.model == job.model and w.routable)
+                local = any(i.get("model", self.models[0]) == job.model for i in self.sup_info.values())
+                why = "" if ready or local else (
+                    f": model {job.model!r} has no local worker and no node's worker has joined "
+                    f"(devices = \"remote\": is a `llamapool node` running and is its key in authorized_keys?)")
                 self._finish(job, self._error(
                     job, ErrorCode.UNAVAILABLE,
                     f"no worker slot of model {job.model!r} became free within server.queue_timeout="
-                    f"{self.cfg.queue_timeout:g}s ({ready} workers ready)",
+                    f"{self.cfg.queue_timeout:g}s ({ready} workers ready){why}",
                 ))
             elif job.deadline is not None and now > job.deadline:
                 self._cancel_job(job, ErrorCode.TIMEOUT)

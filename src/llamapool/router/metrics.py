@@ -32,7 +32,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # the supervisor's reasons for a worker's unexpected exit (``llamapool_worker_restarts_total``)
 RESTART_REASONS = ("exit", "signal", "heartbeat", "step_timeout", "start_timeout", "gpu_lost")
-WORKER_STATES = ("starting", "ready", "backoff", "retiring", "failed", "stopped")
+WORKER_STATES = ("starting", "ready", "backoff", "retiring", "failed", "stopped", "lost")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
@@ -228,7 +228,8 @@ class _Snapshot(Collector):
             kv_used.add_metric([name, device, nd], w.kv_used if w else 0)
             kv_total.add_metric([name, device, nd], w.kv_total if w else 0)
             kv_ratio.add_metric([name, device, nd], (w.kv_used / w.kv_total) if w and w.kv_total else 0.0)
-            now = str(info.get("state") or (w.state if w else "starting"))
+            # a name known only from its counters: a worker retired by a reload (its model removed)
+            now = str(info.get("state") or (w.state if w else "stopped"))
             if w is not None and w.state == "retiring":
                 now = "retiring"
             for s in WORKER_STATES:

@@ -487,7 +487,8 @@ class Supervisor:
                     self.cfg.server.min_ready_workers, len(self.slots)):
                 self._announced_ready = True
                 self.notify.ready()
-                self._log(f"ready: {self._ready_workers} worker(s)")
+                self._log(f"ready (READY=1): {self._ready_workers} of {len(self.slots)} local worker(s) ready "
+                          f"(server.min_ready_workers = {self.cfg.server.min_ready_workers})")
             self.notify.status(f"{self._ready_workers} workers ready, {self._queued} queued")
         elif kind == "drained":
             self._drained.set()
@@ -716,7 +717,13 @@ class Supervisor:
     def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
         """Re-emit one line of a worker's or gateway's output at its level; returns its message."""
         line = raw.decode(errors="replace").rstrip()
-        unprefixed = logmod.LEVELS["error"] if ("FATAL" in line or "Traceback" in line) else logmod.LEVELS["info"]
+        # a line without the <N> prefix: a library's own (uvicorn's "ERROR: ...", llama.cpp, a traceback)
+        if "FATAL" in line or "Traceback" in line or line.startswith(("ERROR:", "CRITICAL:")):
+            unprefixed = logmod.LEVELS["error"]
+        elif line.startswith("WARNING:"):
+            unprefixed = logmod.LEVELS["warning"]
+        else:
+            unprefixed = logmod.LEVELS["info"]
         level, body = logmod.split_priority(line, unprefixed)
         if self._json:
             obj = logmod.parse_json_line(body)
