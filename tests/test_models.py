@@ -461,3 +461,18 @@ def test_a_bad_models_list_on_sighup_is_refused_and_the_pool_keeps_serving(tmp_p
             assert c.generate("still here", model="alpha", max_tokens=2).worker == "alpha-cpu0"
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
+
+
+def test_a_remote_only_model_without_a_node_says_so(tmp_path: Path, model_path: str) -> None:
+    from llamapool.client.errors import UnavailableError
+
+    d = launch(tmp_path / "d", model_path, workers={"devices": "remote"}, server={"queue_timeout": 1.0})
+    try:
+        end = time.monotonic() + 30
+        while "no local worker" not in d.log_text() and time.monotonic() < end:
+            time.sleep(0.1)
+        with d.client() as c, pytest.raises(UnavailableError) as e:
+            c.generate("anyone?", max_tokens=2)
+        assert "no node's worker has joined" in e.value.message and "authorized_keys" in e.value.message
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
