@@ -4,6 +4,7 @@ the daemon (supervisor, router, workers, gateway process) running as a real proc
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -228,6 +229,148 @@ def test_keys_overload_and_mid_stream_worker_loss(tmp_path: Path, model_path: st
         assert "worker" in str(lost.value.message).lower()
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
+
+
+LIMIT = 4 * 1024 * 1024  # server.max_message_bytes, the gateway's body limit
+
+
+def assert_too_large(r: httpx.Response) -> None:
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] is None and err["code"] == "request_too_large"
+    assert f"{LIMIT} bytes (server.max_message_bytes)" in err["message"]
+
+
+def raw_exchange(url: str, request: bytes, timeout: float = 10) -> bytes:
+    """Send ``request`` as is (no body), read the answer until the server closes."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def test_a_body_over_the_limit_is_413_at_once(gateway: tuple[Daemon, str]) -> None:
+    """A body over server.max_message_bytes used to hang until request_timeout: the router refused the
+    message without an id the client could match (up to 4 x the limit), or ZeroMQ dropped the gateway's
+    connection for it (beyond that), and with it every stream of that gateway process."""
+    url = gateway[1]
+    # from the Content-Length, before the body: curl sends 'Expect: 100-continue' and waits
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {6 << 20}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n").encode()
+    t0 = time.monotonic()
+    answer = raw_exchange(url, head)
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in answer, answer[:300]
+    assert b'"request_too_large"' in answer and time.monotonic() - t0 < 5
+    # 20 MB sent whole (no Expect), while a stream of the same gateway process runs on
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    stream = iter(c.completions.create(model=model_name(c), prompt="Hello", max_tokens=1500, stream=True, **GREEDY))
+    next(stream)
+    big = json.dumps({"prompt": "x" * (20 << 20), "max_tokens": 2}).encode()
+    assert_too_large(httpx.post(url + "/v1/completions", content=big, timeout=20,
+                                headers={"content-type": "application/json"}))
+    assert [ch.choices[0].finish_reason for ch in stream][-1] == "length"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: refused once 4 MiB have arrived
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(6 << 4):
+            yield b"y" * 65536
+        yield b'"}]}'
+
+    assert_too_large(httpx.post(url + "/v1/chat/completions", content=chunked(), timeout=20))
+    assert client_ok(url)
+
+
+def client_ok(url: str) -> bool:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    return bool(c.completions.create(model=model_name(c), prompt="Hello", max_tokens=2).choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_under_the_limit_that_encodes_over_it_is_413(gateway: tuple[Daemon, str], stream: bool) -> None:
+    """The router's message adds an envelope to the prompt: a body a few bytes under the limit can
+    encode over it; the gateway refuses it at once rather than send what the router would refuse."""
+    url = gateway[1]
+    head = json.dumps({"prompt": "", "max_tokens": 2, "stream": stream}).encode()
+    body = head.replace(b'""', b'"' + b"z" * (LIMIT - 16 - len(head)) + b'"')
+    assert LIMIT - 32 < len(body) <= LIMIT
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", content=body, timeout=20, headers={"content-type": "application/json"})
+    assert_too_large(r)
+    assert "encodes to a" in r.json()["error"]["message"] and time.monotonic() - t0 < 10
+    # a body as long whose message is small (JSON whitespace) is served
+    padded = b'{"prompt": "Hello", "max_tokens": 2' + b" " * (LIMIT - 64) + b"}"
+    r = httpx.post(url + "/v1/completions", content=padded, timeout=20, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_router_too_large_is_413() -> None:
+    """The router's own refusal (its limit lower than the gateway's) maps to OpenAI's 413."""
+    from llamapool.client.errors import BadRequestError
+    from llamapool.gateway import openai as oai
+
+    e = oai.from_llamapool(BadRequestError("too_large", "message is 5000000 bytes, the limit is 4194304"))
+    assert (e.status, e.type, e.code, e.param) == (413, "invalid_request_error", "request_too_large", None)
+
+
+OK_CHAT: list[Any] = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": None},
+                      {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "x"}]}]
+
+
+@pytest.mark.parametrize("messages, extra, param, code", [
+    ([{"role": "user"}], {}, "messages[0].content", "invalid_value"),
+    ([{"role": "user", "content": None}], {}, "messages[0].content", "invalid_value"),
+    ([{"role": "system", "content": "x"}, {"role": "wizard", "content": "x"}], {}, "messages[1].role",
+     "invalid_value"),
+    ([{"content": "x"}], {}, "messages[0].role", "invalid_value"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}], {},
+     "messages[1].role", "unsupported_parameter"),
+    ([{"role": "user", "content": 5}], {}, "messages[0].content", "invalid_value"),
+    ([{"role": "user", "content": []}], {}, "messages[0].content", "invalid_value"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                   {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], {},
+     "messages[0].content[1].type", "unsupported_parameter"),
+    ([{"role": "user", "content": [{"type": "text"}]}], {}, "messages[0].content[0].text", "invalid_value"),
+    ([{"role": "user", "content": ["a"]}], {}, "messages[0].content[0]", "invalid_value"),
+    ([{"role": "user", "content": "x"}], {"stream": True, "stream_options": {"include_usage": "x"}},
+     "stream_options.include_usage", "invalid_value"),
+])
+def test_bad_chat_messages_are_400_naming_the_parameter(gateway: tuple[Daemon, str], messages: list[Any],
+                                                        extra: dict[str, Any], param: str, code: str) -> None:
+    r = httpx.post(gateway[1] + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+    if "tool" in str(messages):
+        assert "system, developer, user, assistant" in err["message"]
+
+
+def test_good_chat_messages_are_served(client: openai.OpenAI) -> None:
+    """A null assistant content, text parts, and the developer role are all fine."""
+    r = client.chat.completions.create(model=model_name(client), messages=OK_CHAT, max_tokens=2,
+                                       stream_options={"include_usage": False}, stream=True)
+    assert [c for c in r]
+
+
+def test_unknown_routes_methods_and_bad_json_in_openai_shape(gateway: tuple[Daemon, str]) -> None:
+    url = gateway[1]
+    for method, path, status, code in (("GET", "/v1/nope", 404, "not_found"), ("POST", "/", 404, "not_found"),
+                                       ("GET", "/v1/completions", 405, "method_not_allowed"),
+                                       ("DELETE", "/v1/models", 405, "method_not_allowed")):
+        r = httpx.request(method, url + path)
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert (err["code"], err["type"], err["param"]) == (code, "invalid_request_error", None)
+        assert f"{method} {path}" in err["message"]
+        if status == 405:
+            assert "POST" in r.headers["allow"] or "GET" in r.headers["allow"]
+    for body in (b'{"prompt": "x",', b"[" * 200_000, b"\xff\xfe"):  # cut, nested too deep, not UTF-8
+        r = httpx.post(url + "/v1/completions", content=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["code"] == "invalid_json"
 
 
 # ---------------------------------------------------------------- lifecycle

@@ -86,7 +86,7 @@ def test_errors_from_the_router_name_the_openai_parameter(one_slot: tuple[Daemon
     with pytest.raises(openai.BadRequestError) as e:  # the router refuses an empty prompt of a batch
         c.completions.create(model=name, prompt=["Hello", ""], max_tokens=2)
     assert e.value.body["param"] == "prompt[1]"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as e:  # ... and an empty role, named as a message
+    with pytest.raises(openai.BadRequestError) as e:  # an empty role (the gateway's check), named as a message
         c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"},
                                                         {"role": "", "content": "x"}])  # type: ignore[list-item]
     assert e.value.body["param"] == "messages[1].role"  # type: ignore[index]

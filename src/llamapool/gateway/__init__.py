@@ -25,6 +25,9 @@ class GatewaySpec:
     request_timeout: float = 600.0  # a request's deadline at the router (-> 504)
     server_key: str = ""  # the router's public key (Z85) when the frontend uses CURVE
     key_file: str = ""  # with server_key: the gateway's secret key file
+    # the router's server.max_message_bytes: a larger HTTP body gets 413 before it is read, and a
+    # request that encodes larger is refused before it is sent (the router would refuse it)
+    max_message_bytes: int = 4 * 1024 * 1024
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -16,11 +16,13 @@ from typing import Any, TypeVar, cast
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llamapool.client.aio import AsyncClient, AsyncStream
+from llamapool.client.calls import generate_frame, new_id
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion
 from llamapool.gateway import GatewaySpec
@@ -49,6 +51,53 @@ def error_response(e: oai.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+LIMIT_KEY = "server.max_message_bytes"
+# A JSON body encodes to no more bytes of msgpack (its strings, numbers and lists are no longer
+# there), plus an envelope of a few hundred bytes (id, parameters, timeout): only a body this close
+# to the limit needs its encoded size checked.
+ENCODING_SLACK = 64 * 1024
+
+
+def too_large(what: str, limit: int) -> oai.ApiError:
+    return oai.ApiError(413, f"{what}, over the limit of {limit} bytes ({LIMIT_KEY})", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) from its Content-Length before any of it is read (so a client that
+    sent ``Expect: 100-continue`` gets no ``100 Continue``), or as soon as a chunked body passes ``limit``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large(f"the request body is {int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"the request body is more than {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no such route) and 405 (a route without that method), in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        e = oai.ApiError(404, f"no such endpoint: {where}", code="not_found")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        e = oai.ApiError(405, f"method not allowed: {where} (allowed: {allowed})", code="method_not_allowed")
+    else:
+        e = oai.ApiError(exc.status_code, exc.detail)
+    e.headers = dict(exc.headers or {})
+    return error_response(e)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """A bug: OpenAI's shape rather than a plain-text 500 (uvicorn still logs the traceback)."""
+    return error_response(oai.ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                                       code="internal_error"))
+
+
 class Gateway:
     """Request handlers; ``client`` is this process's one connection to the router."""
 
@@ -63,7 +112,7 @@ class Gateway:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
-        ])
+        ], exception_handlers={HTTPException: http_error, Exception: server_error})
 
     def _authorised(self, request: Request) -> None:
         if not self.keys:
@@ -124,12 +173,15 @@ class Gateway:
         n_prompts = 1
         try:
             self._authorised(request)
+            raw = await read_body(request, self.spec.max_message_bytes)
             try:
-                body = json.loads(await request.body())
-            except ValueError as e:
-                raise oai.ApiError(400, f"the request body is not valid JSON: {e}") from None
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+                raise oai.ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
             req = (oai.parse_chat if chat else oai.parse_completion)(body)
             n_prompts = len(req.prompts)
+            if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
+                self._check_encoded(req)
             if req.stream:
                 streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, **req.params)
                            for p in req.prompts]
@@ -138,7 +190,7 @@ class Gateway:
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             done = cast(list[Completion], await _unless_gone(request, self.client.generate_many(
                 req.prompts, timeout=self.spec.request_timeout, model=req.model, **req.params)))
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
         except oai.ApiError as e:
             return error_response(e)
@@ -152,6 +204,17 @@ class Gateway:
         if chat:
             return JSONResponse(oai.chat_body(req, model, done[0].text, done[0].finish_reason, pt, ct))
         return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct))
+
+    def _check_encoded(self, req: oai.Request) -> None:
+        """A body near the limit: refuse it here (413) if its message to the router would pass
+        ``max_message_bytes``, rather than send what the router refuses."""
+        t, limit = self.spec.request_timeout, self.spec.max_message_bytes
+        if req.stream:  # a stream per prompt
+            size = max(len(generate_frame(new_id(), [p], False, True, t, req.params, req.model)) for p in req.prompts)
+        else:
+            size = len(generate_frame(new_id(), req.prompts, True, False, t, req.params, req.model))
+        if size > limit:
+            raise too_large(f"the request encodes to a {size}-byte message to the router", limit)
 
     async def _sse(self, req: oai.Request, chat: bool, streams: list[AsyncStream],
                    first: list[Any]) -> AsyncIterator[bytes]:

@@ -39,7 +39,7 @@ def bad(param: str, message: str) -> ApiError:
 _STATUS = {
     ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorCode.MALFORMED: (400, "invalid_request_error"),
-    ErrorCode.TOO_LARGE: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
     ErrorCode.DUPLICATE_ID: (400, "invalid_request_error"),
     "no_chat_template": (400, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
@@ -48,7 +48,8 @@ _STATUS = {
     ErrorCode.WORKER_LOST: (502, "server_error"),
     ErrorCode.UNKNOWN_MODEL: (404, "invalid_request_error"),
 }
-_CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found"}  # llamapool's code -> OpenAI's, where they differ
+# llamapool's code -> OpenAI's, where they differ
+_CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found", ErrorCode.TOO_LARGE: "request_too_large"}
 
 
 _PROMPT_FIELD = re.compile(r"(?:prompts(\[\d+\])|prompt)(.*)", re.DOTALL)
@@ -163,8 +164,10 @@ def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, b
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("stream_options", "'stream_options' must be an object")
-        include_usage = bool(opts.get("include_usage", False))
-    return params, bool(stream), include_usage
+        include_usage = opts.get("include_usage", False)
+        if not isinstance(include_usage, bool) and include_usage is not None:
+            raise bad("stream_options.include_usage", "'stream_options.include_usage' must be true or false")
+    return params, bool(stream), bool(include_usage)
 
 
 def parse_completion(body: Any) -> Request:
@@ -189,6 +192,42 @@ def parse_completion(body: Any) -> Request:
     return Request(prompts, params, stream, include_usage, _model(body))
 
 
+ROLES = ("system", "developer", "user", "assistant")  # "developer" is sent as "system"
+ROLES_TEXT = "system, developer, user, assistant"
+
+
+def _content(m: dict[str, Any], at: str, role: str) -> str:
+    """A message's content: a string, or a list of text parts (joined); none (or null) only for an
+    assistant message, as OpenAI has it."""
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise bad(f"{at}.content", f"{at}.content is required in a {role} message "
+                                   f"(a string or a list of text parts)")
+    if not isinstance(content, list) or not content:
+        raise bad(f"{at}.content", f"{at}.content must be a string or a non-empty list of text parts, "
+                                   f"got {content!r:.80}")
+    texts = []
+    for j, part in enumerate(content):
+        pat = f"{at}.content[{j}]"
+        if not isinstance(part, dict):
+            raise bad(pat, f"{pat} must be a content part, {{\"type\": \"text\", \"text\": ...}}")
+        kind = part.get("type")
+        if kind != "text":
+            if isinstance(kind, str) and kind:
+                raise ApiError(400, f"{pat}.type: content parts of type {kind!r:.80} are not supported by "
+                                    f"llamapool (only 'text')", param=f"{pat}.type", code="unsupported_parameter")
+            raise bad(f"{pat}.type", f"{pat}.type must be 'text', got {kind!r:.80}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"{pat}.text", f"{pat}.text must be a string, got {text!r:.80}")
+        texts.append(text)
+    return "".join(texts)
+
+
 def parse_chat(body: Any) -> Request:
     """``POST /v1/chat/completions``: the messages go to the worker, which renders the model's template."""
     params, stream, include_usage = _common(body, 1 << 20)  # until end of turn or the context
@@ -197,26 +236,19 @@ def parse_chat(body: Any) -> Request:
         raise bad("messages", "'messages' must be a non-empty list")
     out: list[dict[str, str]] = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with a string 'role'")
+        at = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(at, f"{at} must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise ApiError(400, f"{at}: '{role}' messages are not supported by llamapool (it has no tool calls); "
+                                f"the roles are {ROLES_TEXT}", param=f"{at}.role", code="unsupported_parameter")
+        if role not in ROLES:
+            raise bad(f"{at}.role", f"{at}.role must be one of {ROLES_TEXT}, got {role!r:.80}")
         if m.get("tool_calls"):
-            raise ApiError(400, "tool calls are not supported by llamapool", param=f"messages[{i}].tool_calls",
+            raise ApiError(400, "tool calls are not supported by llamapool", param=f"{at}.tool_calls",
                            code="unsupported_parameter")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):  # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, "only text content parts are supported",
-                                   param=f"messages[{i}].content[{j}]", code="unsupported_parameter")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of parts")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m, at, role)})
     return Request([out], params, stream, include_usage, _model(body))  # type: ignore[list-item]
 
 

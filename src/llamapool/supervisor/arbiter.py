@@ -374,7 +374,7 @@ class Supervisor:
         spec = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
                            model=self.cfg.model_name, api_keys_file=http.api_keys_file,
                            drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
-                           **self._curve_for(self.cfg.frontend))
+                           max_message_bytes=self.cfg.server.max_message_bytes, **self._curve_for(self.cfg.frontend))
         slot.state = "starting"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
