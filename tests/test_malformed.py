@@ -150,3 +150,12 @@ def test_a_megabytes_long_prompt_is_refused_without_tokenizing_it(shared_daemon)
         took = time.monotonic() - t0
         assert e.value.code == ErrorCode.INVALID_REQUEST and "model.ctx_per_slot" in e.value.message
         assert took < 3, f"took {took:.1f}s"
+
+
+def test_a_string_the_sdk_cannot_encode_is_a_bad_request() -> None:
+    from llamapool.client.calls import generate_frame
+    from llamapool.client.errors import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        generate_frame("x", ["a lone surrogate \ud800"], False, False, None, {})
+    assert e.value.code == ErrorCode.INVALID_REQUEST and "cannot be encoded" in e.value.message

@@ -110,7 +110,7 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
         d["model"] = model
     try:
         frame: bytes = msgpack.packb(d, use_bin_type=True)
-    except (OverflowError, TypeError) as e:
+    except (OverflowError, TypeError, ValueError) as e:  # ValueError: a lone surrogate in a string
         raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
     if len(frame) > codec.TRANSPORT_MAX_FRAME:  # the router would drop the connection, not answer
         raise BadRequestError(ErrorCode.TOO_LARGE, f"request is {len(frame)} bytes; the router takes at most "
