@@ -3,14 +3,19 @@
 A router daemon (one local worker, CURVE frontend and backend on loopback) and ``llamapool node``
 processes, all real processes on real sockets: the node's workers show in status with their node
 and serve; a node key not in the allow-list, and a node name already held by another key, are
-refused and logged on both sides; a router killed and started again on the same ports gets the
-node's workers back without the node restarting them; SIGTERM on a node drains its workers.
+refused and logged on both sides (a refused key: the node says what to do, stops at once on
+SIGTERM, and joins once the key is allowed and the router reloaded; a name clash on every worker:
+the node exits 78); the node is ready (its log, sd_notify READY=1) only once a worker has joined;
+a router killed and started again on the same ports gets the node's workers back without the node
+restarting them; SIGTERM on a node drains its workers, and stops at once one that lost its router.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,7 +34,7 @@ class Node:
     """A ``llamapool node`` process with its config and log in ``folder``."""
 
     def __init__(self, folder: Path, model_path: str, join: str, keys: Path, key: str, name: str,
-                 cpu_workers: int = 2, **sections: dict[str, Any]):
+                 cpu_workers: int = 2, env: dict[str, str] | None = None, **sections: dict[str, Any]):
         folder.mkdir(parents=True, exist_ok=True)
         self.name = name
         node = {"join": join, "name": name, "server_public_key": str(keys / "router.pub"),
@@ -40,7 +45,7 @@ class Node:
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "node", "--config",
                                           str(self.config)], stdout=fh, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
@@ -64,6 +69,29 @@ class Node:
                 self.proc.wait()
                 raise AssertionError(f"the node did not stop on {sig}:\n{self.log_text()}") from None
         return self.proc.returncode
+
+
+class Notifications:
+    """A datagram socket standing for systemd's NOTIFY_SOCKET: what the node sends it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.1)
+        self.got: list[str] = []
+
+    def read(self) -> list[str]:
+        with contextlib.suppress(OSError):
+            while True:
+                self.got.append(self.sock.recv(4096).decode())
+        return self.got
+
+    def ready(self) -> bool:
+        return any("READY=1" in m for m in self.read())
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def wait_log(d: Daemon, text: str, timeout: float = 30.0) -> str:
@@ -173,15 +201,84 @@ def test_a_node_key_not_in_the_allow_list_is_refused_and_logged(pool: dict[str, 
     assert node_rows(d, "nodeM") == [] and node.proc.poll() is None, "refused, it keeps trying"
 
 
+def test_a_refused_node_says_what_to_do_and_stops_at_once_on_sigterm(pool: dict[str, Any]) -> None:
+    """Workers that never joined have nothing to drain: SIGTERM stops the node in moments, not after
+    server.drain_timeout (60 s) and a SIGKILL. The node says what to do about its key, once for all
+    its workers (then every 30 s)."""
+    pool["router"]()
+    node = pool["node"]("nodeM", key="mallory")
+    end = time.monotonic() + 30
+    while node.log_text().count("cannot join") < 2 and time.monotonic() < end:
+        time.sleep(0.1)
+    log = node.wait_log("refuses this node's key")
+    hint = next(ln for ln in log.splitlines() if "refuses this node's key" in ln)
+    mallory = load_key_file(pool["keys"] / "mallory.pub", secret=False)
+    assert mallory.fingerprint in hint and f"copy {pool['keys'] / 'mallory.pub'} into the router's" in hint, hint
+    assert "authorized_keys" in hint and "SIGHUP" in hint, hint
+    assert log.count("cannot join") == 2 and log.count("refuses this node's key") == 1, log
+    assert "ready: " not in log and node.proc.poll() is None
+    t0 = time.monotonic()
+    assert node.stop(timeout=30) == 0
+    took = time.monotonic() - t0
+    assert took < 5, f"SIGTERM took {took:.1f}s:\n{node.log_text()}"
+    assert "SIGKILL" not in node.log_text() and "stopped" in node.log_text()
+
+
+def test_a_node_is_ready_only_once_a_worker_joined(pool: dict[str, Any]) -> None:
+    """Loaded is not ready: with its key refused, the node's worker has its model but the node logs no
+    `ready` and sends no READY=1. Once the key is in the router's allow-list and the router reloaded,
+    the same worker (no restart) joins, and only then the node is ready."""
+    d = pool["router"]()
+    notes = Notifications(pool["tmp"] / "notify.sock")
+    try:
+        node = pool["node"]("nodeM", key="mallory", cpu_workers=1, env={"NOTIFY_SOCKET": str(notes.path)})
+        node.wait_log("joining the router at")
+        node.wait_log("cannot join")
+        time.sleep(2.0)  # loaded, refused, dialling again
+        assert not notes.ready() and "ready: " not in node.log_text(), (notes.got, node.log_text())
+        assert any(m.startswith("STATUS=0 workers ready") for m in notes.got), notes.got
+        allowed = Path(pool["sections"]["security"]["authorized_keys"])
+        (allowed / "mallory.pub").write_bytes((pool["keys"] / "mallory.pub").read_bytes())
+        d.proc.send_signal(signal.SIGHUP)  # the router reads its allow-list again
+        wait_node_ready(d, "nodeM", 1, timeout=30)
+        log = node.wait_log("ready: 1 worker(s)")
+        assert log.index("joined the router at") < log.index("ready: 1 worker(s)"), log
+        end = time.monotonic() + 10
+        while not notes.ready() and time.monotonic() < end:
+            time.sleep(0.1)
+        assert notes.ready(), notes.got
+        assert log.count("started pid") == 1 and "died" not in log, "it joined without a restart"
+        assert served_by(d, "nodeM/") == "nodeM/cpu0"
+    finally:
+        notes.close()
+
+
 def test_a_node_name_held_by_another_key_is_refused_on_both_sides(pool: dict[str, Any]) -> None:
     d = pool["router"]()
     pool["node"]("nodeB", cpu_workers=1)
     first = wait_node_ready(d, "nodeB", 1)
-    impostor = pool["node"]("nodeB", key="nodec", folder="impostor", cpu_workers=1)
-    log = wait_log(d, "refused worker nodeB/cpu0")
-    assert "name clash" in log
-    node_log = impostor.wait_log("FATAL: the router refused this worker: name clash")
-    assert "FAILED, not restarting" in impostor.wait_log("FAILED, not restarting"), node_log
+    notes = Notifications(pool["tmp"] / "notify.sock")
+    try:
+        impostor = pool["node"]("nodeB", key="nodec", folder="impostor", cpu_workers=2,
+                                env={"NOTIFY_SOCKET": str(notes.path)})
+        log = wait_log(d, "refused worker nodeB/cpu0")
+        assert "name clash" in log
+        node_log = impostor.wait_log("FATAL: the router refused this worker: name clash")
+        assert "FAILED, not restarting" in impostor.wait_log("FAILED, not restarting"), node_log
+        # every worker of the impostor failed for good: like `serve`, the node exits 78 and says why
+        try:
+            code = impostor.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the node runs on with every worker failed:\n{impostor.log_text()}") from None
+        node_log = impostor.log_text()
+        assert code == 78, node_log
+        line = next(ln for ln in node_log.splitlines() if "every worker failed" in ln)
+        assert "every worker failed at start-up, exiting with status 78: " in line and "name clash" in line, line
+        assert "ready: " not in node_log and not notes.ready(), notes.got
+        status = [m for m in notes.read() if m.startswith("STATUS=every worker failed")]
+        assert status and "name clash" in status[-1], notes.got
+    finally:
+        notes.close()
     assert [w["pid"] for w in wait_node_ready(d, "nodeB", 1)] == [first[0]["pid"]], "the first one keeps its name"
 
 
@@ -200,6 +297,8 @@ def test_a_restarted_router_gets_the_node_back_untouched(pool: dict[str, Any]) -
     assert "restarting" not in node.log_text() and "started pid" in node.log_text()
     assert node.log_text().count("started pid") == 2
     assert "connected to the router at" in node.wait_log("again")
+    node.wait_log(f"joined the router at {pool['sections']['server']['backend']} again")
+    assert node.log_text().count("ready: ") == 1, "ready once: READY is not withdrawn while the router is away"
     print(f"router restart: node workers back {back:.2f}s after the new router was started")
 
 
@@ -226,6 +325,21 @@ def test_node_sigterm_drains_its_workers(pool: dict[str, Any]) -> None:
     with d.client() as c:
         assert c.generate("after", max_tokens=2, ignore_eos=True).worker == "cpu0"
     assert "draining" in node.log_text()
+
+
+def test_a_node_that_lost_its_router_stops_at_once_on_sigterm(pool: dict[str, Any]) -> None:
+    d = pool["router"]()
+    node = pool["node"]("nodeB")
+    wait_node_ready(d, "nodeB", 2)
+    d.proc.kill()  # no router: nothing is in flight, and no one to say goodbye to
+    d.proc.wait()
+    node.wait_log("lost the connection to the router")
+    assert node.proc.poll() is None, "a node that lost its router keeps its workers"
+    t0 = time.monotonic()
+    assert node.stop(timeout=30) == 0
+    took = time.monotonic() - t0
+    assert took < 5, f"SIGTERM took {took:.1f}s:\n{node.log_text()}"
+    assert "SIGKILL" not in node.log_text()
 
 
 def test_node_config_is_checked(tmp_path: Path) -> None:

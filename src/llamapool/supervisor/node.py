@@ -6,10 +6,16 @@ reload, sd_notify), but its workers connect to the remote router's backend (``[n
 the node's CURVE key, under the names ``<node>/<slot>``. The router treats them as its own:
 heartbeats, re-dispatch of unstarted requests, ``worker_lost`` for streams in flight.
 
-The node never talks to the router itself. A worker is ready once its model is loaded (it logs
-``joining the router at``); from then on it keeps its model and its connection through router
-restarts and network partitions: ZeroMQ reconnects (over CURVE, with the same keys) and the worker
-says hello again on every new connection.
+The node never talks to the router itself; it reads its workers' lines. A worker is ``starting``
+while it loads its model (``workers.start_timeout`` applies), ``joining`` once loaded (it logs
+``joining the router at``) until the router accepts it, and ``ready`` once it has (it logs ``joined
+the router at`` on the router's first heartbeat): the node's ``ready`` line and sd_notify READY=1
+mean joined. A ``joining`` worker waits for its router as long as it takes (a router not up yet, a
+key not yet in its allow-list: the worker dials again every few seconds, and the node says what to
+do, every 30 s). From then on a worker keeps its model and its connection through router restarts
+and network partitions: ZeroMQ reconnects (over CURVE, with the same keys) and the worker says hello
+again on every new connection; it stays ``ready`` meanwhile. A worker that exits 78 (a name clash)
+is ``failed``; when every worker has failed for good the node exits 78 with the reasons.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import Config, ConfigError
-from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
-from llamapool.worker.server import JOINING, WorkerSpec
+from llamapool.supervisor.arbiter import EXIT_ALL_FAILED, Supervisor, WorkerSlot
+from llamapool.worker.server import JOINED, JOINING, WorkerSpec
+
+REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refused node key
 
 
 class NodeSupervisor(Supervisor):
@@ -36,6 +45,7 @@ class NodeSupervisor(Supervisor):
         super().__init__(config, nvml, use_nvml)
         self.node = config.node
         self.router_key = b""
+        self._hinted_at = -1e9
         self._check_keys(config)
 
     def _check_keys(self, cfg: Config) -> None:
@@ -82,16 +92,65 @@ class NodeSupervisor(Supervisor):
         return spec
 
     def _worker_log_env(self) -> dict[str, str]:
-        # the workers log at info at least: their "joining" line is how the node knows they are ready
+        # the workers log at info at least: their "joining"/"joined" lines are how the node follows them
         # (their lines are filtered again at the node's own level when it re-emits them)
         level = self.cfg.log.level if self.cfg.log.level == "debug" else "info"
         return logmod.child_env(self.cfg.log.format, level)
 
     def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
         msg = super()._child_line(slot, raw)
-        if JOINING in msg and slot.state == "starting" and slot.proc is not None:
-            self._on_router(("hello", slot.name, slot.proc.pid))
+        if slot.proc is None:
+            return msg
+        if JOINED in msg and slot.state in ("starting", "joining"):
+            self._joined(slot)
+        elif JOINING in msg and slot.state == "starting":
+            slot.state = "joining"  # loaded: no start_timeout now, it waits for the router to accept it
+            self._publish(slot)
+        elif "cannot join" in msg and "refused this worker's key" in msg:
+            self._refused_hint()
         return msg
+
+    def _joined(self, slot: WorkerSlot) -> None:
+        """The router accepted the worker: it is ready (the base class's ``hello``)."""
+        self._ever_ready = True
+        slot.state, slot.ready_at, slot.reason = "ready", time.monotonic(), None
+        slot.ready_event.set()
+        self._publish(slot)
+
+    def _refused_hint(self) -> None:
+        """What to do about a node key the router refuses: once, then every 30 s."""
+        now = time.monotonic()
+        if now - self._hinted_at < REFUSED_HINT_EVERY:
+            return
+        self._hinted_at = now
+        node = self.node
+        key = Path(node.key)
+        pub = key.with_suffix(".pub")
+        what = (str(pub) if pub.is_file() else
+                f"{key.stem}.pub (the .pub that `llamapool keygen {key.stem}` wrote next to {key})")
+        try:
+            fp = " " + security.load_key_file(key, secret=False).fingerprint
+        except security.KeyFileError:  # changed on disk since it was checked: the workers use the old one
+            fp = ""
+        self._log(f"node {node.name}: the router at {node.join} refuses this node's key{fp}: to let this node "
+                  f"in, copy {what} into the router's [security] authorized_keys directory and send the router "
+                  f"SIGHUP (`systemctl reload llamapool`); the workers keep dialling and join without a "
+                  f"restart", "error")
+
+    def _check_all_failed(self) -> None:
+        """Every worker failed for good (a name clash, a missing model, flapping): exit EX_CONFIG (78)
+        with the reasons, so that systemd shows why (RestartPreventExitStatus=78). Unlike ``serve``
+        this holds after workers had joined too: a node has no status to show and nothing else to do."""
+        if self.stopping or not self.slots or not all(s.state == "failed" for s in self.slots):
+            return
+        reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
+        when = "after joining" if self._ever_ready else "at start-up"
+        why = f"every worker failed {when}, exiting with status {EXIT_ALL_FAILED}: {reasons}"
+        self._log(why, "error")
+        self.notify.status(why)
+        self.stopping = True
+        self.exit_code = EXIT_ALL_FAILED
+        self._stop.set()
 
     # ------------------------------------------------------------ what the router's control socket did
 

@@ -8,6 +8,7 @@ thread makes every llama.cpp call.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -34,7 +35,9 @@ from llamapool.protocol.messages import (
 )
 
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
-JOINING = "joining the router at"  # logged once the model is loaded (`llamapool node` waits for it)
+JOINING = "joining the router at"  # a node's worker logs it once its model is loaded
+JOINED = "joined the router at"  # ... and this once the router accepted it (`llamapool node` waits for it)
+REDIAL_MAX = 5.0  # seconds between re-dials after a refused handshake (libzmq does not retry it)
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
 
@@ -227,8 +230,19 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
         slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
         visible_devices=seen, node=spec.node, model_name=spec.model_name,
     ))
-    sock.send(hello)
-    if spec.node:  # `llamapool node` marks the worker ready on this line (its workers log at info at least)
+
+    def send(frame: bytes) -> None:
+        """To the router. A network worker never blocks here: a refused handshake drops the socket's
+        only pipe (and the frame could reach no router anyway), so the frame is dropped; while the
+        connection is merely down (a partition) the pipe stays and queues (no high-water mark)."""
+        if link is None:
+            sock.send(frame)
+        else:
+            with contextlib.suppress(zmq.Again):
+                sock.send(frame, zmq.NOBLOCK)
+
+    send(hello)
+    if spec.node:  # `llamapool node` reads these lines (its workers log at info at least)
         _logger(spec).info(f"model loaded; {JOINING} {spec.backend}")
     loop.start()
     poller = zmq.Poller()
@@ -241,6 +255,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     exit_code = 0
     draining = False
     next_beat = 0.0
+    joined = ever_joined = False  # the router accepted our hello: it sent something that is no refusal
 
     def on_term(*_: Any) -> None:
         nonlocal draining, next_beat
@@ -254,27 +269,32 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     silent_after = spec.heartbeat_interval * spec.heartbeat_liveness
     while not stop.is_set():
         now = time.monotonic()
+        if link is not None and link.redial_at and now >= link.redial_at:  # after a refused handshake
+            link.redial(sock)
+            send(hello)
+            router_seen, joined = now, False
         if now >= next_beat:
             if os.getppid() != parent:  # the supervisor died: do not linger as an orphan
                 _logger(spec).warning("supervisor gone, exiting")
                 os._exit(1)
             if now - router_seen > silent_after:  # the router lost us (or restarted): introduce again
-                sock.send(hello)
-                router_seen = now
+                send(hello)
+                router_seen, joined = now, False
             started = loop.step_started
             kv_used, kv_total = engine.kv_cells() if hasattr(engine, "kv_cells") else (0, 0)
-            sock.send(codec.encode(Heartbeat(
+            send(codec.encode(Heartbeat(
                 active=len(engine.active) + len(engine.waiting), steps=loop.steps,
                 busy_for=(now - started) if started else 0.0,
                 decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
                 kv_used=kv_used, kv_total=kv_total, draining=draining,
             )))
             next_beat = now + spec.heartbeat_interval
-        for s, _ in poller.poll(timeout=max(1, int((next_beat - now) * 1000))):
+        wake = min(next_beat, link.redial_at or next_beat) if link is not None else next_beat
+        for s, _ in poller.poll(timeout=max(1, int((wake - now) * 1000))):
             if link is not None and s is link.monitor:
                 if link.events():  # a new connection (the router restarted, or a partition healed)
-                    sock.send(hello)  # introduce ourselves at once rather than after the silence
-                    router_seen = time.monotonic()
+                    send(hello)  # introduce ourselves at once rather than after the silence
+                    router_seen, joined = time.monotonic(), False
             elif s is pull:
                 while True:
                     try:
@@ -283,7 +303,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                         break
                     if frame == bye:
                         stop.set()
-                    sock.send(frame)
+                    send(frame)
             else:
                 while True:
                     try:
@@ -299,10 +319,18 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                     if isinstance(msg, Shutdown) and msg.reason:
                         _logger(spec).error(f"FATAL: the router refused this worker: {msg.reason}")
                         exit_code = EXIT_PERMANENT
+                    elif not joined:  # the first word from the router after our hello (a heartbeat)
+                        joined = True
+                        if spec.node:
+                            _logger(spec).info(f"{JOINED} {spec.backend}" + (" again" if ever_joined else ""))
+                        ever_joined = True
                     if not isinstance(msg, Heartbeat):
                         loop.inbox.put(msg)
     loop.join(timeout=5)
     if link is not None:
+        link.events()
+        if not link.up:  # no router to tell we left, and nothing queued is worth waiting for
+            sock.setsockopt(zmq.LINGER, 0)
         sock.disable_monitor()
         link.monitor.close(linger=0)
     sock.close()
@@ -318,8 +346,11 @@ class _Link:
     def __init__(self, spec: WorkerSpec, monitor: zmq.Socket, public: bytes):
         self.spec, self.monitor, self.public = spec, monitor, public
         self.connects = 0
+        self.up = False  # a connection whose handshake succeeded is open
         self.refused_at = 0.0
         self.refusals = 0
+        self.redial_at = 0.0  # when to dial again after a refused handshake (0: no re-dial due)
+        self.redial_delay = 1.0
         self.log = _logger(spec)
 
     def events(self) -> bool:
@@ -332,14 +363,29 @@ class _Link:
             kind, value = int(ev["event"]), int(ev["value"])
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connects += 1
+                self.up, self.redial_at, self.redial_delay = True, 0.0, 1.0
                 self.log.info(f"connected to the router at {self.spec.backend}" +
                               (" again" if self.connects > 1 else ""))
                 reconnected = reconnected or self.connects > 1
             elif kind == zmq.EVENT_DISCONNECTED:
-                self.log.warning(f"lost the connection to the router at {self.spec.backend}; reconnecting")
+                if self.up:  # (not after a refused handshake: that was logged as such)
+                    self.log.warning(f"lost the connection to the router at {self.spec.backend}; reconnecting")
+                self.up = False
             else:
+                self.up = False
                 self._refused(kind, value)
+                # libzmq closes a connection whose handshake failed for good and does not dial again:
+                # we do, so that a key added to the router's allow-list (and a reload) lets us in
+                self.redial_at = time.monotonic() + self.redial_delay
+                self.redial_delay = min(REDIAL_MAX, self.redial_delay * 2)
         return reconnected
+
+    def redial(self, sock: zmq.Socket) -> None:
+        """Dial the router again (a new connection, a new pipe) after a refused handshake."""
+        self.redial_at = 0.0
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disconnect(self.spec.backend)
+        sock.connect(self.spec.backend)
 
     def _refused(self, kind: int, value: int) -> None:
         """A failed handshake (rate-limited: once, then once every 30 s with the count)."""
@@ -359,7 +405,7 @@ class _Link:
         else:
             why = f"the router hung up during the handshake ({value}): a refused {key} or a wrong server key"
         more = f" ({self.refusals} attempts so far)" if self.refusals > 1 else ""
-        self.log.error(f"cannot join {self.spec.backend}: {why}{more}")
+        self.log.error(f"cannot join {self.spec.backend}: {why}{more}; dialling again (every {REDIAL_MAX:g}s at most)")
 
 
 def _network_link(spec: WorkerSpec, sock: zmq.Socket, public: bytes) -> _Link | None:
@@ -388,4 +434,4 @@ def main(argv: list[str] | None = None) -> int:
     return serve(WorkerSpec.from_json(args[0]))
 
 
-__all__ = ["EXIT_PERMANENT", "WorkerSpec", "main", "serve"]
+__all__ = ["EXIT_PERMANENT", "JOINED", "JOINING", "WorkerSpec", "main", "serve"]
