@@ -216,7 +216,7 @@ def test_a_refused_node_says_what_to_do_and_stops_at_once_on_sigterm(pool: dict[
     assert mallory.fingerprint in hint and f"copy {pool['keys'] / 'mallory.pub'} into the router's" in hint, hint
     assert "authorized_keys" in hint and "SIGHUP" in hint, hint
     assert log.count("cannot join") == 2 and log.count("refuses this node's key") == 1, log
-    assert "ready: " not in log and node.proc.poll() is None
+    assert "ready (READY=1)" not in log and node.proc.poll() is None
     t0 = time.monotonic()
     assert node.stop(timeout=30) == 0
     took = time.monotonic() - t0
@@ -235,14 +235,14 @@ def test_a_node_is_ready_only_once_a_worker_joined(pool: dict[str, Any]) -> None
         node.wait_log("joining the router at")
         node.wait_log("cannot join")
         time.sleep(2.0)  # loaded, refused, dialling again
-        assert not notes.ready() and "ready: " not in node.log_text(), (notes.got, node.log_text())
+        assert not notes.ready() and "ready (READY=1)" not in node.log_text(), (notes.got, node.log_text())
         assert any(m.startswith("STATUS=0 workers ready") for m in notes.got), notes.got
         allowed = Path(pool["sections"]["security"]["authorized_keys"])
         (allowed / "mallory.pub").write_bytes((pool["keys"] / "mallory.pub").read_bytes())
         d.proc.send_signal(signal.SIGHUP)  # the router reads its allow-list again
         wait_node_ready(d, "nodeM", 1, timeout=30)
-        log = node.wait_log("ready: 1 worker(s)")
-        assert log.index("joined the router at") < log.index("ready: 1 worker(s)"), log
+        log = node.wait_log("ready (READY=1): 1 of")
+        assert log.index("joined the router at") < log.index("ready (READY=1): 1 of"), log
         end = time.monotonic() + 10
         while not notes.ready() and time.monotonic() < end:
             time.sleep(0.1)
@@ -274,7 +274,7 @@ def test_a_node_name_held_by_another_key_is_refused_on_both_sides(pool: dict[str
         assert code == 78, node_log
         line = next(ln for ln in node_log.splitlines() if "every worker failed" in ln)
         assert "every worker failed at start-up, exiting with status 78: " in line and "name clash" in line, line
-        assert "ready: " not in node_log and not notes.ready(), notes.got
+        assert "ready (READY=1)" not in node_log and not notes.ready(), notes.got
         status = [m for m in notes.read() if m.startswith("STATUS=every worker failed")]
         assert status and "name clash" in status[-1], notes.got
     finally:
@@ -298,7 +298,7 @@ def test_a_restarted_router_gets_the_node_back_untouched(pool: dict[str, Any]) -
     assert node.log_text().count("started pid") == 2
     assert "connected to the router at" in node.wait_log("again")
     node.wait_log(f"joined the router at {pool['sections']['server']['backend']} again")
-    assert node.log_text().count("ready: ") == 1, "ready once: READY is not withdrawn while the router is away"
+    assert node.log_text().count("ready (READY=1)") == 1, "ready once: READY is not withdrawn while the router is away"
     print(f"router restart: node workers back {back:.2f}s after the new router was started")
 
 
