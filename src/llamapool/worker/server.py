@@ -376,8 +376,13 @@ class _Link:
                 self._refused(kind, value)
                 # libzmq closes a connection whose handshake failed for good and does not dial again:
                 # we do, so that a key added to the router's allow-list (and a reload) lets us in
-                self.redial_at = time.monotonic() + self.redial_delay
-                self.redial_delay = min(REDIAL_MAX, self.redial_delay * 2)
+                # a refused key backs off (1 s, doubling to REDIAL_MAX); a hang-up during the handshake
+                # may be a network that just came back (a half-open connection): dial again soon
+                if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    self.redial_at = time.monotonic() + self.redial_delay
+                    self.redial_delay = min(REDIAL_MAX, self.redial_delay * 2)
+                else:
+                    self.redial_at = time.monotonic() + 0.2
         return reconnected
 
     def redial(self, sock: zmq.Socket) -> None:
