@@ -486,9 +486,9 @@ class Supervisor:
             if not self._announced_ready and self._ready_workers >= min(
                     self.cfg.server.min_ready_workers, len(self.slots)):
                 self._announced_ready = True
-                self.notify.ready()
                 self._log(f"ready (READY=1): {self._ready_workers} of {len(self.slots)} local worker(s) ready "
                           f"(server.min_ready_workers = {self.cfg.server.min_ready_workers})")
+                self.notify.ready()  # after the line: in the journal it comes before systemd's "Started"
             self.notify.status(f"{self._ready_workers} workers ready, {self._queued} queued")
         elif kind == "drained":
             self._drained.set()
