@@ -389,3 +389,21 @@ def test_remote_devices_belong_to_a_router_config(tmp_path: Path, model_path: st
                        node={"join": "ipc:///tmp/nowhere.sock", "name": "n1"})
     with pytest.raises(ConfigError, match='"remote"'):
         load_config(cfg)
+
+
+def test_a_frozen_node_worker_is_killed_by_its_node_and_comes_back(pool: dict[str, Any]) -> None:
+    """The router can only declare a remote worker lost; the node, which owns the process, kills a
+    worker whose liveness lines stopped (SIGSTOP here) and starts a new one, which joins again."""
+    d = pool["router"]()
+    node = pool["node"]("nodeB", cpu_workers=1)
+    old = wait_node_ready(d, "nodeB", 1)[0]["pid"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        log = node.wait_log(f"killing pid {old}: no liveness line", timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old, signal.SIGCONT)
+    rows = wait_node_ready(d, "nodeB", 1, timeout=60)
+    assert rows[0]["pid"] != old, rows
+    assert served_by(d, "nodeB/").startswith("nodeB/")
+    assert "restarting" in node.log_text(), log

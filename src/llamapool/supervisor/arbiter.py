@@ -67,6 +67,8 @@ class WorkerSlot:
     log: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LOG_LINES))
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     exits: dict[str, int] = field(default_factory=dict)  # unexpected exits by reason (metrics)
+    live_at: float = 0.0  # a node's worker: when its last liveness line came (llamapool node)
+    busy_for: float = 0.0  # ... and how long its running engine step had taken then
 
     @property
     def gpu(self) -> gpumod.Gpu | None:
@@ -272,6 +274,7 @@ class Supervisor:
 
     def _start(self, slot: WorkerSlot) -> None:
         slot.state, slot.kill_reason = "starting", None
+        slot.live_at = slot.busy_for = 0.0
         slot.ready_event.clear()
         self._spawn_task(self._run_worker(slot))
 

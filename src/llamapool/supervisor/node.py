@@ -20,6 +20,7 @@ is ``failed``; when every worker has failed for good the node exits 78 with the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
@@ -30,7 +31,7 @@ from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import Config, ConfigError
 from llamapool.supervisor.arbiter import EXIT_ALL_FAILED, Supervisor, WorkerSlot
-from llamapool.worker.server import JOINED, JOINING, WorkerSpec
+from llamapool.worker.server import JOINED, JOINING, LIVE_MARK, WorkerSpec
 
 REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refused node key
 
@@ -64,6 +65,7 @@ class NodeSupervisor(Supervisor):
         how = (f"CURVE, node key {security.load_key_file(node.key, secret=False).fingerprint}, router key "
                f"{security.fingerprint(self.router_key)}" if self.router_key else "no CURVE")
         self._log(f"node {node.name}: workers join the router at {node.join} ({how}); model {self.cfg.model.path}")
+        self._spawn_task(self._watch_workers())
         return True
 
     async def _stop_router(self) -> None:
@@ -71,6 +73,28 @@ class NodeSupervisor(Supervisor):
 
     def _loop_alive(self, now: float, wd: float) -> bool:
         return True
+
+    async def _watch_workers(self) -> None:
+        """What the router does for its own workers, which it cannot do for a node's: kill a worker
+        whose liveness lines stopped (frozen: SIGSTOP, a wedged process) or whose engine step runs
+        past ``workers.step_timeout`` (a hung GPU call); the supervisor then restarts it."""
+        w = self.cfg.workers
+        silent_after = w.heartbeat_interval * w.heartbeat_liveness
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for slot in self.slots:
+                proc = slot.proc
+                if proc is None or slot.state in ("starting", "stopped", "failed") or slot.kill_reason \
+                        or not slot.live_at:
+                    continue
+                since = now - slot.live_at
+                if since > silent_after:
+                    self._spawn_task(self._kill(slot, proc.pid, f"no liveness line for {since:.1f}s (workers."
+                                                f"heartbeat_interval x heartbeat_liveness = {silent_after:g}s)"))
+                elif slot.busy_for > w.step_timeout:
+                    self._spawn_task(self._kill(slot, proc.pid, f"engine step running for {slot.busy_for:.1f}s "
+                                                f"> workers.step_timeout={w.step_timeout:g}s"))
+            await asyncio.sleep(min(0.5, w.heartbeat_interval / 2))
 
     def _start_gateways(self) -> None:
         return None
@@ -98,6 +122,12 @@ class NodeSupervisor(Supervisor):
         return logmod.child_env(self.cfg.log.format, level)
 
     def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
+        mark = raw.find(LIVE_MARK.encode())
+        if mark >= 0:  # a liveness line, not a log line
+            slot.live_at = time.monotonic()
+            with contextlib.suppress(ValueError):
+                slot.busy_for = float(raw[mark + len(LIVE_MARK):].strip() or 0)
+            return ""
         msg = super()._child_line(slot, raw)
         if slot.proc is None:
             return msg

@@ -37,6 +37,9 @@ from llamapool.protocol.messages import (
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
 JOINING = "joining the router at"  # a node's worker logs it once its model is loaded
 JOINED = "joined the router at"  # ... and this once the router accepted it (`llamapool node` waits for it)
+# A node worker's liveness line to its supervisor, once a heartbeat: the marker, then how long its
+# running engine step has taken (0 when idle). The supervisor consumes it; it is never logged.
+LIVE_MARK = "\x1elive "
 REDIAL_MAX = 5.0  # seconds between re-dials after a refused handshake (libzmq does not retry it)
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
@@ -288,6 +291,8 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
                 decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
                 kv_used=kv_used, kv_total=kv_total, draining=draining,
             )))
+            if spec.node:  # the node's supervisor watches this line (no router of its own to do it)
+                logmod.emit(logmod.LEVELS["error"], f"{LIVE_MARK}{(now - started) if started else 0.0:.3f}")
             next_beat = now + spec.heartbeat_interval
         wake = min(next_beat, link.redial_at or next_beat) if link is not None else next_beat
         for s, _ in poller.poll(timeout=max(1, int((wake - now) * 1000))):
