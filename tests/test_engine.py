@@ -307,3 +307,57 @@ def test_tokens_ready_before_a_prompt_step_are_flushed_before_it_is_launched(mod
         assert not rest.deltas, "nothing is left to send after the launch"
     finally:
         eng.close()
+
+
+def test_every_sampling_parameter_builds_a_sampler_and_generates(engine: Engine) -> None:
+    """repeat_penalty, top_k, top_p, min_p, temperature and seed, alone and together: each request
+    generates its tokens (a sampler llama.cpp refused would fail the request, not the engine)."""
+    variants = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, repeat_penalty=1.3),
+        SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True, repeat_penalty=1.1, top_k=20, top_p=0.9,
+                       min_p=0.05, seed=7),
+        SamplingParams(max_tokens=8, temperature=1.2, ignore_eos=True, seed=1),
+    ]
+    runs = [Run(900 + i, "a repeated repeated repeated prompt", p, False) for i, p in enumerate(variants)]
+    out = run_all(engine, runs)
+    assert sorted(out) == [900, 901, 902] and all(out.values())
+
+
+def test_a_sampler_that_cannot_be_built_fails_its_request_and_frees_the_slot(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(p: SamplingParams) -> None:
+        raise TypeError("no such sampler")
+
+    free = len(engine.free_ids)
+    monkeypatch.setattr(engine, "_sampler", broken)
+    out = Step()
+    engine.submit(Run(950, "hello", SamplingParams(max_tokens=4, temperature=0.7), False), out)
+    while engine.busy:
+        step = engine.step()
+        out.failed += step.failed
+    assert [f[:2] for f in out.failed] == [[950, "internal"]] and "no such sampler" in out.failed[0][2]
+    assert len(engine.free_ids) == free
+
+
+def test_an_error_escaping_the_engine_thread_ends_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail-stop: never a dead engine thread behind a worker that still says it is ready."""
+    import zmq
+
+    from llamapool.worker import server
+
+    class Exploding:
+        busy, active, waiting = True, {}, []
+
+        def step(self, flush: object = None) -> Step:
+            raise RuntimeError("boom")
+
+    codes: list[int] = []
+    monkeypatch.setattr(server.os, "_exit", codes.append)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://engine-out-test")
+    loop = server.EngineLoop(Exploding(), ctx, "inproc://engine-out-test", "t0")
+    loop.run()
+    pull.close(linger=0)
+    ctx.term()
+    assert codes == [server.EXIT_ENGINE]

@@ -327,9 +327,16 @@ class Engine:
         p = run.params
         sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
         if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
-            sampler = self._sampler(p)
-            if self.gpu_sampling:
-                self._attach(seq_id, sampler)
+            try:
+                sampler = self._sampler(p)
+                if self.gpu_sampling:
+                    self._attach(seq_id, sampler)
+            except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
+                self.free_ids.appendleft(seq_id)
+                self.cached.pop(seq_id, None)
+                L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+                out.failed.append([run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None])
+                return None
         self._admitted += 1
         seq = self.active[seq_id] = Sequence(
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
@@ -415,7 +422,8 @@ class Engine:
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = L.llama_sampler_chain_add
         if p.repeat_penalty != 1.0:
-            add(chain, L.llama_sampler_init_penalties(PENALTY_LAST_N, p.repeat_penalty, 0.0, 0.0))
+            # llama.cpp of llama-cpp-python 0.3.36: (n_vocab, last_n, repeat, freq, present)
+            add(chain, L.llama_sampler_init_penalties(self.n_vocab, PENALTY_LAST_N, p.repeat_penalty, 0.0, 0.0))
         if p.greedy:
             add(chain, L.llama_sampler_init_greedy())
             return chain

@@ -40,6 +40,7 @@ JOINED = "joined the router at"  # ... and this once the router accepted it (`ll
 # A node worker's liveness line to its supervisor, once a heartbeat: the marker, then how long its
 # running engine step has taken (0 when idle). The supervisor consumes it; it is never logged.
 LIVE_MARK = "\x1elive "
+EXIT_ENGINE = 70  # EX_SOFTWARE: the engine thread failed; the supervisor restarts the worker
 REDIAL_MAX = 5.0  # seconds between re-dials after a refused handshake (libzmq does not retry it)
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
@@ -110,6 +111,18 @@ class EngineLoop(threading.Thread):
         sock.send(codec.encode(report))
 
     def run(self) -> None:
+        """Fail-stop: an error that escapes the engine ends the worker process (exit 70), so that the
+        supervisor restarts it and the router answers its requests, rather than a dead engine thread
+        behind a worker that still says it is ready."""
+        try:
+            self._run()
+        except BaseException:
+            import traceback
+
+            self.log.error("FATAL: the engine thread failed: " + traceback.format_exc().replace("\n", " | "))
+            os._exit(EXIT_ENGINE)
+
+    def _run(self) -> None:
         out_sock = self._zctx.socket(zmq.PUSH)
         out_sock.connect(self._out_addr)
         eng = self.engine
