@@ -361,3 +361,22 @@ def test_an_error_escaping_the_engine_thread_ends_the_worker(monkeypatch: pytest
     pull.close(linger=0)
     ctx.term()
     assert codes == [server.EXIT_ENGINE]
+
+
+def test_repeat_penalty_applies_on_the_backend_sampling_path_too(model_path: str, engine: Engine) -> None:
+    """llama.cpp cannot run the penalties sampler inside the decode graph: on the GPU path such a
+    request is sampled on the host, and gives the same text as the CPU path (it once was silently
+    sampled greedily, without the penalty)."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
+                              threads=2, backend_sampling=True))
+    try:
+        pen = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repeat_penalty=3.0)
+        runs = [Run(20, "a b a b a b", pen, False), Run(21, "a b a b a b", GREEDY, False)]
+        gpu_path, cpu_path = run_all(eng, runs), run_all(engine, runs)
+        assert gpu_path == cpu_path
+        assert gpu_path[20] != run_all(engine, [Run(22, "a b a b a b", SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True), False)])[22], "the penalty changes the text"
+        assert run_all(eng, [Run(23, "y", GREEDY, False)])[23] == run_all(engine, [Run(23, "y", GREEDY, False)])[23]
+        assert len(eng.free_ids) == 4
+    finally:
+        eng.close()
