@@ -172,3 +172,13 @@ def test_client_errors_are_raised_before_anything_is_sent(daemon, tmp_path) -> N
     with Client(f"ipc://{tmp_path / 'nobody.sock'}") as c, pytest.raises(UnavailableError):
         c.generate("anyone?")
     assert time.monotonic() - t0 < 1.0
+
+
+def test_every_sampling_parameter_is_served(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Through the daemon, each documented sampling parameter gives a full answer (repeat_penalty
+    once crashed the worker's engine thread)."""
+    with daemon.client() as c:
+        for kw in ({"repeat_penalty": 1.3}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05,
+                                               "seed": 3, "repeat_penalty": 1.1}):
+            r = c.generate("a b a b a b", max_tokens=12, ignore_eos=True, timeout=30, **kw)
+            assert r.usage.completion_tokens == 12, kw
