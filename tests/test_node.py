@@ -321,7 +321,9 @@ def test_node_sigterm_drains_its_workers(pool: dict[str, Any]) -> None:
     load.check_every_request_answered_once()
     assert load.summary() == {"sent": 48, "finals": 48, "result": 48}, load.summary()
     assert node.stop() == 0
-    assert all(w["state"] == "stopped" for w in node_rows(d, "nodeB")), node_rows(d, "nodeB")
+    assert all(w["state"] == "stopped" and w["model"] for w in node_rows(d, "nodeB")), node_rows(d, "nodeB")
+    assert not [w for m in d.status()["models"] for w in m["workers"] if w.startswith("nodeB/")], \
+        "a model lists the workers that can serve it"
     with d.client() as c:
         assert c.generate("after", max_tokens=2, ignore_eos=True).worker == "cpu0"
     assert "draining" in node.log_text()

@@ -497,7 +497,8 @@ class Router:
                 LOG.warning(f"worker {w.name} of node {w.hello.node} lost: {why}", worker=w.name, node=w.hello.node)
             self.remote_lost[w.name] = {
                 "id": w.name, "node": w.hello.node, "pid": w.hello.pid, "device": w.hello.device, "slots": 0,
-                "active": 0, "state": "stopped" if why == "it shut down" else "lost", "reason": why}
+                "active": 0, "state": "stopped" if why == "it shut down" else "lost", "reason": why,
+                "model": w.model}
         self.on_event(("lost", w.name, w.hello.pid, why))
 
     def _refusal(self, name: str, hello: Hello, key: str) -> str:
@@ -678,7 +679,8 @@ class Router:
             info.setdefault("node", "")
             rows.append(info)
         running = sum(len(w.jobs) for w in self.workers.values())
-        models = [{"name": m, "workers": [r["id"] for r in rows if r.get("model", self.models[0]) == m],
+        models = [{"name": m, "workers": [r["id"] for r in rows if r.get("model", self.models[0]) == m
+                                          and r.get("state") not in ("lost", "stopped")],
                    "queued": len(self.queues.get(m, ())),
                    "running": sum(len(w.jobs) for w in self.workers.values() if w.model == m)}
                   for m in self.models]
