@@ -22,10 +22,11 @@ from llamapool.client.calls import (
     decode_reply,
     generate_frame,
     new_id,
+    no_answer,
     not_connected,
     send_timeout_ms,
 )
-from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
+from llamapool.client.errors import LlamapoolError, RequestTimeoutError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
@@ -202,7 +203,7 @@ class AsyncClient:
         try:
             msg = await asyncio.wait_for(q.get(), timeout)
         except TimeoutError:
-            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+            raise no_answer(self.endpoint, timeout) from None
         finally:
             self._waiting.pop(rid, None)
         if not isinstance(msg, StatusReply):
@@ -218,7 +219,7 @@ class AsyncClient:
         try:
             msg = await asyncio.wait_for(q.get(), timeout)
         except TimeoutError:
-            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+            raise no_answer(self.endpoint, timeout) from None
         finally:
             self._waiting.pop(rid, None)
         if not isinstance(msg, MetricsReply):

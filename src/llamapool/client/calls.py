@@ -73,6 +73,12 @@ def not_connected(endpoint: str) -> UnavailableError:
                             f"or it refused this client's CURVE handshake: check the client and server keys)")
 
 
+def no_answer(endpoint: str, timeout: float) -> UnavailableError:
+    return UnavailableError(ErrorCode.UNAVAILABLE, f"no answer from {endpoint} within {timeout:g}s: is the daemon "
+                            f"running? (an ipc:// socket file left by a daemon that died, or a tcp:// router that "
+                            f"refuses this client's CURVE key, also give no answer)")
+
+
 def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:
     """Chat messages as the protocol's chat prompt (the daemon checks them and names a bad field)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):

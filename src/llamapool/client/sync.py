@@ -23,10 +23,11 @@ from llamapool.client.calls import (
     decode_reply,
     generate_frame,
     new_id,
+    no_answer,
     not_connected,
     send_timeout_ms,
 )
-from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
+from llamapool.client.errors import LlamapoolError, RequestTimeoutError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
@@ -224,7 +225,7 @@ class Client:
             msg = conn.recv_for(rid, time.monotonic() + timeout)
         except RequestTimeoutError:
             conn.dropped.add(rid)
-            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+            raise no_answer(self.endpoint, timeout) from None
         if not isinstance(msg, StatusReply):
             raise LlamapoolError("internal", f"unexpected reply {msg!r}")
         return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
@@ -239,7 +240,7 @@ class Client:
             msg = conn.recv_for(rid, time.monotonic() + timeout)
         except RequestTimeoutError:
             conn.dropped.add(rid)
-            raise UnavailableError("unavailable", f"no answer from {self.endpoint}") from None
+            raise no_answer(self.endpoint, timeout) from None
         if not isinstance(msg, MetricsReply):
             raise LlamapoolError("internal", f"unexpected reply {msg!r}")
         return msg.text
