@@ -24,8 +24,40 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_model(tmp_path_factory.mktemp("model") / "tiny.gguf"))
 
 
+class LoggedProcess:
+    """A daemon or node process whose stdout and stderr go to the file ``log``."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    label = "daemon"  # in failure messages
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def wait_log(self, text: str, timeout: float = 30.0) -> str:
+        """The whole log once ``text`` is in it; an AssertionError after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            log = self.log.read_text(errors="replace")
+            if text in log:
+                return log
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not in the {self.label}'s log:\n{self.log_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"the {self.label} did not stop on {sig}:\n{self.log_text()}") from None
+        return self.proc.returncode
+
+
 @dataclass
-class Daemon:
+class Daemon(LoggedProcess):
     proc: subprocess.Popen[bytes]
     config: Path
     endpoint: str
@@ -57,19 +89,6 @@ class Daemon:
             time.sleep(0.1)
         raise AssertionError(f"{n} workers not ready in {timeout}s: {last}\n{self.log_text()}")
 
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"daemon did not stop on {sig}:\n{self.log_text()}") from None
-        return self.proc.returncode
 
 
 def write_config(path: Path, model_file: str, runtime: Path, **sections: Any) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -35,22 +34,14 @@ def _ask(endpoint: str, rid: str, prompt: Any, stream: bool = True) -> Any:
         s.close()
 
 
-def _wait_for(path: Path, text: str, timeout: float = 10.0) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        content = path.read_text(errors="replace")
-        if text in content:
-            return content
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} not in the log:\n{path.read_text(errors='replace')[-4000:]}")
 
 
 def test_json_logs_follow_a_request_id_from_router_to_worker(start_daemon) -> None:  # type: ignore[no-untyped-def]
     d = start_daemon(wait_workers=2, log={"format": "json", "level": "debug"})
     reply = _ask(d.endpoint, "req-json-1", "Once upon a time")
     assert isinstance(reply, Result) and reply.completion_tokens == 4
-    _wait_for(d.log, '"req-json-1"')
-    _wait_for(d.log, '"msg": "finished"')
+    d.wait_log('"req-json-1"', timeout=10.0)
+    d.wait_log('"msg": "finished"', timeout=10.0)
     assert d.stop() == 0
     rows = []
     for line in d.log.read_text().splitlines():
@@ -80,7 +71,7 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
     assert isinstance(ok, Result)
     too_long = _ask(d.endpoint, "req-text-2", [1] * 600)  # > ctx_per_slot=512: the worker refuses it
     assert isinstance(too_long, Error) and too_long.code == "invalid_request"
-    text = _wait_for(d.log, "id=req-text-2")
+    text = d.wait_log("id=req-text-2", timeout=10.0)
     from llamapool.client.errors import UnknownModelError
 
     with d.client() as c:  # refused before it was queued: still one access line
@@ -88,7 +79,7 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
             c.generate("hi", model="nope", max_tokens=2)
         except UnknownModelError:
             pass
-    _wait_for(d.log, "outcome=unknown_model")
+    d.wait_log("outcome=unknown_model", timeout=10.0)
     assert d.stop() == 0
     text = d.log.read_text()
     lines = text.splitlines()

@@ -26,12 +26,14 @@ from typing import Any
 import pytest
 
 from llamapool.security import load_key_file, write_key_pair
-from tests.conftest import Daemon, curve_setup, launch, write_config
+from tests.conftest import Daemon, LoggedProcess, curve_setup, launch, write_config
 from tests.loadgen import Load
 
 
-class Node:
+class Node(LoggedProcess):
     """A ``llamapool node`` process with its config and log in ``folder``."""
+
+    label = "node"
 
     def __init__(self, folder: Path, model_path: str, join: str, keys: Path, key: str, name: str,
                  cpu_workers: int = 2, env: dict[str, str] | None = None, **sections: dict[str, Any]):
@@ -46,29 +48,6 @@ class Node:
             self.proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "node", "--config",
                                           str(self.config)], stdout=fh, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def wait_log(self, text: str, timeout: float = 30.0) -> str:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            log = self.log.read_text(errors="replace")
-            if text in log:
-                return log
-            time.sleep(0.1)
-        raise AssertionError(f"{text!r} not in the node's log:\n{self.log_text()}")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"the node did not stop on {sig}:\n{self.log_text()}") from None
-        return self.proc.returncode
 
 
 class Notifications:
@@ -94,14 +73,6 @@ class Notifications:
         self.sock.close()
 
 
-def wait_log(d: Daemon, text: str, timeout: float = 30.0) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        log = d.log.read_text(errors="replace")
-        if text in log:
-            return log
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in the router's log:\n{d.log_text()}")
 
 
 def node_rows(d: Daemon, node: str) -> list[dict[str, Any]]:
@@ -193,7 +164,7 @@ def test_a_node_key_not_in_the_allow_list_is_refused_and_logged(pool: dict[str, 
     d = pool["router"]()
     mallory = load_key_file(pool["keys"] / "mallory.pub", secret=False)
     node = pool["node"]("nodeM", key="mallory", cpu_workers=1)
-    log = wait_log(d, mallory.fingerprint)
+    log = d.wait_log(mallory.fingerprint)
     line = next(ln for ln in log.splitlines() if mallory.fingerprint in ln)
     assert "refused a CURVE client" in line and "not in authorized_keys" in line
     node_log = node.wait_log("cannot join")
@@ -261,7 +232,7 @@ def test_a_node_name_held_by_another_key_is_refused_on_both_sides(pool: dict[str
     try:
         impostor = pool["node"]("nodeB", key="nodec", folder="impostor", cpu_workers=2,
                                 env={"NOTIFY_SOCKET": str(notes.path)})
-        log = wait_log(d, "refused worker nodeB/cpu0")
+        log = d.wait_log("refused worker nodeB/cpu0")
         assert "name clash" in log
         node_log = impostor.wait_log("FATAL: the router refused this worker: name clash")
         assert "FAILED, not restarting" in impostor.wait_log("FAILED, not restarting"), node_log
@@ -376,7 +347,7 @@ def test_a_router_without_local_workers_serves_through_its_nodes(pool: dict[str,
     d = launch(pool["tmp"] / "head", pool["model"], workers={"devices": "remote"}, **pool["sections"])
     d.endpoint, d.client_kw = pool["sections"]["server"]["frontend"], pool["client_kw"]
     pool["routers"].append(d)
-    wait_log(d, 'devices = "remote": no local worker')
+    d.wait_log('devices = "remote": no local worker')
     pool["node"]("nodeB")
     wait_node_ready(d, "nodeB", 2)
     assert all(w.get("node") == "nodeB" for w in d.status()["workers"])

@@ -24,7 +24,7 @@ import zmq.auth
 from llamapool import AsyncClient, Client, RequestTimeoutError, UnavailableError
 from llamapool.config import ConfigError, from_dict
 from llamapool.security import KeyFileError, fingerprint, load_authorized_keys, load_key_file, write_key_pair
-from tests.conftest import Daemon, curve_setup, free_port, launch
+from tests.conftest import curve_setup, free_port, launch
 
 CLI = [sys.executable, "-m", "llamapool.cli"]
 
@@ -136,14 +136,6 @@ def curve_daemon(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> A
     assert d.stop() == 0
 
 
-def wait_log(d: Daemon, text: str, timeout: float = 10.0) -> str:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        log = d.log.read_text(errors="replace")
-        if text in log:
-            return log
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} not in the daemon's log:\n{d.log_text()}")
 
 
 def test_an_allowed_key_is_served_over_curve(curve_daemon: Any) -> None:
@@ -184,7 +176,7 @@ def test_a_client_without_a_key_gets_no_reply_and_is_logged(curve_daemon: Any) -
         with pytest.raises((RequestTimeoutError, UnavailableError)):  # no reply, or not even a connection
             c.generate("let me in", max_tokens=2)
         assert time.monotonic() - t0 < 3
-    log = wait_log(d, "refused a connection on tcp://")
+    log = d.wait_log("refused a connection on tcp://", timeout=10.0)
     assert "does not use CURVE" in log or "hung up during the CURVE handshake" in log
 
 
@@ -194,7 +186,7 @@ def test_an_unknown_key_is_refused_and_logged_by_fingerprint(curve_daemon: Any) 
     with Client(d.endpoint, server_public_key=keys / "router.pub", client_key=keys / "mallory.key") as c:
         with pytest.raises(UnavailableError):
             c.status(timeout=1.0)
-    line = next(ln for ln in wait_log(d, mallory.fingerprint).splitlines() if mallory.fingerprint in ln)
+    line = next(ln for ln in d.wait_log(mallory.fingerprint, timeout=10.0).splitlines() if mallory.fingerprint in ln)
     assert "refused a CURVE client" in line and "not in authorized_keys" in line
     r = subprocess.run([*CLI, "status", "--endpoint", d.endpoint, "--key", str(keys / "mallory.key"),
                         "--server-key", str(keys / "router.pub"), "--timeout", "1"],
@@ -261,7 +253,7 @@ def test_remote_workers_join_with_an_allowed_key_only(curve_daemon: Any, model_p
             raise AssertionError(f"the remote worker never joined: {d.status()}\n{d.log_text()}")
         row = next(w for w in d.status()["workers"] if w["id"] == "remote0")
         assert row["pid"] == good.pid, "the worker with eve's key was not let in"
-        assert "refused a CURVE client" in wait_log(d, eve.fingerprint)
+        assert "refused a CURVE client" in d.wait_log(eve.fingerprint, timeout=10.0)
     finally:
         good.send_signal(signal.SIGTERM)
         bad.kill()  # refused, it never connected: a drain would wait on its unsendable goodbye
@@ -278,11 +270,11 @@ def test_sighup_rereads_the_authorized_keys(curve_daemon: Any) -> None:
     allowed = Path(sections["security"]["authorized_keys"])
     (allowed / "mallory.pub").write_bytes((keys / "mallory.pub").read_bytes())
     d.proc.send_signal(signal.SIGHUP)
-    wait_log(d, "authorized_keys: 2 key(s)")
+    d.wait_log("authorized_keys: 2 key(s)", timeout=10.0)
     with Client(d.endpoint, server_public_key=keys / "router.pub", client_key=keys / "mallory.key") as c:
         assert c.status(timeout=5)["workers"]
     os.unlink(allowed / "mallory.pub")
-    wait_log(d, "reload done", timeout=60)
+    d.wait_log("reload done", timeout=60)
 
 
 def test_insecure_tcp_serves_plain_clients_with_a_warning(start_daemon: Any) -> None:
