@@ -91,6 +91,10 @@ class WorkerSlot:
 
 
 class Supervisor:
+    # Exit 78 when every worker has failed for good even after some served (llamapool node: no
+    # status to show and nothing else to do); the daemon does so only at start-up.
+    exit_when_all_failed = False
+
     def __init__(self, config: Config, nvml: Any | None = None, use_nvml: bool = True):
         self.cfg = config
         self.nvml = nvml if nvml is not None else (gpumod.load_nvml() if use_nvml else None)
@@ -498,14 +502,20 @@ class Supervisor:
 
     # ------------------------------------------------------------ signals
 
-    async def drain(self) -> None:
-        """SIGTERM/SIGINT: refuse new work, let in-flight finish within drain_timeout, exit 0."""
+    def _begin_drain(self) -> bool:
+        """Start a graceful stop once (False when one is under way): tell systemd, log it."""
         if self.stopping:
-            return
+            return False
         self.stopping = True
         self.notify.stopping()
         self.notify.extend_timeout(self.cfg.server.drain_timeout + 15)
         self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
+        return True
+
+    async def drain(self) -> None:
+        """SIGTERM/SIGINT: refuse new work, let in-flight finish within drain_timeout, exit 0."""
+        if not self._begin_drain():
+            return
         self._signal_gateways(signal.SIGTERM)  # they stop accepting and finish their streams
         self._command("drain")
         try:
@@ -747,11 +757,12 @@ class Supervisor:
         model file removed) keeps running and answers ``unavailable``, so that ``llamapool status``
         can say why; a restart by systemd would not bring a lost GPU back.
         """
-        if self._ever_ready or self.stopping or not self.slots or \
+        if (self._ever_ready and not self.exit_when_all_failed) or self.stopping or not self.slots or \
                 not all(s.state == "failed" for s in self.slots):
             return
         reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
-        why = f"every worker failed at start-up, exiting with status {EXIT_ALL_FAILED}: {reasons}"
+        when = "after joining" if self._ever_ready else "at start-up"
+        why = f"every worker failed {when}, exiting with status {EXIT_ALL_FAILED}: {reasons}"
         self._log(why, "error")
         self.notify.status(why)
         self.stopping = True

@@ -30,7 +30,7 @@ from typing import Any
 from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import Config, ConfigError
-from llamapool.supervisor.arbiter import EXIT_ALL_FAILED, Supervisor, WorkerSlot
+from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
 from llamapool.worker.server import JOINED, JOINING, LIVE_MARK, WorkerSpec
 
 REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refused node key
@@ -38,6 +38,8 @@ REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refu
 
 class NodeSupervisor(Supervisor):
     """The :class:`Supervisor`'s worker lifecycle for workers that join a remote router."""
+
+    exit_when_all_failed = True  # a name clash, a missing model, flapping: even after workers had joined
 
     def __init__(self, config: Config, nvml: Any | None = None, use_nvml: bool = True):
         if config.node is None:
@@ -167,21 +169,6 @@ class NodeSupervisor(Supervisor):
                   f"SIGHUP (`systemctl reload llamapool`); the workers keep dialling and join without a "
                   f"restart", "error")
 
-    def _check_all_failed(self) -> None:
-        """Every worker failed for good (a name clash, a missing model, flapping): exit EX_CONFIG (78)
-        with the reasons, so that systemd shows why (RestartPreventExitStatus=78). Unlike ``serve``
-        this holds after workers had joined too: a node has no status to show and nothing else to do."""
-        if self.stopping or not self.slots or not all(s.state == "failed" for s in self.slots):
-            return
-        reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
-        when = "after joining" if self._ever_ready else "at start-up"
-        why = f"every worker failed {when}, exiting with status {EXIT_ALL_FAILED}: {reasons}"
-        self._log(why, "error")
-        self.notify.status(why)
-        self.stopping = True
-        self.exit_code = EXIT_ALL_FAILED
-        self._stop.set()
-
     # ------------------------------------------------------------ what the router's control socket did
 
     def _command(self, *cmd: Any) -> None:
@@ -201,12 +188,8 @@ class NodeSupervisor(Supervisor):
     async def drain(self) -> None:
         """SIGTERM/SIGINT: each worker tells the router to route nothing more to it, finishes what it
         runs (within ``server.drain_timeout``) and leaves; then the node exits 0."""
-        if self.stopping:
+        if not self._begin_drain():
             return
-        self.stopping = True
-        self.notify.stopping()
-        self.notify.extend_timeout(self.cfg.server.drain_timeout + 15)
-        self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
         live = [s for s in self.slots if s.proc is not None]
         for slot in live:
             slot.state = "stopped"
