@@ -87,7 +87,6 @@ class Sequence:
     last: int = -1  # last sampled token, fed at the next step
     out_idx: int = -1  # batch index of this sequence's logits in the current step
     order: int = 0  # admission order: prompt chunks go to the oldest first
-    host_sampled: bool = False  # on the GPU path, sampled on the host (a sampler the graph cannot run)
 
     @property
     def prefilling(self) -> bool:
@@ -327,13 +326,12 @@ class Engine:
         seq_id, reused = self._take_slot(prompt)
         p = run.params
         sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
-        # llama.cpp has no in-graph penalties sampler: such a sequence gives its logits to the host
-        host = self.gpu_sampling and p.repeat_penalty != 1.0
-        if not (self.gpu_sampling and p.greedy and p.repeat_penalty == 1.0):
+        in_graph = self._in_graph(p)
+        if not (in_graph and p.greedy):
             try:
                 sampler = self._sampler(p)
-                if self.gpu_sampling:
-                    self._attach(seq_id, None if host else sampler)
+                if self.gpu_sampling:  # a chain the graph cannot run is taken off: logits go to the host
+                    self._attach(seq_id, sampler if in_graph else None)
             except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
                 self.free_ids.appendleft(seq_id)
                 self.cached.pop(seq_id, None)
@@ -343,7 +341,7 @@ class Engine:
         self._admitted += 1
         seq = self.active[seq_id] = Sequence(
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
-            sampler=sampler, text=TextStream(p.stop), n_past=reused, order=self._admitted, host_sampled=host,
+            sampler=sampler, text=TextStream(p.stop), n_past=reused, order=self._admitted,
         )
         self.reused_tokens += reused
         return seq
@@ -421,6 +419,11 @@ class Engine:
         L.llama_synchronize(self.ctx)  # never change the graph's samplers under a batch in flight
         if not L.llama_set_sampler(self.ctx, seq_id, chain):
             raise EngineError(f"llama.cpp refused a sampler for sequence {seq_id}", permanent=False)
+
+    def _in_graph(self, p: SamplingParams) -> bool:
+        """Whether the decode graph samples for ``p`` (GPU sampling; llama.cpp has no in-graph penalties
+        sampler, so a ``repeat_penalty`` request is sampled on the host from its logits)."""
+        return self.gpu_sampling and p.repeat_penalty == 1.0
 
     def _sampler(self, p: SamplingParams) -> Any:
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
@@ -606,7 +609,7 @@ class Engine:
 
     def _take(self, seq: Sequence, out: Step) -> int | None:
         """The sequence's new token, or None when it ended (end of generation, length)."""
-        if self.gpu_sampling and not seq.host_sampled:
+        if self._in_graph(seq.params):
             tok = L.llama_get_sampled_token_ith(self.ctx, seq.out_idx)
         else:
             tok = L.llama_sampler_sample(seq.sampler, self.ctx, seq.out_idx)
