@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from llamapool import Client
-from llamapool import default_model
+from llamapool import Client, default_model
 
 from .conftest import Daemon, launch
 
@@ -116,7 +115,7 @@ def test_output_is_unchanged_by_streams_running_beside_it(daemon: Daemon, refere
             with daemon.client() as c:
                 for _ in c.stream(prompt, max_tokens=60, temperature=0.7, seed=1, ignore_eos=True):
                     pass
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     others = [threading.Thread(target=background, args=(p,)) for p in ("Once upon a time", PREFIXED[0][:300], "Hi")]

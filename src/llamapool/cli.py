@@ -47,11 +47,16 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from llamapool.supervisor.arbiter import serve
+    from llamapool.supervisor.runlock import AlreadyRunning
 
     cfg = load_config(args.config)
     if cfg.node is not None:
         raise ConfigError("node: a config with a [node] table is for `llamapool node`, not `serve`")
-    return serve(cfg)
+    try:
+        return serve(cfg)
+    except AlreadyRunning as e:
+        print(f"llamapool: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_node(args: argparse.Namespace) -> int:

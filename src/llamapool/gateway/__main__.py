@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
+    from llamapool.lifeline import die_with_parent
+
+    die_with_parent()
     return uvloop.run(serve(GatewaySpec.from_json(args[0])))
 
 

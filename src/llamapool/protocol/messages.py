@@ -171,6 +171,7 @@ class Hello:
     visible_devices: list[str]
     model_name: str = ""  # the model's name in the pool; "" -> the pool's first model
     node: str = ""  # the remote node it belongs to ("" for the router's own workers); its name is "node/..."
+    boot: str = ""  # the boot id its supervisor handed it: a router takes only its own daemon's workers
 
 
 @dataclass(slots=True)

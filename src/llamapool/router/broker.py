@@ -65,6 +65,7 @@ class RouterConfig:
     models: tuple[str, ...] = ("",)  # the pool's model names; the first is the default model
     curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
     local_key: bytes = b""  # the supervisor's internal public key (Z85): its own workers use it
+    boot_id: str = ""  # this daemon's incarnation: its own workers' hellos carry it ("" = not checked)
 
 
 @dataclass(eq=False)
@@ -510,7 +511,12 @@ class Router:
         if not node and "/" in name:
             return f"the worker name {name!r} has a '/' but names no node"
         if not key or (self.cfg.local_key and key == self.cfg.local_key.decode()):
-            return ""  # one of this router's own workers (or no CURVE: no key tells them apart)
+            # one of this router's own workers (or no CURVE: no key tells them apart), so it must carry
+            # this daemon's boot id: a worker left over from an earlier daemon on the same socket may not join
+            if not node and self.cfg.boot_id and hello.boot != self.cfg.boot_id:
+                return (f"a worker of another daemon (boot id {hello.boot or '-'}; this daemon's is "
+                        f"{self.cfg.boot_id}): only this daemon's own workers may join")
+            return ""
         if name in self.sup_info:
             return f"name clash: {name!r} is one of the router's own workers"
         for other in self.workers.values():

@@ -24,19 +24,21 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from llamapool import lifeline, security
 from llamapool import log as logmod
-from llamapool import security
 from llamapool.config import Config, ConfigError, ModelConfig, load_config, needs_curve, step_budget
 from llamapool.router import Router, RouterConfig
 from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor.env import cpu_threads, worker_env
+from llamapool.supervisor.runlock import RunLock
 from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
 
@@ -106,7 +108,10 @@ class Supervisor:
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
         self.zctx = zmq.Context()
         self.stopping = False
+        self.draining = False  # a SIGTERM/SIGINT drain is under way (a second signal stops at once)
+        self.fast = False  # a fast stop: requests in flight end with an error now
         self.exit_code = 0
+        self.boot_id = uuid.uuid4().hex[:16]  # this incarnation: the router takes only workers that carry it
         self._drained = asyncio.Event()
         self._stop = asyncio.Event()
         self._announced_ready = False
@@ -135,7 +140,7 @@ class Supervisor:
         if not self._start_router():
             return 1
         handlers: dict[signal.Signals, Callable[[], Coroutine[Any, Any, None]]] = {
-            signal.SIGTERM: self.drain, signal.SIGINT: self.drain,
+            signal.SIGTERM: self.stop_signal, signal.SIGINT: self.stop_signal,
             signal.SIGQUIT: self.fast_stop, signal.SIGHUP: self.reload,
         }
         for sig, handler in handlers.items():
@@ -147,9 +152,14 @@ class Supervisor:
         await self._stop.wait()
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.shutdown)
-        await self._stop_gateways()
-        await self._shutdown_workers()
-        await self._stop_router()
+        if self.fast:  # the router answers every request first, so that the gateways can pass it on
+            await self._stop_router()
+            await self._stop_gateways(grace=3.0)
+            await self._shutdown_workers()
+        else:
+            await self._stop_gateways(self.cfg.server.drain_timeout + 5)
+            await self._shutdown_workers()
+            await self._stop_router()
         self.zctx.term()
         if self.nvml is not None:
             with contextlib.suppress(Exception):
@@ -175,7 +185,8 @@ class Supervisor:
         self.control = self.zctx.socket(zmq.PAIR)
         self.control.bind("inproc://llamapool-control")
         local = security.load_key_file(self.internal_key_file, secret=False).public if self.internal_key_file else b""
-        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve_key, local_key=local),
+        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve_key, local_key=local,
+                                                 boot_id=self.boot_id),
                              self.zctx, "inproc://llamapool-control", on_event=self._from_router_thread)
         self.router.bind()
         self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
@@ -270,6 +281,7 @@ class Supervisor:
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
             chat_template=m.chat_template, model_name=m.name, tensor_split=list(m.tensor_split),
+            boot_id=self.boot_id,
             **self._curve_for(self.cfg.backend),
         )
 
@@ -286,6 +298,7 @@ class Supervisor:
         spec = self._spec(slot)
         env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads)
         env.update(self._worker_log_env())
+        env.update(lifeline.parent_env())  # it dies with this process, even when frozen
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.worker", spec.to_json(),
             env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -385,7 +398,8 @@ class Supervisor:
         slot.state = "starting"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
-            env={**scrub_env(os.environ), **logmod.child_env(self.cfg.log.format, self.cfg.log.level)},
+            env={**scrub_env(os.environ), **logmod.child_env(self.cfg.log.format, self.cfg.log.level),
+                 **lifeline.parent_env()},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         )
         slot.proc, slot.started_at = proc, time.monotonic()
@@ -448,12 +462,12 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     gw.proc.send_signal(sig)
 
-    async def _stop_gateways(self) -> None:
-        """SIGTERM: stop accepting, finish what is in flight (``drain_timeout``); then SIGKILL."""
+    async def _stop_gateways(self, grace: float) -> None:
+        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL."""
         for gw in self.gateways:
             gw.state = "stopped"
         self._signal_gateways(signal.SIGTERM)
-        await self._reap_by(self.gateways, time.monotonic() + self.cfg.server.drain_timeout + 5)
+        await self._reap_by(self.gateways, time.monotonic() + grace)
 
     @staticmethod
     async def _reap_by(slots: list[WorkerSlot], deadline: float) -> None:
@@ -506,14 +520,22 @@ class Supervisor:
         """Start a graceful stop once (False when one is under way): tell systemd, log it."""
         if self.stopping:
             return False
-        self.stopping = True
+        self.stopping = self.draining = True
         self.notify.stopping()
         self.notify.extend_timeout(self.cfg.server.drain_timeout + 15)
-        self._log(f"draining (up to {self.cfg.server.drain_timeout:g}s)")
+        self._log(f"draining: new requests are refused; those in flight get up to "
+                  f"{self.cfg.server.drain_timeout:g}s (server.drain_timeout) to finish. To stop at once, "
+                  f"press Ctrl-C again (or send SIGINT, SIGTERM or SIGQUIT): what is in flight then ends "
+                  f"with an error")
         return True
 
+    async def stop_signal(self) -> None:
+        """SIGTERM/SIGINT: the first drains; a second one during the drain stops at once (as gunicorn
+        and uvicorn do)."""
+        await (self.fast_stop() if self.draining else self.drain())
+
     async def drain(self) -> None:
-        """SIGTERM/SIGINT: refuse new work, let in-flight finish within drain_timeout, exit 0."""
+        """Refuse new work, let in-flight finish within drain_timeout, exit 0."""
         if not self._begin_drain():
             return
         self._signal_gateways(signal.SIGTERM)  # they stop accepting and finish their streams
@@ -528,12 +550,14 @@ class Supervisor:
         self._stop.set()
 
     async def fast_stop(self) -> None:
-        """SIGQUIT: answer everything with an error now and stop."""
-        self.stopping = True
+        """SIGQUIT (or a second SIGTERM/SIGINT): stop now. The workers are killed; the router then
+        answers every request in flight with an error (``unavailable``, with ``tokens_delivered``) as
+        it closes, and the gateways get a moment to end their HTTP streams with an error event."""
+        if self.fast:
+            return
+        self.stopping = self.fast = True
         self.notify.stopping()
-        self._log("fast stop")
-        self._command("cancel_all")
-        self._signal_gateways(signal.SIGKILL)
+        self._log("stopping now: requests in flight end with an error")
         for slot in self.slots:
             if slot.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -709,7 +733,8 @@ class Supervisor:
     # ------------------------------------------------------------ helpers
 
     def _command(self, *cmd: Any) -> None:
-        self.control.send_pyobj(cmd)
+        if not self.control.closed:  # after a fast stop the router closes before the last workers are reaped
+            self.control.send_pyobj(cmd)
 
     def _publish(self, slot: WorkerSlot) -> None:
         self._command("info", slot.name, slot.info())
@@ -771,7 +796,13 @@ class Supervisor:
 
 
 def serve(config: Config) -> int:
-    """Run the daemon in the foreground on uvloop until a signal stops it."""
+    """Run the daemon in the foreground on uvloop until a signal stops it; one daemon per runtime dir
+    (a second one gets ``AlreadyRunning`` before it binds anything)."""
     import uvloop
 
-    return uvloop.run(Supervisor(config).run())
+    lock = RunLock(config.runtime_dir)
+    lock.acquire()
+    try:
+        return uvloop.run(Supervisor(config).run())
+    finally:
+        lock.release()

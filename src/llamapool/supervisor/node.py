@@ -186,8 +186,8 @@ class NodeSupervisor(Supervisor):
                     slot.proc.terminate()
 
     async def drain(self) -> None:
-        """SIGTERM/SIGINT: each worker tells the router to route nothing more to it, finishes what it
-        runs (within ``server.drain_timeout``) and leaves; then the node exits 0."""
+        """Each worker tells the router to route nothing more to it, finishes what it runs (within
+        ``server.drain_timeout``) and leaves; then the node exits 0."""
         if not self._begin_drain():
             return
         live = [s for s in self.slots if s.proc is not None]

@@ -70,6 +70,7 @@ class WorkerSpec:
     key_file: str = ""  # with server_key: this worker's secret key file (llamapool keygen format)
     node: str = ""  # the node it belongs to (`llamapool node`): its name is "<node>/<slot>"
     model_name: str = ""  # the model's name in the pool (its Hello says it; "" -> the pool's first model)
+    boot_id: str = ""  # its daemon's incarnation, said in its Hello (the router refuses other daemons' workers)
     tensor_split: list[float] = field(default_factory=list)  # a GPU group's layer shares
 
     @property
@@ -244,7 +245,7 @@ def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
     hello = codec.encode(Hello(
         worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
         slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
-        visible_devices=seen, node=spec.node, model_name=spec.model_name,
+        visible_devices=seen, node=spec.node, model_name=spec.model_name, boot=spec.boot_id,
     ))
 
     def send(frame: bytes) -> None:
