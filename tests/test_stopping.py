@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from llamapool import LlamapoolError, UnavailableError, WorkerLostError
 
 from .conftest import Daemon, free_port, launch
