@@ -156,16 +156,16 @@ def test_demo_model_has_chatml_tokens_and_template(model_path: str) -> None:
 
 
 @pytest.mark.parametrize("prompt, field", [
-    ([{"role": "user", "content": "hi"}, {"content": "x"}], "prompt[1].role"),
-    ([{"role": "user"}], "prompt[0].content"),
-    ([{"role": "user", "content": 3}], "prompt[0].content"),
-    ([{"role": "", "content": "x"}], "prompt[0].role"),
-    ([{"role": "r" * 65, "content": "x"}], "prompt[0].role"),
-    ([{"role": b"user", "content": "x"}], "prompt[0].role"),
-    ([{"role": "user", "content": None}], "prompt[0].content"),
-    ([{"role": "user", "content": "x", "name": "bob"}], "prompt[0].name"),
-    ([{"role": "user", "content": "x"}, "hello"], "prompt[1]"),
-    ([{"role": "user", "content": "x"}, 5], "prompt[1]"),
+    ([{"role": "user", "content": "hi"}, {"content": "x"}], "messages[1].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    ([{"role": "", "content": "x"}], "messages[0].role"),
+    ([{"role": "r" * 65, "content": "x"}], "messages[0].role"),
+    ([{"role": b"user", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": "x", "name": "bob"}], "messages[0].name"),
+    ([{"role": "user", "content": "x"}, "hello"], "messages[1]"),
+    ([{"role": "user", "content": "x"}, 5], "messages[1]"),
     ([5, {"role": "user", "content": "x"}], "prompt"),
 ])
 def test_malformed_messages_are_refused_naming_the_field(prompt: Any, field: str) -> None:
@@ -253,14 +253,14 @@ def test_model_without_a_template(start_daemon, tmp_path: Path) -> None:  # type
     with d.client() as c:
         with pytest.raises(BadRequestError) as e:
             c.chat(CHAT, max_tokens=4)
-        assert e.value.code == "no_chat_template" and e.value.field == "prompt"
+        assert e.value.code == "no_chat_template" and e.value.field == "messages"
         assert "model.chat_template" in e.value.message
         many = c.generate_many([CHAT, "Hello world"], max_tokens=4, return_exceptions=True)
         assert isinstance(many[0], BadRequestError) and many[0].code == "no_chat_template"
         assert isinstance(many[1], Completion) and many[1].usage.completion_tokens >= 1
-        for bad, field in (([{"role": "user", "content": "hi"}, {"content": "x"}], "prompt[1].role"),
-                           ([{"role": "user", "content": ["x"]}], "prompt[0].content"),
-                           ([], "prompt")):
+        for bad, field in (([{"role": "user", "content": "hi"}, {"content": "x"}], "messages[1].role"),
+                           ([{"role": "user", "content": ["x"]}], "messages[0].content"),
+                           ([], "messages")):
             with pytest.raises(BadRequestError) as e:
                 c.chat(bad, max_tokens=4)
             assert e.value.field == field, e.value
@@ -281,7 +281,7 @@ def test_configured_template_wins_and_its_exceptions_are_bad_requests(  # type: 
         for _ in range(2):  # the worker keeps serving after the template raised
             with pytest.raises(BadRequestError) as e:
                 c.chat(CHAT, max_tokens=4)
-            assert e.value.code == "invalid_request" and e.value.field == "prompt"
+            assert e.value.code == "invalid_request" and e.value.field == "messages"
             assert e.value.message == ("chat template: Conversation roles must alternate "
                                        "user/assistant/user/assistant/...")
             done = c.chat(chat, **GREEDY)

@@ -68,9 +68,9 @@ def test_single_prompt_travels_as_prompt_and_a_batch_as_prompts() -> None:
     (pack({**gen(), "type": "explode"}), ErrorCode.UNKNOWN_TYPE, "type"),
     (pack({"v": 1, "type": "generate", "prompt": "x"}), ErrorCode.INVALID_REQUEST, "id"),
     (pack({"v": 1, "type": "generate", "id": "a"}), ErrorCode.INVALID_REQUEST, "prompt"),
-    (pack(gen(params={"max_tokens": -1})), ErrorCode.INVALID_REQUEST, "params.max_tokens"),
-    (pack(gen(params={"top_p": 1.5})), ErrorCode.INVALID_REQUEST, "params.top_p"),
-    (pack(gen(params={"bogus": 1})), ErrorCode.INVALID_REQUEST, "params.bogus"),
+    (pack(gen(params={"max_tokens": -1})), ErrorCode.INVALID_REQUEST, "max_tokens"),
+    (pack(gen(params={"top_p": 1.5})), ErrorCode.INVALID_REQUEST, "top_p"),
+    (pack(gen(params={"bogus": 1})), ErrorCode.INVALID_REQUEST, "bogus"),
     (pack(gen(prompt=[1, -2])), ErrorCode.INVALID_REQUEST, "prompt"),
     (pack(gen(timeout=0)), ErrorCode.INVALID_REQUEST, "timeout"),
 ])

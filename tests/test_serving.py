@@ -165,7 +165,7 @@ def test_client_errors_are_raised_before_anything_is_sent(daemon, tmp_path) -> N
             c.generate("x", max_tokens=2**70)
         with pytest.raises(BadRequestError) as e:
             c.generate("x", max_tokens=None)
-        assert e.value.field == "params.max_tokens"
+        assert e.value.field == "max_tokens"
         with pytest.raises(ValueError):
             c.generate_many([])
     t0 = time.monotonic()

@@ -84,6 +84,8 @@ def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} maps, "
                         f"got {type(messages).__name__}")
+    if not messages:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, "'messages' must not be empty", "messages")
     return [dict(m) if isinstance(m, Mapping) else m for m in messages]
 
 

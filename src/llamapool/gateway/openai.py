@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamapool.client.errors import LlamapoolError
+from llamapool.protocol import limits
 from llamapool.protocol.messages import ErrorCode, Prompt
 
 
@@ -100,14 +101,15 @@ _UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
 }
 
 
-def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
+def _param(body: dict[str, Any], key: str, name: str | None = None) -> Any:
+    """``body[key]`` checked against the limit of the generation parameter ``name`` (default: ``key``),
+    with the SDK's message (protocol/limits.py); None when absent."""
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise bad(key, f"'{key}' must be {'an integer' if integer else 'a number'}, got {v!r}")
-    if not lo <= v <= hi:
-        raise bad(key, f"'{key}' must be between {lo:g} and {hi:g}, got {v!r}")
+    why = limits.problem(name or key, v)
+    if why is not None:
+        raise bad(key, why.replace(f"'{name or key}'", f"'{key}'", 1))
     return v
 
 
@@ -130,20 +132,19 @@ def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, b
     if rf is not None and rf != {"type": "text"}:
         raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported by llamapool",
                        param="response_format", code="unsupported_parameter")
-    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 30, integer=True)
+    max_tokens = _param(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, 1 << 30, integer=True)
+        max_tokens = _param(body, "max_tokens")
     params: dict[str, Any] = {"max_tokens": max_tokens or default_max_tokens}
-    for key, lo, hi, integer in (("temperature", 0, 2, False), ("top_p", 0, 1, False),
-                                 ("top_k", 0, 1 << 20, True), ("min_p", 0, 1, False),
-                                 ("repeat_penalty", 0, 10, False), ("seed", -(1 << 63), (1 << 64) - 1, True)):
-        v = _number(body, key, lo, hi, integer)
+    for key in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty"):
+        v = _param(body, key)
         if v is not None:
             params[key] = v
-    if params.get("top_p") == 0:
-        raise bad("top_p", "'top_p' must be > 0")
-    if "seed" in params:
-        params["seed"] = params["seed"] & 0xFFFFFFFF
+    seed = body.get("seed")
+    if seed is not None:  # OpenAI's seed is any 64-bit integer: llama.cpp takes its low 32 bits
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64:
+            raise bad("seed", f"'seed' must be a 64-bit integer, got {limits.show(seed)}")
+        params["seed"] = seed & 0xFFFFFFFF
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop

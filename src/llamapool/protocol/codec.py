@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 
+from llamapool.protocol import limits
 from llamapool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -35,9 +36,6 @@ from llamapool.protocol.messages import (
 
 MAX_ID_LEN = 128
 MAX_PROMPTS = 256
-MAX_STOP = 16
-MAX_STOP_LEN = 256
-MAX_SEED = 2**32 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ROLE_LEN = 64
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
@@ -61,7 +59,7 @@ class ProtocolError(Exception):
 
 
 def _invalid(field: str, why: str) -> ProtocolError:
-    return ProtocolError(ErrorCode.INVALID_REQUEST, f"field '{field}' {why}", field)
+    return ProtocolError(ErrorCode.INVALID_REQUEST, f"'{field}' {why}", field)
 
 
 # ---------------------------------------------------------------- encoding
@@ -126,8 +124,8 @@ def _prompt(v: Any, field: str) -> Prompt:
     if isinstance(v, list):
         if not v:
             raise _invalid(field, "must not be empty")
-        if isinstance(v[0], dict):
-            return _messages(v, field)
+        if isinstance(v[0], dict):  # a chat: the SDK's and the HTTP API's 'messages'
+            return _messages(v, "messages" if field == "prompt" else field)
         if not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
             raise _invalid(field, "must be a list of non-negative integer token ids")
         return v
@@ -167,48 +165,40 @@ _PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def parse_params(raw: Any) -> SamplingParams:
-    """Validate a ``params`` map; every bad value names ``params.<field>``."""
+    """Validate a ``params`` map (the limits of protocol/limits.py); a bad value names its parameter."""
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):
         raise _invalid("params", "must be a map")
-    _check_keys(raw, _PARAM_KEYS, "params.")
-    base = SamplingParams()
+    for k in raw:
+        if k not in _PARAM_KEYS:
+            raise _invalid(k, f"is not a generation parameter (known: {', '.join(sorted(_PARAM_KEYS))})")
     kw: dict[str, Any] = {}
-
-    def num(key: str, ok: Callable[[float], bool], rule: str, integer: bool = False) -> None:
-        if key not in raw:
-            return
-        v = raw[key]
-        if not (_is_int(v) if integer else _is_num(v)):
-            raise _invalid(f"params.{key}", f"must be {'an integer' if integer else 'a number'}")
-        if not ok(v):
-            raise _invalid(f"params.{key}", f"must be {rule}, got {v}")
-        kw[key] = v if integer else float(v)
-
-    num("max_tokens", lambda v: v >= 1, ">= 1", integer=True)
-    num("temperature", lambda v: 0 <= v <= 100, "between 0 and 100")
-    num("top_k", lambda v: v >= 0, ">= 0", integer=True)
-    num("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-    num("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
-    num("repeat_penalty", lambda v: 0 < v <= 10, "in (0, 10]")
-    if raw.get("seed") is not None:
-        num("seed", lambda v: 0 <= v <= MAX_SEED, f"in [0, {MAX_SEED}]", integer=True)
-    if "stop" in raw and raw["stop"] is not None:
-        stop = raw["stop"]
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > MAX_STOP:
-            raise _invalid("params.stop", f"must be a string or a list of at most {MAX_STOP} strings")
-        for s in stop:
-            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN:
-                raise _invalid("params.stop", f"entries must be strings of 1 to {MAX_STOP_LEN} characters")
-        kw["stop"] = tuple(stop)
+    for key, limit in limits.PARAMS.items():
+        v = raw.get(key)
+        if v is None and (key == "seed" or key not in raw):
+            continue
+        why = limits.problem(key, v)
+        if why is not None:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, why, key)
+        kw[key] = v if limit.integer else float(v)
+    if raw.get("stop") is not None:
+        kw["stop"] = _stop(raw["stop"])
     if "ignore_eos" in raw:
         if not isinstance(raw["ignore_eos"], bool):
-            raise _invalid("params.ignore_eos", "must be a boolean")
+            raise _invalid("ignore_eos", f"must be true or false, got {limits.show(raw['ignore_eos'])}")
         kw["ignore_eos"] = raw["ignore_eos"]
-    return dataclasses.replace(base, **kw)
+    return dataclasses.replace(SamplingParams(), **kw)
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > limits.MAX_STOP:
+        raise _invalid("stop", f"must be a string or a list of at most {limits.MAX_STOP} strings")
+    for s in stops:
+        if not isinstance(s, str) or not 0 < len(s) <= limits.MAX_STOP_LEN:
+            raise _invalid("stop", f"entries must be strings of 1 to {limits.MAX_STOP_LEN} characters")
+    return tuple(stops)
 
 
 # ---------------------------------------------------------------- decoding

@@ -110,6 +110,7 @@ class Supervisor:
         self.stopping = False
         self.draining = False  # a SIGTERM/SIGINT drain is under way (a second signal stops at once)
         self.fast = False  # a fast stop: requests in flight end with an error now
+        self._router_stopping = False
         self.exit_code = 0
         self.boot_id = uuid.uuid4().hex[:16]  # this incarnation: the router takes only workers that carry it
         self._drained = asyncio.Event()
@@ -197,6 +198,7 @@ class Supervisor:
 
     async def _stop_router(self) -> None:
         self._command("stop")
+        self._router_stopping = True  # nothing reads the control socket any more: send nothing
         await asyncio.to_thread(self.router_thread.join, 10)
         self.control.close(linger=0)
         if self.auth is not None:
@@ -733,8 +735,9 @@ class Supervisor:
     # ------------------------------------------------------------ helpers
 
     def _command(self, *cmd: Any) -> None:
-        if not self.control.closed:  # after a fast stop the router closes before the last workers are reaped
-            self.control.send_pyobj(cmd)
+        if self._router_stopping:  # a fast stop closes the router before the last workers are reaped
+            return
+        self.control.send_pyobj(cmd)
 
     def _publish(self, slot: WorkerSlot) -> None:
         self._command("info", slot.name, slot.info())

@@ -324,7 +324,9 @@ class Engine:
         try:
             tokens = self._prompt_tokens(run.prompt)
         except ValueError as e:  # a ChatError carries its own code (no_chat_template)
-            out.failed.append([run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e), "prompt"])
+            chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
+            out.failed.append([run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
+                               "messages" if chat else "prompt"])
             return None
         prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
         seq_id, reused = self._take_slot(prompt)
