@@ -179,8 +179,8 @@ def parse_params(raw: Any) -> SamplingParams:
         if v is None and (key == "seed" or key not in raw):
             continue
         why = limits.problem(key, v)
-        if why is not None:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, why, key)
+        if why is not None or v is None:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, why or f"'{key}' must not be null", key)
         kw[key] = v if limit.integer else float(v)
     if raw.get("stop") is not None:
         kw["stop"] = _stop(raw["stop"])
