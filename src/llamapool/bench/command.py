@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ubatch", type=int, default=512, help="ceiling's llama.cpp micro-batch")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", metavar="FILE", help="append each row to FILE as a JSON line")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
 def _router_only(args: argparse.Namespace) -> int:
