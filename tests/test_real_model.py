@@ -130,7 +130,7 @@ def test_output_is_unchanged_by_a_stream_running_beside_it(daemon: Daemon, refer
                         streaming.set()
                     if stop.is_set():
                         break
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
         streaming.set()
 
