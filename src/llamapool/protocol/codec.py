@@ -5,19 +5,22 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
-from llamapool.protocol import limits
+from llamapool.protocol import control, limits
 from llamapool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Cancel,
     ChatMessage,
     Chunk,
+    Delta,
+    Done,
     Error,
     ErrorCode,
+    Failed,
     Generate,
     Heartbeat,
     Hello,
@@ -34,6 +37,7 @@ from llamapool.protocol.messages import (
     Step,
 )
 
+T = TypeVar("T")
 MAX_ID_LEN = 128
 MAX_PROMPTS = 256
 MAX_TOKEN_ID = 2**31 - 1
@@ -73,7 +77,7 @@ def _wire(value: Any) -> Any:
     return value
 
 
-def to_dict(msg: Message) -> dict[str, Any]:
+def to_dict(msg: Message | control.Command) -> dict[str, Any]:
     d: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     for f in dataclasses.fields(msg):  # type: ignore[arg-type]
         d[f.name] = _wire(getattr(msg, f.name))
@@ -89,7 +93,7 @@ def to_dict(msg: Message) -> dict[str, Any]:
     return d
 
 
-def encode(msg: Message) -> bytes:
+def encode(msg: Message | control.Command) -> bytes:
     """Encode one message as one msgpack frame."""
     return msgpack.packb(to_dict(msg), use_bin_type=True)
 
@@ -261,6 +265,9 @@ def _run(d: dict[str, Any]) -> Run:
     return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"], req if isinstance(req, str) else "")
 
 
+COMMAND_TYPES: dict[str, Callable[[dict[str, Any]], control.Command]] = {
+    cls.TYPE: _plain(cls) for cls in control.COMMANDS  # type: ignore[attr-defined,misc]
+}
 CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Generate.TYPE: _generate,
     Cancel.TYPE: _id_only(Cancel),
@@ -271,8 +278,11 @@ REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply, MetricsReply)
 }
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Step, Shutdown)
+    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown)
 }
+WORKER_TYPES[Step.TYPE] = lambda d: Step(
+    deltas=[Delta(*e) for e in d.get("deltas", ())], done=[Done(*e) for e in d.get("done", ())],
+    failed=[Failed(*e) for e in d.get("failed", ())], active=d.get("active", 0))
 ROUTER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Run.TYPE: _run,
     Abort.TYPE: _plain(Abort),
@@ -300,9 +310,9 @@ def peek_id(frame: bytes) -> str | None:
 
 def decode(
     frames: list[bytes],
-    types: dict[str, Callable[[dict[str, Any]], Message]],
+    types: dict[str, Callable[[dict[str, Any]], T]],
     max_frame: int = DEFAULT_MAX_FRAME,
-) -> Message:
+) -> T:
     """Decode a message's frames with the parsers in ``types``; raise :class:`ProtocolError`."""
     if len(frames) != 1:
         raise ProtocolError(ErrorCode.MALFORMED, f"expected 1 frame, got {len(frames)}")

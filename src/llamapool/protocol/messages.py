@@ -8,7 +8,7 @@ the backend socket; both use the same codec (``llamapool.protocol.codec``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 PROTOCOL_VERSION = 1
 
@@ -211,18 +211,42 @@ class Abort:
     rid: int
 
 
+class Delta(NamedTuple):
+    """New text of a running sequence: ``[rid, text, tokens]`` on the wire."""
+
+    rid: int
+    text: str
+    tokens: int  # tokens generated so far
+
+
+class Done(NamedTuple):
+    """A finished sequence: ``[rid, finish_reason, text, prompt_tokens, completion_tokens]``."""
+
+    rid: int
+    reason: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Failed(NamedTuple):
+    """A sequence that failed: ``[rid, code, message, field]``."""
+
+    rid: int
+    code: str
+    message: str
+    field: str | None
+
+
 @dataclass(slots=True)
 class Step:
-    """Worker -> router, once per engine step: every sequence's delta and every finish.
-
-    ``deltas``: ``[rid, text, tokens_so_far]``; ``done``: ``[rid, finish_reason, text,
-    prompt_tokens, completion_tokens]``; ``failed``: ``[rid, code, message, field]``.
-    """
+    """Worker -> router, once per engine step: every sequence's delta and every finish (each entry
+    a named tuple, an array on the wire)."""
 
     TYPE: ClassVar[str] = "step"
-    deltas: list[list[Any]] = field(default_factory=list)
-    done: list[list[Any]] = field(default_factory=list)
-    failed: list[list[Any]] = field(default_factory=list)
+    deltas: list[Delta] = field(default_factory=list)
+    done: list[Done] = field(default_factory=list)
+    failed: list[Failed] = field(default_factory=list)
     active: int = 0
 
 

@@ -22,7 +22,22 @@ from zmq.utils.monitor import recv_monitor_message
 from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import ipc_path, needs_curve
-from llamapool.protocol import codec
+from llamapool.protocol import codec, control
+from llamapool.protocol.control import (
+    CancelAll,
+    Drained,
+    ForgetWorker,
+    GpuRows,
+    KillWorker,
+    PoolModels,
+    ReadyCount,
+    RetireWorker,
+    StartDrain,
+    StopRouter,
+    WorkerExited,
+    WorkerInfo,
+    WorkerJoined,
+)
 from llamapool.protocol.messages import (
     Abort,
     Cancel,
@@ -129,7 +144,7 @@ class Router:
     """Owns the frontend, backend and control sockets; ``run`` is the loop."""
 
     def __init__(self, cfg: RouterConfig, zctx: zmq.Context, control_addr: str,
-                 on_event: Callable[[tuple[Any, ...]], None] = lambda e: None):
+                 on_event: Callable[[control.Event], None] = lambda e: None):
         self.cfg = cfg
         self.zctx = zctx
         self.on_event = on_event  # called from the router thread: keep it thread-safe
@@ -204,7 +219,7 @@ class Router:
                         self.handshakes.event(recv_monitor_message(sock))
                 else:
                     while self.control.poll(0):
-                        self._on_control(self.control.recv_pyobj())
+                        self._on_control(codec.decode([self.control.recv()], codec.COMMAND_TYPES))
             now = time.monotonic()
             self.loop_progress = now
             if now >= next_tick:
@@ -415,7 +430,7 @@ class Router:
                 LOG.info(f"worker {name} of node {msg.node} joined (pid {msg.pid}, {msg.device}, {msg.slots} slots)",
                          worker=name, node=msg.node, key=security.fingerprint(key.encode()) if key else None)
             self._queue(model)
-            self.on_event(("hello", name, msg.pid))
+            self.on_event(WorkerJoined(name, msg.pid))
             return
         if w is None or w.ident != ident:
             return  # a worker we dropped; it will be killed by the supervisor
@@ -432,7 +447,7 @@ class Router:
 
     def _on_step(self, w: WorkerState, step: Step) -> None:
         now = time.monotonic()
-        for rid, text, ntok in step.deltas:
+        for rid, text, ntok in step.deltas:  # Delta named tuples
             job = w.jobs.get(rid)
             if job is None and rid not in w.orphans:  # a request of a previous router, or one we lost it
                 w.orphans.add(rid)  # with (a partition): its client had its final reply; free the slot
@@ -500,7 +515,6 @@ class Router:
                 "id": w.name, "node": w.hello.node, "pid": w.hello.pid, "device": w.hello.device, "slots": 0,
                 "active": 0, "state": "stopped" if why == "it shut down" else "lost", "reason": why,
                 "model": w.model}
-        self.on_event(("lost", w.name, w.hello.pid, why))
 
     def _refusal(self, name: str, hello: Hello, key: str) -> str:
         """Why a worker's hello cannot be accepted ("" if it can): its name must be unique, and the
@@ -582,11 +596,11 @@ class Router:
             if now - w.last_seen > dead_after:
                 why = f"missed {self.cfg.heartbeat_liveness} heartbeats"
                 self._lose_worker(w, why)
-                self.on_event(("kill", w.name, w.hello.pid, why))
+                self.on_event(KillWorker(w.name, w.hello.pid, why))
             elif w.busy_for > self.cfg.step_timeout:
                 why = f"engine step ran {w.busy_for:.1f}s > workers.step_timeout"
                 self._lose_worker(w, why)
-                self.on_event(("kill", w.name, w.hello.pid, why))
+                self.on_event(KillWorker(w.name, w.hello.pid, why))
             elif now - w.last_sent >= self.cfg.heartbeat_interval:
                 w.last_sent = now
                 self._send_worker(w, Heartbeat())
@@ -616,39 +630,39 @@ class Router:
                       and not any(w.model == m for w in self.workers.values())]:
             del self.queues[model]
         if self.draining and not self.jobs:
-            self.on_event(("drained",))
+            self.on_event(Drained())
 
     # ------------------------------------------------------------ supervisor
 
-    def _on_control(self, cmd: tuple[Any, ...]) -> None:
-        op = cmd[0]
-        if op == "info":  # ("info", name, {...}) the supervisor's view of a worker
-            self.sup_info[cmd[1]] = cmd[2]
-        elif op == "forget":
-            self.sup_info.pop(cmd[1], None)
-        elif op == "gpus":
-            self.gpus = cmd[1]
-        elif op == "exited":  # ("exited", name, pid, how)
-            w = self.workers.get(cmd[1])
-            if w is not None and w.hello.pid == cmd[2]:
-                self._lose_worker(w, cmd[3])
-        elif op == "retire":  # ("retire", name): stop routing to it and let it drain and exit
-            w = self.workers.get(cmd[1])
+    def _on_control(self, cmd: control.Command) -> None:
+        """One command of the supervisor (protocol/control.py)."""
+        if isinstance(cmd, WorkerInfo):
+            self.sup_info[cmd.name] = cmd.info
+        elif isinstance(cmd, ForgetWorker):
+            self.sup_info.pop(cmd.name, None)
+        elif isinstance(cmd, GpuRows):
+            self.gpus = cmd.rows
+        elif isinstance(cmd, WorkerExited):
+            w = self.workers.get(cmd.name)
+            if w is not None and w.hello.pid == cmd.pid:
+                self._lose_worker(w, cmd.how)
+        elif isinstance(cmd, RetireWorker):
+            w = self.workers.get(cmd.name)
             if w is not None and w.model not in self.models and self.queues.get(w.model):
                 w.closing = True  # its model left the pool: it serves what waits for it first
             elif w is not None:
                 self._retire(w)
-        elif op == "models":  # ("models", [name, ...]): the pool's models now (reload); the first is the default
-            self.models = list(cmd[1]) or [""]
+        elif isinstance(cmd, PoolModels):
+            self.models = list(cmd.names) or [""]
             self.metrics.model = self.models[0]
             for model in self.models:
                 self._queue(model)
-        elif op == "drain":  # refuse new requests; accepted ones (queued too) still run
+        elif isinstance(cmd, StartDrain):
             self.draining = True
-        elif op == "cancel_all":
+        elif isinstance(cmd, CancelAll):
             for job in list(self.jobs.values()):
                 self._cancel_job(job, ErrorCode.UNAVAILABLE)
-        elif op == "stop":
+        elif isinstance(cmd, StopRouter):
             self.running = False
 
     def _retire(self, w: WorkerState) -> None:
@@ -659,7 +673,7 @@ class Router:
         n = sum(1 for w in self.workers.values() if w.routable)
         if n != self._last_ready:
             self._last_ready = n
-            self.on_event(("ready", n, self.queued))
+            self.on_event(ReadyCount(n, self.queued))
 
     def _status(self, rid: str) -> StatusReply:
         rows = []

@@ -6,11 +6,8 @@ runs the router in a thread, watches its children, restarts the dead with backof
 signals into drain (TERM/INT), fast stop (QUIT) and rolling reload (HUP). It never imports
 llama_cpp, so it never creates a CUDA context.
 
-Worker lifecycle (:class:`WorkerSlot.state`)::
-
-    starting --hello--> ready --exit/kill--> backoff --delay--> starting
-        |                 |--retire (reload)--> retiring --exit--> (successor) starting
-        '--permanent error / flapping--> failed          stop --> stopped
+The lifecycle of each worker and gateway (:class:`WorkerSlot.state`) is the table of
+``supervisor/lifecycle.py``: every change of state is checked against it.
 """
 
 from __future__ import annotations
@@ -34,10 +31,28 @@ import zmq
 from llamapool import lifeline, security
 from llamapool import log as logmod
 from llamapool.config import Config, ConfigError, ModelConfig, load_config, needs_curve, step_budget
+from llamapool.protocol import codec, control
+from llamapool.protocol.control import (
+    CancelAll,
+    Drained,
+    ForgetWorker,
+    GpuRows,
+    KillWorker,
+    PoolModels,
+    ReadyCount,
+    RetireWorker,
+    StartDrain,
+    StopRouter,
+    WorkerExited,
+    WorkerInfo,
+    WorkerJoined,
+)
 from llamapool.router import Router, RouterConfig
 from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
+from llamapool.supervisor import lifecycle
 from llamapool.supervisor.env import cpu_threads, worker_env
+from llamapool.supervisor.lifecycle import State
 from llamapool.supervisor.runlock import RunLock
 from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
@@ -56,7 +71,7 @@ class WorkerSlot:
     name: str
     gpus: tuple[gpumod.Gpu, ...] = ()
     model: ModelConfig | None = None  # None for a gateway process
-    state: str = "starting"  # starting | ready | backoff | retiring | failed | stopped
+    state: State = State.STARTING  # every change goes through lifecycle.move (see __setattr__)
     proc: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     ready_at: float = 0.0
@@ -72,6 +87,11 @@ class WorkerSlot:
     live_at: float = 0.0  # a node's worker: when its last liveness line came (llamapool node)
     busy_for: float = 0.0  # ... and how long its running engine step had taken then
 
+    def __setattr__(self, key: str, value: object) -> None:
+        if key == "state":  # the one transition check (supervisor/lifecycle.py)
+            value = lifecycle.move(self.name, self.__dict__.get("state"), str(value))
+        object.__setattr__(self, key, value)
+
     @property
     def gpu(self) -> gpumod.Gpu | None:
         """The (first) GPU, None for a CPU worker."""
@@ -85,7 +105,7 @@ class WorkerSlot:
     def info(self) -> dict[str, Any]:
         return {
             "id": self.name, "pid": self.proc.pid if self.proc else None, "device": self.device,
-            "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+            "state": self.state.value, "restarts": self.restarts, "last_exit": self.last_exit,
             "reason": self.reason, "log_tail": list(self.log)[-10:],
             "gpu_index": self.gpu.index if self.gpu else None, "exits": dict(self.exits),
             "gpu_indices": [g.index for g in self.gpus], "model": self.model.name if self.model else None,
@@ -197,7 +217,7 @@ class Supervisor:
         return True
 
     async def _stop_router(self) -> None:
-        self._command("stop")
+        self._command(StopRouter())
         self._router_stopping = True  # nothing reads the control socket any more: send nothing
         await asyncio.to_thread(self.router_thread.join, 10)
         self.control.close(linger=0)
@@ -271,7 +291,7 @@ class Supervisor:
 
     def _spec(self, slot: WorkerSlot) -> WorkerSpec:
         m, w = slot.model or self.cfg.model, self.cfg.workers
-        live = [s for s in self.slots if s.state not in ("stopped", "retiring")] or [slot]
+        live = [s for s in self.slots if s.state not in (State.STOPPED, State.RETIRING)] or [slot]
         # the cores are split between every CPU worker of every model (a model's threads overrides)
         n_cpu = sum(1 for s in live if not s.gpus) or 1
         threads = cpu_threads(n_cpu, m.threads) if not slot.gpus else min(8, cpu_threads(len(live), m.threads))
@@ -291,7 +311,7 @@ class Supervisor:
         return logmod.child_env(self.cfg.log.format, self.cfg.log.level)
 
     def _start(self, slot: WorkerSlot) -> None:
-        slot.state, slot.kill_reason = "starting", None
+        slot.state, slot.kill_reason = State.STARTING, None
         slot.live_at = slot.busy_for = 0.0
         slot.ready_event.clear()
         self._spawn_task(self._run_worker(slot))
@@ -320,11 +340,11 @@ class Supervisor:
         if slot.kill_reason:
             how += f" (killed: {slot.kill_reason})"
         slot.last_exit, slot.proc = how, None
-        self._command("exited", slot.name, proc.pid, how)
-        if slot.state in ("retiring", "stopped") or self.stopping:
+        self._command(WorkerExited(slot.name, proc.pid, how))
+        if slot.state in (State.RETIRING, State.STOPPED) or self.stopping:
             self._log(f"{slot.name}: pid {proc.pid} exited ({how})")
-            if slot.state == "retiring":
-                slot.state = "stopped"
+            if slot.state == State.RETIRING:
+                slot.state = State.STOPPED
             self._publish(slot)
             return
         now = time.monotonic()
@@ -333,10 +353,10 @@ class Supervisor:
         slot.deaths.append(now)
         if code == EXIT_PERMANENT:
             fatal = [ln for ln in slot.log if "FATAL" in ln]
-            slot.state, slot.reason = "failed", (fatal[-1] if fatal else how)
+            slot.state, slot.reason = State.FAILED, (fatal[-1] if fatal else how)
         elif sum(1 for t in slot.deaths if now - t < self.cfg.workers.flap_window) > \
                 self.cfg.workers.flap_limit:
-            slot.state = "failed"
+            slot.state = State.FAILED
             slot.reason = (f"flapping: died more than {self.cfg.workers.flap_limit} times in "
                            f"{self.cfg.workers.flap_window:g}s; last: {how}")
         else:
@@ -345,17 +365,17 @@ class Supervisor:
             delay = min(self.cfg.workers.restart_backoff * 2**slot.streak,
                         self.cfg.workers.restart_backoff_max)
             slot.streak += 1
-            slot.state = "backoff"
+            slot.state = State.BACKOFF
             self._log(f"{slot.name}: pid {proc.pid} died ({how}); restarting in {delay:g}s", "warning")
             self._spawn_task(self._restart_later(slot, delay))
-        if slot.state == "failed":
+        if slot.state == State.FAILED:
             self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
         self._publish(slot)
         self._check_all_failed()
 
     async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)
-        if slot.state == "backoff" and not self.stopping:
+        if slot.state == State.BACKOFF and not self.stopping:
             slot.restarts += 1
             self._start(slot)
 
@@ -390,14 +410,14 @@ class Supervisor:
         from llamapool.gateway import GatewaySpec
 
         http = self.cfg.http
-        if http is None or slot.state == "stopped":  # a reload removed [http] or retired this one
+        if http is None or slot.state == State.STOPPED:  # a reload removed [http] or retired this one
             return
         host, port = http.host_port
         spec = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
                            model=self.cfg.model_name, api_keys_file=http.api_keys_file,
                            drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
                            max_message_bytes=self.cfg.server.max_message_bytes, **self._curve_for(self.cfg.frontend))
-        slot.state = "starting"
+        slot.state = State.STARTING
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
             env={**scrub_env(os.environ), **logmod.child_env(self.cfg.log.format, self.cfg.log.level),
@@ -409,27 +429,27 @@ class Supervisor:
         assert proc.stdout is not None
         async for raw in proc.stdout:
             line = self._child_line(slot, raw)
-            if "listening on" in line and slot.state == "starting":
-                slot.state, slot.ready_at = "ready", time.monotonic()
+            if "listening on" in line and slot.state == State.STARTING:
+                slot.state, slot.ready_at = State.READY, time.monotonic()
         code = await proc.wait()
         slot.proc = None
         slot.last_exit = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        if self.stopping or slot.state == "stopped":
+        if self.stopping or slot.state == State.STOPPED:
             self._log(f"{slot.name}: pid {proc.pid} exited ({slot.last_exit})")
             return
         if code == EXIT_PERMANENT:
             fatal = [ln for ln in slot.log if "FATAL" in ln]
-            slot.state, slot.reason = "failed", fatal[-1] if fatal else slot.last_exit
+            slot.state, slot.reason = State.FAILED, fatal[-1] if fatal else slot.last_exit
             self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
             return
         if slot.ready_at and time.monotonic() - slot.ready_at > self.cfg.workers.restart_backoff_max:
             slot.streak = 0
         delay = min(self.cfg.workers.restart_backoff * 2**slot.streak, self.cfg.workers.restart_backoff_max)
         slot.streak += 1
-        slot.state = "backoff"
+        slot.state = State.BACKOFF
         self._log(f"{slot.name}: pid {proc.pid} died ({slot.last_exit}); restarting in {delay:g}s", "warning")
         await asyncio.sleep(delay)
-        if not self.stopping and slot.state == "backoff":
+        if not self.stopping and slot.state == State.BACKOFF:
             slot.restarts += 1
             self._spawn_task(self._run_gateway(slot))
 
@@ -441,17 +461,17 @@ class Supervisor:
         new = [gw for gw in self.gateways if gw not in old]
         self.gateways = new + old  # a stop during the switch reaches them all
         end = time.monotonic() + 15
-        while time.monotonic() < end and not self.stopping and any(gw.state != "ready" for gw in new) \
-                and not any(gw.state == "failed" for gw in new):
+        while time.monotonic() < end and not self.stopping and any(gw.state != State.READY for gw in new) \
+                and not any(gw.state == State.FAILED for gw in new):
             await asyncio.sleep(0.05)
         if self.stopping:
             return
-        ok = all(gw.state == "ready" for gw in new)
+        ok = all(gw.state == State.READY for gw in new)
         if not ok:
             self._log("reload: the new HTTP gateway processes did not start listening; the old ones keep serving")
         retired = old if ok else new
         for gw in retired:
-            gw.state = "stopped"
+            gw.state = State.STOPPED
             if gw.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     gw.proc.terminate()
@@ -467,7 +487,7 @@ class Supervisor:
     async def _stop_gateways(self, grace: float) -> None:
         """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL."""
         for gw in self.gateways:
-            gw.state = "stopped"
+            gw.state = State.STOPPED
         self._signal_gateways(signal.SIGTERM)
         await self._reap_by(self.gateways, time.monotonic() + grace)
 
@@ -487,25 +507,27 @@ class Supervisor:
 
     # ------------------------------------------------------------ router events
 
-    def _from_router_thread(self, event: tuple[Any, ...]) -> None:
+    def _from_router_thread(self, event: control.Event) -> None:
         self.loop.call_soon_threadsafe(self._on_router, event)
 
     def _spawn_task_of(self, handler: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._spawn_task(handler())
 
-    def _on_router(self, event: tuple[Any, ...]) -> None:
-        kind = event[0]
-        slot = next((s for s in self.slots if len(event) > 1 and s.name == event[1]), None)
-        if kind == "hello" and slot is not None:
-            if slot.state == "starting":
+    def _on_router(self, event: control.Event) -> None:
+        """One event of the router thread (protocol/control.py), in the event loop."""
+        if isinstance(event, WorkerJoined):
+            slot = self._slot(event.name)
+            if slot is not None and slot.state == State.STARTING:
                 self._ever_ready = True
-                slot.state, slot.ready_at, slot.reason = "ready", time.monotonic(), None
+                slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
                 slot.ready_event.set()
                 self._publish(slot)
-        elif kind == "kill" and slot is not None:
-            self._spawn_task(self._kill(slot, event[2], event[3]))
-        elif kind == "ready":
-            self._ready_workers, self._queued = event[1], event[2]
+        elif isinstance(event, KillWorker):
+            slot = self._slot(event.name)
+            if slot is not None:
+                self._spawn_task(self._kill(slot, event.pid, event.why))
+        elif isinstance(event, ReadyCount):
+            self._ready_workers, self._queued = event.ready, event.queued
             if not self._announced_ready and self._ready_workers >= min(
                     self.cfg.server.min_ready_workers, len(self.slots)):
                 self._announced_ready = True
@@ -513,8 +535,11 @@ class Supervisor:
                           f"(server.min_ready_workers = {self.cfg.server.min_ready_workers})")
                 self.notify.ready()  # after the line: in the journal it comes before systemd's "Started"
             self.notify.status(f"{self._ready_workers} workers ready, {self._queued} queued")
-        elif kind == "drained":
+        elif isinstance(event, Drained):
             self._drained.set()
+
+    def _slot(self, name: str) -> WorkerSlot | None:
+        return next((s for s in self.slots if s.name == name), None)
 
     # ------------------------------------------------------------ signals
 
@@ -541,12 +566,12 @@ class Supervisor:
         if not self._begin_drain():
             return
         self._signal_gateways(signal.SIGTERM)  # they stop accepting and finish their streams
-        self._command("drain")
+        self._command(StartDrain())
         try:
             await asyncio.wait_for(self._drained.wait(), self.cfg.server.drain_timeout)
         except TimeoutError:
             self._log("drain timeout: cancelling what is left", "warning")
-            self._command("cancel_all")
+            self._command(CancelAll())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), 5)
         self._stop.set()
@@ -600,7 +625,7 @@ class Supervisor:
                   f"{len(added)} worker(s) to start, {len(removed)} to retire, {len(staying)} to replace")
         self.cfg = new
         logmod.configure(new.log.format, new.log.level)
-        self._command("models", new.model_names)
+        self._command(PoolModels(list(new.model_names)))
         self._spawn_task(self._reload_gateways())
         # a new worker whose GPU a leaving worker holds starts once that one has exited
         held = {g.uuid for s in removed for g in s.gpus}
@@ -634,11 +659,11 @@ class Supervisor:
         """A worker that leaves the pool: it finishes its requests (and, when its model left, what is
         queued for that model), then exits; then it is forgotten."""
         proc = slot.proc
-        ready = slot.state == "ready"
-        slot.state = "retiring"
+        ready = slot.state == State.READY
+        slot.state = State.RETIRING
         self._publish(slot)
         if proc is not None and ready:
-            self._command("retire", slot.name)
+            self._command(RetireWorker(slot.name))
             try:
                 await asyncio.wait_for(proc.wait(), self.cfg.server.drain_timeout + self.cfg.server.queue_timeout)
             except TimeoutError:
@@ -651,18 +676,18 @@ class Supervisor:
             await proc.wait()
         while slot.proc is not None:  # let the reaper run
             await asyncio.sleep(0.05)
-        slot.state = "stopped"
+        slot.state = State.STOPPED
         if slot in self.slots:
             self.slots.remove(slot)
-        self._command("forget", slot.name)
+        self._command(ForgetWorker(slot.name))
         self._log(f"{slot.name}: retired")
 
     async def _replace(self, slot: WorkerSlot) -> None:
         old = slot.proc
-        if old is not None and slot.state == "ready":
-            slot.state = "retiring"
+        if old is not None and slot.state == State.READY:
+            slot.state = State.RETIRING
             self._publish(slot)
-            self._command("retire", slot.name)
+            self._command(RetireWorker(slot.name))
             try:
                 await asyncio.wait_for(old.wait(), self.cfg.server.drain_timeout)
             except TimeoutError:
@@ -672,7 +697,7 @@ class Supervisor:
             while slot.proc is not None:  # let the reaper run
                 await asyncio.sleep(0.05)
         elif old is not None:
-            slot.state = "stopped"
+            slot.state = State.STOPPED
             with contextlib.suppress(ProcessLookupError):
                 old.kill()
             await old.wait()
@@ -687,7 +712,7 @@ class Supervisor:
     async def _shutdown_workers(self) -> None:
         live = [s for s in self.slots if s.proc is not None]
         for slot in live:
-            slot.state = "stopped"
+            slot.state = State.STOPPED
             assert slot.proc is not None
             with contextlib.suppress(ProcessLookupError):
                 slot.proc.terminate()  # the worker finishes what it has (nothing now) and exits
@@ -706,11 +731,11 @@ class Supervisor:
         while not self._stop.is_set():
             now = time.monotonic()
             for slot in self.slots:
-                if slot.state == "starting" and slot.proc is not None and \
+                if slot.state == State.STARTING and slot.proc is not None and \
                         now - slot.started_at > self.cfg.workers.start_timeout:
                     self._spawn_task(self._kill(slot, slot.proc.pid, "no hello within "
                                                 f"workers.start_timeout={self.cfg.workers.start_timeout:g}s"))
-            if all(slot.state == "failed" for slot in self.slots):
+            if all(slot.state == State.FAILED for slot in self.slots):
                 self.notify.status("every worker failed: " + "; ".join(sorted({str(s.reason) for s in self.slots})))
             elif not self._announced_ready:
                 self.notify.extend_timeout(10)
@@ -722,11 +747,11 @@ class Supervisor:
                 xids = self.xids.poll()
                 for row in rows:
                     row["xid_errors"] = xids.get(row["uuid"], 0)
-                self._command("gpus", rows)
+                self._command(GpuRows(rows))
                 for row in rows:
                     lost = next((s for s in self.slots if any(g.uuid == row["uuid"] for g in s.gpus)), None)
-                    if row.get("lost") and lost is not None and lost.state != "failed":
-                        lost.state, lost.reason = "failed", f"GPU lost: {row.get('error')}"
+                    if row.get("lost") and lost is not None and lost.state != State.FAILED:
+                        lost.state, lost.reason = State.FAILED, f"GPU lost: {row.get('error')}"
                         if lost.proc is not None:
                             self._spawn_task(self._kill(lost, lost.proc.pid, lost.reason))
                         self._publish(lost)
@@ -734,13 +759,13 @@ class Supervisor:
 
     # ------------------------------------------------------------ helpers
 
-    def _command(self, *cmd: Any) -> None:
+    def _command(self, cmd: control.Command) -> None:
         if self._router_stopping:  # a fast stop closes the router before the last workers are reaped
             return
-        self.control.send_pyobj(cmd)
+        self.control.send(codec.encode(cmd))
 
     def _publish(self, slot: WorkerSlot) -> None:
-        self._command("info", slot.name, slot.info())
+        self._command(WorkerInfo(slot.name, slot.info()))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -786,7 +811,7 @@ class Supervisor:
         can say why; a restart by systemd would not bring a lost GPU back.
         """
         if (self._ever_ready and not self.exit_when_all_failed) or self.stopping or not self.slots or \
-                not all(s.state == "failed" for s in self.slots):
+                not all(s.state == State.FAILED for s in self.slots):
             return
         reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
         when = "after joining" if self._ever_ready else "at start-up"

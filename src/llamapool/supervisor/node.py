@@ -30,7 +30,10 @@ from typing import Any
 from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import Config, ConfigError
+from llamapool.protocol import control
+from llamapool.protocol.control import ReadyCount, RetireWorker, WorkerInfo
 from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
+from llamapool.supervisor.lifecycle import State
 from llamapool.worker.server import JOINED, JOINING, LIVE_MARK, WorkerSpec
 
 REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refused node key
@@ -86,7 +89,7 @@ class NodeSupervisor(Supervisor):
             now = time.monotonic()
             for slot in self.slots:
                 proc = slot.proc
-                if proc is None or slot.state in ("starting", "stopped", "failed") or slot.kill_reason \
+                if proc is None or slot.state in (State.STARTING, State.STOPPED, State.FAILED) or slot.kill_reason \
                         or not slot.live_at:
                     continue
                 since = now - slot.live_at
@@ -133,10 +136,10 @@ class NodeSupervisor(Supervisor):
         msg = super()._child_line(slot, raw)
         if slot.proc is None:
             return msg
-        if JOINED in msg and slot.state in ("starting", "joining"):
+        if JOINED in msg and slot.state in (State.STARTING, State.JOINING):
             self._joined(slot)
-        elif JOINING in msg and slot.state == "starting":
-            slot.state = "joining"  # loaded: no start_timeout now, it waits for the router to accept it
+        elif JOINING in msg and slot.state == State.STARTING:
+            slot.state = State.JOINING  # loaded: no start_timeout now, it waits for the router to accept it
             self._publish(slot)
         elif "cannot join" in msg and "refused this worker's key" in msg:
             self._refused_hint()
@@ -145,7 +148,7 @@ class NodeSupervisor(Supervisor):
     def _joined(self, slot: WorkerSlot) -> None:
         """The router accepted the worker: it is ready (the base class's ``hello``)."""
         self._ever_ready = True
-        slot.state, slot.ready_at, slot.reason = "ready", time.monotonic(), None
+        slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
         slot.ready_event.set()
         self._publish(slot)
 
@@ -171,16 +174,15 @@ class NodeSupervisor(Supervisor):
 
     # ------------------------------------------------------------ what the router's control socket did
 
-    def _command(self, *cmd: Any) -> None:
-        """The base class's messages to its router thread, done here: readiness for systemd, and
-        ``retire`` (reload) as SIGTERM, which makes the worker finish its requests and leave."""
-        op = cmd[0]
-        if op == "info":
-            ready = sum(1 for s in self.slots if s.state == "ready")
+    def _command(self, cmd: control.Command) -> None:
+        """The base class's commands to its router thread, done here: readiness for systemd, and
+        a retired worker (reload) gets SIGTERM, which makes it finish its requests and leave."""
+        if isinstance(cmd, WorkerInfo):
+            ready = sum(1 for s in self.slots if s.state == State.READY)
             if ready != self._ready_workers or not self._announced_ready:
-                self._on_router(("ready", ready, 0))
-        elif op == "retire":
-            slot = next((s for s in self.slots if s.name == cmd[1]), None)
+                self._on_router(ReadyCount(ready, 0))
+        elif isinstance(cmd, RetireWorker):
+            slot = self._slot(cmd.name)
             if slot is not None and slot.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.terminate()
@@ -192,7 +194,7 @@ class NodeSupervisor(Supervisor):
             return
         live = [s for s in self.slots if s.proc is not None]
         for slot in live:
-            slot.state = "stopped"
+            slot.state = State.STOPPED
             assert slot.proc is not None
             with contextlib.suppress(ProcessLookupError):
                 slot.proc.terminate()

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from llamapool.protocol.messages import Run, Step
+from llamapool.protocol.messages import Delta, Done, Run, Step
 
 
 @dataclass(eq=False)
@@ -45,10 +45,10 @@ class EchoEngine:
         for run in list(self.waiting):
             if run.rid == rid:
                 self.waiting.remove(run)
-                out.done.append([rid, "cancelled", "", 0, 0])
+                out.done.append(Done(rid, "cancelled", "", 0, 0))
         if rid in self.active:
             seq = self.active.pop(rid)
-            out.done.append([rid, "cancelled", "x" * seq.generated, seq.prompt_tokens, seq.generated])
+            out.done.append(Done(rid, "cancelled", "x" * seq.generated, seq.prompt_tokens, seq.generated))
 
     def step(self, flush: Any = None) -> Step:
         out = Step()
@@ -60,10 +60,10 @@ class EchoEngine:
         for seq in list(self.active.values()):
             seq.generated += 1
             if seq.stream:
-                out.deltas.append([seq.rid, "x", seq.generated])
+                out.deltas.append(Delta(seq.rid, "x", seq.generated))
             if seq.generated >= seq.max_tokens:
                 del self.active[seq.rid]
-                out.done.append([seq.rid, "length", "x" * seq.generated, seq.prompt_tokens, seq.generated])
+                out.done.append(Done(seq.rid, "length", "x" * seq.generated, seq.prompt_tokens, seq.generated))
         out.active = len(self.active)
         return out
 

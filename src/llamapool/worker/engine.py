@@ -19,7 +19,7 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from llamapool.protocol.messages import ErrorCode, Prompt, Run, SamplingParams, Step
+from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
 from llamapool.worker.chat import ChatFormatter
 from llamapool.worker.text import TextStream
 
@@ -300,7 +300,7 @@ class Engine:
         for run in self.waiting:
             if run.rid == rid:
                 self.waiting.remove(run)
-                out.done.append([rid, "cancelled", "", 0, 0])
+                out.done.append(Done(rid, "cancelled", "", 0, 0))
                 return
         seq = self._find(rid)
         if seq is not None:
@@ -325,8 +325,8 @@ class Engine:
             tokens = self._prompt_tokens(run.prompt)
         except ValueError as e:  # a ChatError carries its own code (no_chat_template)
             chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
-            out.failed.append([run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
-                               "messages" if chat else "prompt"])
+            out.failed.append(Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
+                               "messages" if chat else "prompt"))
             return None
         prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
         seq_id, reused = self._take_slot(prompt)
@@ -342,7 +342,7 @@ class Engine:
                 self.free_ids.appendleft(seq_id)
                 self.cached.pop(seq_id, None)
                 L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
-                out.failed.append([run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None])
+                out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
                 return None
         self._admitted += 1
         seq = self.active[seq_id] = Sequence(
@@ -591,7 +591,7 @@ class Engine:
         if rc != 0:
             self.inflight = []
             for seq in list(self.active.values()):
-                out.failed.append([seq.rid, ErrorCode.INTERNAL, f"llama_decode returned {rc}", None])
+                out.failed.append(Failed(seq.rid, ErrorCode.INTERNAL, f"llama_decode returned {rc}", None))
                 self._release(seq)
             return False
         self.inflight = order
@@ -636,7 +636,7 @@ class Engine:
         if seq.text.stopped:
             self._finish(seq, "stop", out, delta)
         elif delta and seq.stream:
-            out.deltas.append([seq.rid, delta, seq.generated])
+            out.deltas.append(Delta(seq.rid, delta, seq.generated))
 
     def _piece_of(self, tok: int) -> bytes:
         piece = self._pieces.get(tok)
@@ -648,8 +648,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
         delta += seq.text.finish()
         if delta and seq.stream:
-            out.deltas.append([seq.rid, delta, seq.generated])
-        out.done.append([seq.rid, reason, seq.text.text, len(seq.tokens), seq.generated])
+            out.deltas.append(Delta(seq.rid, delta, seq.generated))
+        out.done.append(Done(seq.rid, reason, seq.text.text, len(seq.tokens), seq.generated))
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

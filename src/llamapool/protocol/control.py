@@ -1,0 +1,126 @@
+"""The supervisor <-> router channel, inside the daemon: typed commands one way, typed events the other.
+
+Commands travel over an inproc ZeroMQ PAIR socket, encoded by ``protocol.codec`` like every other
+message (``codec.COMMAND_TYPES`` decodes them); events are handed to the supervisor's event loop as
+these objects. Each class is one thing that can happen; the router and the supervisor handle each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# ---------------------------------------------------------------- supervisor -> router
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    """The supervisor's view of one of its workers (state, device, restarts...): shown by ``status``."""
+
+    TYPE: ClassVar[str] = "worker_info"
+    name: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ForgetWorker:
+    """A worker that left the pool (its model was removed by a reload): drop it from ``status``."""
+
+    TYPE: ClassVar[str] = "forget_worker"
+    name: str
+
+
+@dataclass(slots=True)
+class GpuRows:
+    """NVML's latest reading of the GPUs (for ``status`` and the metrics)."""
+
+    TYPE: ClassVar[str] = "gpu_rows"
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerExited:
+    """A worker process exited (the supervisor reaped it): its requests are retried or failed now."""
+
+    TYPE: ClassVar[str] = "worker_exited"
+    name: str
+    pid: int
+    how: str
+
+
+@dataclass(slots=True)
+class RetireWorker:
+    """Route nothing more to the worker and let it finish and exit (a reload replaces it)."""
+
+    TYPE: ClassVar[str] = "retire_worker"
+    name: str
+
+
+@dataclass(slots=True)
+class PoolModels:
+    """The pool's models after a reload; the first is the default."""
+
+    TYPE: ClassVar[str] = "pool_models"
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StartDrain:
+    """Refuse new requests; those accepted (queued too) still run. ``Drained`` follows when none is left."""
+
+    TYPE: ClassVar[str] = "start_drain"
+
+
+@dataclass(slots=True)
+class CancelAll:
+    """The drain timed out: end every request now with ``unavailable``."""
+
+    TYPE: ClassVar[str] = "cancel_all"
+
+
+@dataclass(slots=True)
+class StopRouter:
+    """Answer every request left with ``unavailable``, close the sockets and end the router thread."""
+
+    TYPE: ClassVar[str] = "stop_router"
+
+
+Command = (WorkerInfo | ForgetWorker | GpuRows | WorkerExited | RetireWorker | PoolModels | StartDrain
+           | CancelAll | StopRouter)
+COMMANDS: tuple[type, ...] = (WorkerInfo, ForgetWorker, GpuRows, WorkerExited, RetireWorker, PoolModels,
+                              StartDrain, CancelAll, StopRouter)
+
+# ---------------------------------------------------------------- router -> supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerJoined:
+    """A worker said hello and was accepted: it is ready."""
+
+    name: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class KillWorker:
+    """The router gave up on a worker (missed heartbeats, a step past ``step_timeout``): kill it."""
+
+    name: str
+    pid: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyCount:
+    """How many workers are routable now, and how many prompts wait (for sd_notify READY and STATUS)."""
+
+    ready: int
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """The drain is done: no request is left."""
+
+
+Event = WorkerJoined | KillWorker | ReadyCount | Drained
