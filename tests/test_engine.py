@@ -335,7 +335,7 @@ def test_a_sampler_that_cannot_be_built_fails_its_request_and_frees_the_slot(
     while engine.busy:
         step = engine.step()
         out.failed += step.failed
-    assert [f[:2] for f in out.failed] == [[950, "internal"]] and "no such sampler" in out.failed[0][2]
+    assert [f[:2] for f in out.failed] == [(950, "internal")] and "no such sampler" in out.failed[0].message
     assert len(engine.free_ids) == free
 
 

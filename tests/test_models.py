@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from llamapool import Completion, UnknownModelError
+from llamapool.protocol.control import PoolModels, RetireWorker
 from tests.conftest import Daemon, free_port, launch, write_config
 from tests.loadgen import Load
 from tests.test_gateway import GREEDY, wait_http
@@ -357,8 +358,8 @@ def test_router_keeps_a_removed_models_worker_until_its_queue_is_served() -> Non
         r._dispatch()
         runs = [(n, m.rid) for n, m in sent if isinstance(m, Run)]
         assert [n for n, _ in runs] == ["b-cpu0"] and len(r.queues["b"]) == 1, "b's jobs wait for b's worker"
-        r._on_control(("models", ["a"]))
-        r._on_control(("retire", "b-cpu0"))
+        r._on_control(PoolModels(["a"]))
+        r._on_control(RetireWorker("b-cpu0"))
         r._housekeeping(time.monotonic())
         assert not any(type(m).__name__ == "Shutdown" for _, m in sent), "retired before its queue was served"
         r._on_client(b"c", [codec.encode(Generate("y", ["p"], model="b"))])

@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
@@ -21,16 +20,18 @@ from llamapool.client.calls import (
     curve_keys,
     decode_reply,
     generate_frame,
+    metrics_of,
     new_id,
     no_answer,
     not_connected,
     send_timeout_ms,
+    status_of,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Message, MetricsReply, Prompt, StatusReply
+from llamapool.protocol.messages import Cancel, Message, MetricsRequest, Prompt, StatusRequest
 
 
 class AsyncStream:
@@ -141,7 +142,7 @@ class AsyncClient:
     async def _cancel(self, rid: str) -> None:
         self._waiting.pop(rid, None)
         with contextlib.suppress(zmq.Again):  # not connected: nothing to cancel there
-            await self._sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}))
+            await self._sock.send(codec.encode(Cancel(rid)))
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
                        **params: Any) -> Completion:
@@ -197,34 +198,22 @@ class AsyncClient:
             self._waiting.pop(rid, None)
 
     async def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
-        rid = new_id()
-        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), rid,
-                             timeout)
-        try:
-            msg = await asyncio.wait_for(q.get(), timeout)
-        except TimeoutError:
-            raise no_answer(self.endpoint, timeout) from None
-        finally:
-            self._waiting.pop(rid, None)
-        if not isinstance(msg, StatusReply):
-            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
-        return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
-                "draining": msg.draining, "gpus": msg.gpus}
+        """The daemon's view (see ``Client.status``)."""
+        return status_of(await self._query(StatusRequest(new_id()), timeout))
 
     async def metrics(self, *, timeout: float = 5.0) -> str:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
-        rid = new_id()
-        q = await self._open(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}), rid,
-                             timeout)
+        return metrics_of(await self._query(MetricsRequest(new_id()), timeout))
+
+    async def _query(self, request: StatusRequest | MetricsRequest, timeout: float) -> Message:
+        """Send a one-reply request and wait for its reply."""
+        q = await self._open(codec.encode(request), request.id, timeout)
         try:
-            msg = await asyncio.wait_for(q.get(), timeout)
+            return await asyncio.wait_for(q.get(), timeout)
         except TimeoutError:
             raise no_answer(self.endpoint, timeout) from None
         finally:
-            self._waiting.pop(rid, None)
-        if not isinstance(msg, MetricsReply):
-            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
-        return msg.text
+            self._waiting.pop(request.id, None)
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -8,13 +8,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
 from llamapool.client.types import Completion, StreamChunk, Usage
 from llamapool.config import ipc_path, needs_curve
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Chunk, Error, ErrorCode, Generate, Message, Prompt, Result
+from llamapool.protocol.messages import Chunk, Error, ErrorCode, Message, MetricsReply, Prompt, Result, StatusReply
 
 DEFAULT_TIMEOUT = 300.0
 PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed",
@@ -106,18 +104,8 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
         raise ValueError("no prompts given")
     # None means "the default" only where the protocol has no value for it
     sent = {k: v for k, v in params.items() if v is not None or k not in ("seed", "stop")}
-    d: dict[str, Any] = {"v": codec.PROTOCOL_VERSION, "type": Generate.TYPE, "id": rid,
-                         "stream": stream, "params": sent}
-    if batch:
-        d["prompts"] = prompts
-    else:
-        d["prompt"] = prompts[0]
-    if timeout is not None:
-        d["timeout"] = timeout
-    if model is not None:
-        d["model"] = model
     try:
-        frame: bytes = msgpack.packb(d, use_bin_type=True)
+        frame = codec.encode_generate(rid, prompts, batch, stream, timeout, sent, model)
     except (OverflowError, TypeError, ValueError) as e:  # ValueError: a lone surrogate in a string
         raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
     if len(frame) > codec.TRANSPORT_MAX_FRAME:  # the router would drop the connection, not answer
@@ -174,6 +162,21 @@ class Pending:
             assert r is not None
             out.append(r)
         return out
+
+
+def status_of(msg: Message) -> dict[str, Any]:
+    """The ``status()`` answer of both clients, from the router's reply."""
+    if not isinstance(msg, StatusReply):
+        raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+    return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
+            "draining": msg.draining, "gpus": msg.gpus}
+
+
+def metrics_of(msg: Message) -> str:
+    """The ``metrics()`` answer of both clients, from the router's reply."""
+    if not isinstance(msg, MetricsReply):
+        raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+    return msg.text
 
 
 def decode_reply(frames: list[bytes]) -> Message:

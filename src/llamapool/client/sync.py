@@ -9,7 +9,6 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgpack
 import zmq
 
 from llamapool.client.calls import (
@@ -22,16 +21,18 @@ from llamapool.client.calls import (
     curve_keys,
     decode_reply,
     generate_frame,
+    metrics_of,
     new_id,
     no_answer,
     not_connected,
     send_timeout_ms,
+    status_of,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.config import default_frontend
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Message, MetricsReply, Prompt, StatusReply
+from llamapool.protocol.messages import Cancel, Message, MetricsRequest, Prompt, StatusRequest
 
 
 class _Conn:
@@ -175,7 +176,7 @@ class Client:
         conn.dropped.add(rid)
         conn.held.pop(rid, None)
         with contextlib.suppress(zmq.ZMQError):  # the client may be closed already
-            conn.sock.send(msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "cancel", "id": rid}),
+            conn.sock.send(codec.encode(Cancel(rid)),
                            zmq.NOBLOCK)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
@@ -218,32 +219,21 @@ class Client:
     def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's view: ``models`` (name, workers, queued, running; the first is the default),
         ``workers`` (id, model, pid, device, state, slots, active, ...), the queue."""
-        rid = new_id()
-        conn = self._conn()
-        self._send(conn, msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "status", "id": rid}), timeout)
-        try:
-            msg = conn.recv_for(rid, time.monotonic() + timeout)
-        except RequestTimeoutError:
-            conn.dropped.add(rid)
-            raise no_answer(self.endpoint, timeout) from None
-        if not isinstance(msg, StatusReply):
-            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
-        return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
-                "draining": msg.draining, "gpus": msg.gpus}
+        return status_of(self._query(StatusRequest(new_id()), timeout))
 
     def metrics(self, *, timeout: float = 5.0) -> str:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
-        rid = new_id()
+        return metrics_of(self._query(MetricsRequest(new_id()), timeout))
+
+    def _query(self, request: StatusRequest | MetricsRequest, timeout: float) -> Message:
+        """Send a one-reply request and wait for its reply."""
         conn = self._conn()
-        self._send(conn, msgpack.packb({"v": codec.PROTOCOL_VERSION, "type": "metrics", "id": rid}), timeout)
+        self._send(conn, codec.encode(request), timeout)
         try:
-            msg = conn.recv_for(rid, time.monotonic() + timeout)
+            return conn.recv_for(request.id, time.monotonic() + timeout)
         except RequestTimeoutError:
-            conn.dropped.add(rid)
+            conn.dropped.add(request.id)
             raise no_answer(self.endpoint, timeout) from None
-        if not isinstance(msg, MetricsReply):
-            raise LlamapoolError("internal", f"unexpected reply {msg!r}")
-        return msg.text
 
     def close(self) -> None:
         with self._lock:

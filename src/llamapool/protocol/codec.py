@@ -98,6 +98,23 @@ def encode(msg: Message | control.Command) -> bytes:
     return msgpack.packb(to_dict(msg), use_bin_type=True)
 
 
+def encode_generate(rid: str, prompts: list[Any], batch: bool, stream: bool, timeout: float | None,
+                    params: dict[str, Any], model: str | None) -> bytes:
+    """A client's ``generate`` request, with ``params`` as the caller gave them (the router checks them
+    and names a bad one), so that a client sends exactly what it was asked to."""
+    d: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": Generate.TYPE, "id": rid, "stream": stream,
+                         "params": params}
+    if batch:
+        d["prompts"] = prompts
+    else:
+        d["prompt"] = prompts[0]
+    if timeout is not None:
+        d["timeout"] = timeout
+    if model is not None:
+        d["model"] = model
+    return msgpack.packb(d, use_bin_type=True)  # type: ignore[no-any-return]
+
+
 # ---------------------------------------------------------------- field readers
 
 

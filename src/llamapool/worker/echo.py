@@ -38,6 +38,9 @@ class EchoEngine:
     def busy(self) -> bool:
         return bool(self.active or self.waiting)
 
+    def kv_cells(self) -> tuple[int, int]:
+        return 0, 0  # no KV cache
+
     def submit(self, run: Run, out: Step) -> None:
         self.waiting.append(run)
 

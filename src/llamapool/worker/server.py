@@ -33,6 +33,7 @@ from llamapool.protocol.messages import (
     Shutdown,
     Step,
 )
+from llamapool.worker.contract import Engine
 
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
 JOINING = "joining the router at"  # a node's worker logs it once its model is loaded
@@ -89,7 +90,7 @@ class WorkerSpec:
 class EngineLoop(threading.Thread):
     """The one thread that calls llama.cpp: admits, steps, aborts, reports."""
 
-    def __init__(self, engine: Any, zctx: zmq.Context, out_addr: str, name: str = "worker"):
+    def __init__(self, engine: Engine, zctx: zmq.Context, out_addr: str, name: str = "worker"):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -220,143 +221,177 @@ def _logger(spec: WorkerSpec) -> logmod.Logger:
     return logmod.Logger(spec.name, prefix=f"llamapool worker {spec.name}")
 
 
-def _serve(spec: WorkerSpec, engine: Any, seen: list[str]) -> int:
+def _serve(spec: WorkerSpec, engine: Engine, seen: list[str]) -> int:
     """The I/O loop: hello, then forward router messages in and step reports out."""
-    zctx = zmq.Context()
-    sock = zctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt_string(zmq.ROUTING_ID, f"{spec.name}:{os.getpid()}")
-    public = b""
-    if spec.server_key:
-        from llamapool import security
+    io = WorkerIO(spec, engine, seen)
+    if io.exit_code:
+        return io.exit_code
+    return io.run()
 
-        try:
-            public, secret = security.client_pair_of(spec.key_file)
-        except security.KeyFileError as e:
-            print(f"llamapool worker {spec.name}: FATAL: {e}", file=sys.stderr, flush=True)
-            return EXIT_PERMANENT
-        security.set_client_keys(sock, spec.server_key.encode(), public, secret)
-    link = _network_link(spec, sock, public)
-    sock.connect(spec.backend)
-    pull = zctx.socket(zmq.PULL)
-    out_addr = f"inproc://engine-out-{os.getpid()}"
-    pull.bind(out_addr)
-    loop = EngineLoop(engine, zctx, out_addr, spec.name)
-    hello = codec.encode(Hello(
-        worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
-        slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
-        visible_devices=seen, node=spec.node, model_name=spec.model_name, boot=spec.boot_id,
-    ))
 
-    def send(frame: bytes) -> None:
+class WorkerIO:
+    """The worker's I/O thread: one poll loop over the router's socket, the engine's reports and (on
+    tcp://) the connection monitor, with a method per event: heartbeat, router message, engine
+    report, link event, SIGTERM; then ``close``."""
+
+    def __init__(self, spec: WorkerSpec, engine: Engine, seen: list[str]):
+        self.spec, self.engine = spec, engine
+        self.log = _logger(spec)
+        self.exit_code = 0
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.setsockopt_string(zmq.ROUTING_ID, f"{spec.name}:{os.getpid()}")
+        public = b""
+        if spec.server_key:
+            from llamapool import security
+
+            try:
+                public, secret = security.client_pair_of(spec.key_file)
+            except security.KeyFileError as e:
+                print(f"llamapool worker {spec.name}: FATAL: {e}", file=sys.stderr, flush=True)
+                self.exit_code = EXIT_PERMANENT
+                return
+            security.set_client_keys(self.sock, spec.server_key.encode(), public, secret)
+        self.link = _network_link(spec, self.sock, public)
+        self.sock.connect(spec.backend)
+        self.pull = self.zctx.socket(zmq.PULL)
+        out_addr = f"inproc://engine-out-{os.getpid()}"
+        self.pull.bind(out_addr)
+        self.loop = EngineLoop(engine, self.zctx, out_addr, spec.name)
+        self.hello = codec.encode(Hello(
+            worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
+            slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
+            visible_devices=seen, node=spec.node, model_name=spec.model_name, boot=spec.boot_id,
+        ))
+        self.bye = codec.encode(Shutdown())
+        self.stop = False
+        self.draining = False
+        self.next_beat = 0.0
+        self.joined = self.ever_joined = False  # the router accepted our hello (it sent no refusal)
+        self.parent = os.getppid()
+        self.router_seen = time.monotonic()
+
+    def send(self, frame: bytes) -> None:
         """To the router. A network worker never blocks here: a refused handshake drops the socket's
         only pipe (and the frame could reach no router anyway), so the frame is dropped; while the
         connection is merely down (a partition) the pipe stays and queues (no high-water mark)."""
-        if link is None:
-            sock.send(frame)
+        if self.link is None:
+            self.sock.send(frame)
         else:
             with contextlib.suppress(zmq.Again):
-                sock.send(frame, zmq.NOBLOCK)
+                self.sock.send(frame, zmq.NOBLOCK)
 
-    send(hello)
-    if spec.node:  # `llamapool node` reads these lines (its workers log at info at least)
-        _logger(spec).info(f"model loaded; {JOINING} {spec.backend}")
-    loop.start()
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(pull, zmq.POLLIN)
-    if link is not None:
-        poller.register(link.monitor, zmq.POLLIN)
-    stop = threading.Event()
-    bye = codec.encode(Shutdown())
-    exit_code = 0
-    draining = False
-    next_beat = 0.0
-    joined = ever_joined = False  # the router accepted our hello: it sent something that is no refusal
+    def introduce(self) -> None:
+        """Say hello (again): the router accepts us anew."""
+        self.send(self.hello)
+        self.router_seen, self.joined = time.monotonic(), False
 
-    def on_term(*_: Any) -> None:
-        nonlocal draining, next_beat
-        draining, next_beat = True, 0.0  # tell the router now: it routes nothing more here
-        loop.inbox.put(Shutdown())
+    def run(self) -> int:
+        self.send(self.hello)
+        if self.spec.node:  # `llamapool node` reads these lines (its workers log at info at least)
+            self.log.info(f"model loaded; {JOINING} {self.spec.backend}")
+        self.loop.start()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        if self.link is not None:
+            poller.register(self.link.monitor, zmq.POLLIN)
+        signal.signal(signal.SIGTERM, self.on_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C goes to it
+        while not self.stop:
+            now = time.monotonic()
+            link = self.link
+            if link is not None and link.redial_at and now >= link.redial_at:  # after a refused handshake
+                link.redial(self.sock)
+                self.introduce()
+            if now >= self.next_beat:
+                self.on_beat(now)
+            wake = min(self.next_beat, link.redial_at or self.next_beat) if link is not None else self.next_beat
+            for s, _ in poller.poll(timeout=max(1, int((wake - now) * 1000))):
+                if link is not None and s is link.monitor:
+                    if link.events():  # a new connection (the router restarted, or a partition healed)
+                        self.introduce()  # at once rather than after the silence
+                elif s is self.pull:
+                    self.on_engine_reports()
+                else:
+                    self.on_router_messages()
+        return self.close()
 
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C goes to it
-    parent = os.getppid()
-    router_seen = time.monotonic()
-    silent_after = spec.heartbeat_interval * spec.heartbeat_liveness
-    while not stop.is_set():
-        now = time.monotonic()
-        if link is not None and link.redial_at and now >= link.redial_at:  # after a refused handshake
-            link.redial(sock)
-            send(hello)
-            router_seen, joined = now, False
-        if now >= next_beat:
-            if os.getppid() != parent:  # the supervisor died: do not linger as an orphan
-                _logger(spec).warning("supervisor gone, exiting")
-                os._exit(1)
-            if now - router_seen > silent_after:  # the router lost us (or restarted): introduce again
-                send(hello)
-                router_seen, joined = now, False
-            started = loop.step_started
-            kv_used, kv_total = engine.kv_cells() if hasattr(engine, "kv_cells") else (0, 0)
-            send(codec.encode(Heartbeat(
-                active=len(engine.active) + len(engine.waiting), steps=loop.steps,
-                busy_for=(now - started) if started else 0.0,
-                decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
-                kv_used=kv_used, kv_total=kv_total, draining=draining,
-            )))
-            if spec.node:  # the node's supervisor watches this line (no router of its own to do it)
-                logmod.emit(logmod.LEVELS["error"], f"{LIVE_MARK}{(now - started) if started else 0.0:.3f}")
-            next_beat = now + spec.heartbeat_interval
-        wake = min(next_beat, link.redial_at or next_beat) if link is not None else next_beat
-        for s, _ in poller.poll(timeout=max(1, int((wake - now) * 1000))):
-            if link is not None and s is link.monitor:
-                if link.events():  # a new connection (the router restarted, or a partition healed)
-                    send(hello)  # introduce ourselves at once rather than after the silence
-                    router_seen, joined = time.monotonic(), False
-            elif s is pull:
-                while True:
-                    try:
-                        frame = pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if frame == bye:
-                        stop.set()
-                    send(frame)
-            else:
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    router_seen = time.monotonic()
-                    try:
-                        msg = codec.decode(frames, codec.ROUTER_TYPES)
-                    except codec.ProtocolError as e:
-                        _logger(spec).warning(f"bad router message: {e}")
-                        continue
-                    if isinstance(msg, Shutdown) and msg.reason:
-                        _logger(spec).error(f"FATAL: the router refused this worker: {msg.reason}")
-                        exit_code = EXIT_PERMANENT
-                    elif not joined:  # the first word from the router after our hello (a heartbeat)
-                        joined = True
-                        if spec.node:
-                            _logger(spec).info(f"{JOINED} {spec.backend}" + (" again" if ever_joined else ""))
-                        ever_joined = True
-                    if not isinstance(msg, Heartbeat):
-                        loop.inbox.put(msg)
-    loop.join(timeout=5)
-    if link is not None:
-        link.events()
-        if not link.up:  # no router to tell we left, and nothing queued is worth waiting for
-            sock.setsockopt(zmq.LINGER, 0)
-        sock.disable_monitor()
-        link.monitor.close(linger=0)
-    sock.close()
-    pull.close()
-    zctx.term()
-    engine.close()
-    return exit_code
+    def on_term(self, *_: Any) -> None:
+        """SIGTERM: tell the router now (it routes nothing more here), finish what runs, leave."""
+        self.draining, self.next_beat = True, 0.0
+        self.loop.inbox.put(Shutdown())
+
+    def on_beat(self, now: float) -> None:
+        """Every heartbeat interval: check the supervisor and the router, send a heartbeat."""
+        spec, engine = self.spec, self.engine
+        if os.getppid() != self.parent:  # the supervisor died: do not linger as an orphan
+            self.log.warning("supervisor gone, exiting")
+            os._exit(1)
+        if now - self.router_seen > spec.heartbeat_interval * spec.heartbeat_liveness:
+            self.introduce()  # the router lost us (or restarted)
+        started = self.loop.step_started
+        kv_used, kv_total = engine.kv_cells()
+        self.send(codec.encode(Heartbeat(
+            active=len(engine.active) + len(engine.waiting), steps=self.loop.steps,
+            busy_for=(now - started) if started else 0.0,
+            decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
+            kv_used=kv_used, kv_total=kv_total, draining=self.draining,
+        )))
+        if spec.node:  # the node's supervisor watches this line (no router of its own to do it)
+            logmod.emit(logmod.LEVELS["error"], f"{LIVE_MARK}{(now - started) if started else 0.0:.3f}")
+        self.next_beat = now + spec.heartbeat_interval
+
+    def on_engine_reports(self) -> None:
+        """The engine thread's step reports, to the router; its goodbye ends the loop."""
+        while True:
+            try:
+                frame = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frame == self.bye:
+                self.stop = True
+            self.send(frame)
+
+    def on_router_messages(self) -> None:
+        """The router's messages: a refusal ends the worker for good; the rest go to the engine."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.router_seen = time.monotonic()
+            try:
+                msg = codec.decode(frames, codec.ROUTER_TYPES)
+            except codec.ProtocolError as e:
+                self.log.warning(f"bad router message: {e}")
+                continue
+            if isinstance(msg, Shutdown) and msg.reason:
+                self.log.error(f"FATAL: the router refused this worker: {msg.reason}")
+                self.exit_code = EXIT_PERMANENT
+            elif not self.joined:  # the first word from the router after our hello (a heartbeat)
+                self.joined = True
+                if self.spec.node:
+                    self.log.info(f"{JOINED} {self.spec.backend}" + (" again" if self.ever_joined else ""))
+                self.ever_joined = True
+            if not isinstance(msg, Heartbeat):
+                self.loop.inbox.put(msg)
+
+    def close(self) -> int:
+        self.loop.join(timeout=5)
+        link = self.link
+        if link is not None:
+            link.events()
+            if not link.up:  # no router to tell we left, and nothing queued is worth waiting for
+                self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.disable_monitor()
+            link.monitor.close(linger=0)
+        self.sock.close()
+        self.pull.close()
+        self.zctx.term()
+        self.engine.close()
+        return self.exit_code
 
 
 class _Link:

@@ -1,0 +1,62 @@
+"""What the worker's threads need of an engine: the llama.cpp engine and the echo engine both are one.
+
+The engine thread calls ``submit``, ``abort`` and ``step``; the I/O thread reads the load and the
+counters for its heartbeats. Nothing else of an engine is used outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sized
+from typing import Protocol
+
+from llamapool.protocol.messages import Run, Step
+
+
+class Engine(Protocol):
+    @property
+    def desc(self) -> str:
+        """What is loaded (llama.cpp's model description)."""
+        ...
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    @property
+    def active(self) -> Sized:
+        """The running sequences."""
+        ...
+
+    @property
+    def waiting(self) -> Sized:
+        """The runs waiting for a slot."""
+        ...
+
+    @property
+    def decode_s(self) -> float:
+        """Cumulative seconds inside llama_decode."""
+        ...
+
+    @property
+    def step_s(self) -> float:
+        """Cumulative seconds of whole steps."""
+        ...
+
+    @property
+    def reused_tokens(self) -> int:
+        """Cumulative prompt tokens served from the prefix cache."""
+        ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, run: Run, out: Step) -> None: ...
+
+    def abort(self, rid: int, out: Step) -> None: ...
+
+    def step(self, flush: Callable[[Step], None] | None = None) -> Step: ...
+
+    def kv_cells(self) -> tuple[int, int]:
+        """KV cells holding tokens, and in all ((0, 0) when the engine has no KV cache)."""
+        ...
+
+    def close(self) -> None: ...
