@@ -41,3 +41,9 @@ def test_supervisor_commands_go_through_the_codec_typed() -> None:
                 GpuRows([{"index": 0, "uuid": "GPU-x"}])):
         assert codec.decode([codec.encode(cmd)], codec.COMMAND_TYPES) == cmd
     assert {c.TYPE for c in COMMANDS} == set(codec.COMMAND_TYPES)  # type: ignore[attr-defined]
+
+
+def test_the_metrics_know_every_state() -> None:
+    from llamapool.router.metrics import WORKER_STATES
+
+    assert {s.value for s in State} <= set(WORKER_STATES)

@@ -14,8 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from llamapool.config import ConfigError, from_dict
 from llamapool.protocol import codec
 from llamapool.protocol.messages import Heartbeat
-from llamapool.router.metrics import Histogram, RouterMetrics, restart_reason
+from llamapool.router.metrics import RESTART_REASONS, Histogram, RouterMetrics
 from llamapool.supervisor import gpus
+from llamapool.supervisor.lifecycle import restart_reason
 from tests.test_supervisor_units import FakeNvml
 
 
@@ -94,6 +95,8 @@ def test_restart_reasons_from_the_supervisors_kill_reasons() -> None:
     assert restart_reason(-6, "engine step ran 61.0s > workers.step_timeout") == "step_timeout"
     assert restart_reason(-9, "no hello within workers.start_timeout=300s") == "start_timeout"
     assert restart_reason(-6, "GPU lost: NVML_ERROR_GPU_IS_LOST") == "gpu_lost"
+    assert {restart_reason(c, k) for c in (-9, 1) for k in (None, "missed 3 heartbeats", "workers.step_timeout",
+            "workers.start_timeout", "GPU lost")} == set(RESTART_REASONS)
 
 
 def test_histogram_buckets_are_cumulative() -> None:

@@ -48,7 +48,6 @@ from llamapool.protocol.control import (
     WorkerJoined,
 )
 from llamapool.router import Router, RouterConfig
-from llamapool.router.metrics import restart_reason
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor import lifecycle
 from llamapool.supervisor.env import cpu_threads, worker_env
@@ -348,7 +347,7 @@ class Supervisor:
             self._publish(slot)
             return
         now = time.monotonic()
-        reason = restart_reason(code, slot.kill_reason)
+        reason = lifecycle.restart_reason(code, slot.kill_reason)
         slot.exits[reason] = slot.exits.get(reason, 0) + 1
         slot.deaths.append(now)
         if code == EXIT_PERMANENT:

@@ -54,3 +54,18 @@ def move(name: str, old: State | None, new: str) -> State:
 def alive(state: State) -> bool:
     """Whether a process in ``state`` is running (or about to)."""
     return state in _ALIVE
+
+
+def restart_reason(code: int, kill_reason: str | None) -> str:
+    """The fixed label of a worker's unexpected exit (``llamapool_worker_restarts_total{reason}``, one of
+    router.metrics.RESTART_REASONS): why the supervisor killed it, else how it ended."""
+    k = (kill_reason or "").lower()
+    if "heartbeat" in k:
+        return "heartbeat"
+    if "step" in k:
+        return "step_timeout"
+    if "start_timeout" in k:
+        return "start_timeout"
+    if "gpu lost" in k:
+        return "gpu_lost"
+    return "signal" if code < 0 else "exit"
