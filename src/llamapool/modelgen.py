@@ -11,7 +11,7 @@ import os
 import string
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -122,41 +122,10 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     """
     import gguf
 
-    if qtype not in QTYPES:
-        raise ValueError(f"qtype must be one of {QTYPES}, got {qtype!r}")
-    dims = {"n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, "n_head_kv": n_head_kv,
-            "n_ff": n_ff, "n_ctx_train": n_ctx_train}
-    for k, v in dims.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{k} must be a positive int, got {v!r}")
-    if n_embd % n_head or n_head % n_head_kv:
-        raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), "
-                         f"and n_head by n_head_kv ({n_head_kv})")
-    head_dim = n_embd // n_head
-    if head_dim % 2:
-        raise ValueError(f"head dim n_embd/n_head = {head_dim} must be even (RoPE rotates pairs)")
-    if qtype == "q8_0" and (n_embd % 32 or n_ff % 32):
-        raise ValueError(f"q8_0 needs n_embd and n_ff to be multiples of 32, got {n_embd} and {n_ff}")
+    head_dim = _check_dims(n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, qtype)
     tokens, scores, types = build_vocab(n_vocab)
 
-    # (name, numpy shape (out, in), std); std None marks a norm weight (ones, always f32)
-    kv = n_head_kv * head_dim
-    e, f = n_embd**-0.5, n_ff**-0.5
-    specs: list[tuple[str, tuple[int, ...], float | None]] = [
-        ("token_embd.weight", (n_vocab, n_embd), 1.0)]
-    for i in range(n_layer):
-        b = f"blk.{i}."
-        specs += [(b + "attn_norm.weight", (n_embd,), None),
-                  (b + "attn_q.weight", (n_embd, n_embd), e),
-                  (b + "attn_k.weight", (kv, n_embd), e),
-                  (b + "attn_v.weight", (kv, n_embd), e),
-                  (b + "attn_output.weight", (n_embd, n_embd), e),
-                  (b + "ffn_norm.weight", (n_embd,), None),
-                  (b + "ffn_gate.weight", (n_ff, n_embd), e),
-                  (b + "ffn_up.weight", (n_ff, n_embd), e),
-                  (b + "ffn_down.weight", (n_embd, n_ff), f)]
-    specs += [("output_norm.weight", (n_embd,), None),
-              ("output.weight", (n_vocab, n_embd), 2.0 * e)]
+    specs = _tensor_specs(n_embd, n_layer, n_head_kv * head_dim, n_ff, n_vocab)
 
     gtype = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
@@ -169,30 +138,8 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     w = gguf.GGUFWriter(tmp, "llama")
     try:
-        w.add_name("llamapool-random")
-        w.add_context_length(n_ctx_train)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_rope_dimension_count(head_dim)
-        w.add_rope_freq_base(10000.0)
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_file_type(ftype)
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-        w.add_add_bos_token(True)
-        w.add_add_eos_token(False)
-        w.add_eot_token_id(n_vocab - 1)  # <|im_end|>
-        if chat_template is not None:
-            w.add_chat_template(chat_template)
+        _write_metadata(w, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, head_dim, ftype, tokens,
+                        scores, types, chat_template)
         # Declare all tensors up front, then generate and stream them one at a time in the same order,
         # so at most one tensor is in memory (GGUFWriter.add_tensor would hold them all until written).
         for name, shape, std in specs:
@@ -238,3 +185,79 @@ def _random_matrix(rng: np.random.Generator, shape: tuple[int, ...], std: float,
         res[r : r + step] = q
     assert res is not None
     return res
+
+
+def _check_dims(n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int, n_ctx_train: int,
+                qtype: str) -> int:
+    """A ValueError naming what is wrong with the shape; else the head dimension."""
+    if qtype not in QTYPES:
+        raise ValueError(f"qtype must be one of {QTYPES}, got {qtype!r}")
+    dims = {"n_embd": n_embd, "n_layer": n_layer, "n_head": n_head, "n_head_kv": n_head_kv,
+            "n_ff": n_ff, "n_ctx_train": n_ctx_train}
+    for k, v in dims.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError(f"n_embd ({n_embd}) must divide by n_head ({n_head}), "
+                         f"and n_head by n_head_kv ({n_head_kv})")
+    head_dim = n_embd // n_head
+    if head_dim % 2:
+        raise ValueError(f"head dim n_embd/n_head = {head_dim} must be even (RoPE rotates pairs)")
+    if qtype == "q8_0" and (n_embd % 32 or n_ff % 32):
+        raise ValueError(f"q8_0 needs n_embd and n_ff to be multiples of 32, got {n_embd} and {n_ff}")
+    return head_dim
+
+
+def _tensor_specs(n_embd: int, n_layer: int, kv: int, n_ff: int, n_vocab: int
+                  ) -> list[tuple[str, tuple[int, ...], float | None]]:
+    """(name, numpy shape (out, in), std) of every tensor in file order; std None marks a norm weight
+    (ones, always f32)."""
+    e, f = n_embd**-0.5, n_ff**-0.5
+    specs: list[tuple[str, tuple[int, ...], float | None]] = [
+        ("token_embd.weight", (n_vocab, n_embd), 1.0)]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        specs += [(b + "attn_norm.weight", (n_embd,), None),
+                  (b + "attn_q.weight", (n_embd, n_embd), e),
+                  (b + "attn_k.weight", (kv, n_embd), e),
+                  (b + "attn_v.weight", (kv, n_embd), e),
+                  (b + "attn_output.weight", (n_embd, n_embd), e),
+                  (b + "ffn_norm.weight", (n_embd,), None),
+                  (b + "ffn_gate.weight", (n_ff, n_embd), e),
+                  (b + "ffn_up.weight", (n_ff, n_embd), e),
+                  (b + "ffn_down.weight", (n_embd, n_ff), f)]
+    specs += [("output_norm.weight", (n_embd,), None),
+              ("output.weight", (n_vocab, n_embd), 2.0 * e)]
+
+    return specs
+
+
+def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
+                    n_ctx_train: int, head_dim: int, ftype: Any, tokens: list[str], scores: list[float],
+                    types: list[int], chat_template: str | None) -> None:
+    import gguf
+
+    w.add_name("llamapool-random")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(ftype)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_eot_token_id(len(tokens) - 1)  # <|im_end|>
+    if chat_template is not None:
+        w.add_chat_template(chat_template)

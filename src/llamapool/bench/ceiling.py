@@ -31,9 +31,6 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int = 128, gen_tok
     ``requests`` (the first C are used) gives the prompts and output lengths, e.g. a benchmark
     workload's; otherwise C random prompts of ``prompt_tokens`` and ``gen_tokens`` each.
     """
-    import ctypes
-    import random
-
     import llama_cpp as L
 
     from llamapool.worker.engine import quiet_llama_logs
@@ -46,99 +43,21 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int = 128, gen_tok
     model = L.llama_model_load_from_file(model_path.encode(), mp)
     if not model:
         raise RuntimeError(f"cannot load {model_path}")
-    vocab = L.llama_model_get_vocab(model)
-    n_vocab = L.llama_vocab_n_tokens(vocab)
-    if requests:
-        # longest output first: sequences that finish leave the highest ids, the rest stay consecutive
-        reqs = sorted(requests[:concurrency], key=lambda r: -r.max_tokens)
-        prompts = [list(r.prompt) for r in reqs]
-        gens = [r.max_tokens for r in reqs]
-    else:
-        rng = random.Random(seed)
-        prompts = [[rng.randrange(FIRST_ID, n_vocab) for _ in range(prompt_tokens)] for _ in range(concurrency)]
-        gens = [gen_tokens] * concurrency
-    c = len(prompts)
-    per_seq = max(len(p) + g for p, g in zip(prompts, gens, strict=True)) + 8
-    cp = L.llama_context_default_params()
-    cp.n_ctx = c * per_seq
-    cp.n_batch = max(n_batch, c)
-    cp.n_ubatch = min(n_ubatch, cp.n_batch)
-    cp.n_seq_max = c
-    cp.kv_unified = kv_unified
-    cp.no_perf = True
-    if threads > 0:
-        cp.n_threads = cp.n_threads_batch = threads
-    samplers = []
-    for _ in range(c):
-        ch = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(ch, L.llama_sampler_init_greedy())
-        samplers.append(ch)
-    if gpu_sampling:
-        seq_cfg = (L.llama_sampler_seq_config * c)(*[L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p))
-                                                     for i, ch in enumerate(samplers)])
-        cp.samplers = ctypes.cast(seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
-        cp.n_samplers = c
-    ctx = L.llama_init_from_model(model, cp)
-    if not ctx:
-        raise RuntimeError(f"cannot create a context of {cp.n_ctx} tokens for {c} sequences")
-
-    def sample(s: int, i: int) -> int:
-        if gpu_sampling:
-            return int(L.llama_get_sampled_token_ith(ctx, i))
-        return int(L.llama_sampler_sample(samplers[s], ctx, i))
-
-    batch = L.llama_batch_init(max(n_batch, c), 0, c)
-
-    def put(i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
-        batch.token[i] = tok
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
-
-    t0 = time.perf_counter()
-    # prefill: the prompts in sequence-id order, packed into batches of up to n_batch tokens
-    flat = [(s, j, t) for s, p in enumerate(prompts) for j, t in enumerate(p)]
-    last_idx: dict[int, int] = {}
-    nxt = [0] * c
-    for start in range(0, len(flat), n_batch):
-        part = flat[start:start + n_batch]
-        for i, (s, j, t) in enumerate(part):
-            is_last = j == len(prompts[s]) - 1
-            put(i, t, j, s, is_last)
-            if is_last:
-                last_idx[s] = i
-        batch.n_tokens = len(part)
-        if L.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed in prefill")
-        for s, i in list(last_idx.items()):
-            nxt[s] = sample(s, i)
-        last_idx.clear()
-    t1 = time.perf_counter()
-    made = [1] * c  # the prefill sampled each sequence's first token
-    steps = decoded = 0
-    while True:
-        active = [s for s in range(c) if made[s] < gens[s]]  # sequence-id order
-        if not active:
-            break
-        for i, s in enumerate(active):
-            put(i, nxt[s], len(prompts[s]) + made[s] - 1, s, True)
-        batch.n_tokens = len(active)
-        if L.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed in decode")
-        for i, s in enumerate(active):
-            nxt[s] = sample(s, i)
-            made[s] += 1
-        steps += 1
-        decoded += len(active)
-    t2 = time.perf_counter()
-    L.llama_batch_free(batch)
-    L.llama_free(ctx)
-    for ch in samplers:
-        L.llama_sampler_free(ch)
-    L.llama_model_free(model)
-    generated = sum(gens)
-    prompted = sum(len(p) for p in prompts)
+    try:
+        prompts, gens = _prompts(L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)), concurrency,
+                                 prompt_tokens, gen_tokens, seed, requests)
+        run = _Run(model, prompts, gens, threads, n_batch, n_ubatch, gpu_sampling, kv_unified)
+        try:
+            t0 = time.perf_counter()
+            run.prefill()
+            t1 = time.perf_counter()
+            steps, decoded = run.decode()
+            t2 = time.perf_counter()
+        finally:
+            run.free()
+    finally:
+        L.llama_model_free(model)
+    c, generated, prompted = len(prompts), sum(gens), sum(len(p) for p in prompts)
     return {
         "mode": "ceiling", "gpu_sampling": gpu_sampling, "kv_unified": kv_unified, "concurrency": c,
         "prompt_tokens": prompted // c if c else 0, "gen_tokens": generated // c if c else 0,
@@ -148,3 +67,107 @@ def measure(model_path: str, concurrency: int, prompt_tokens: int = 128, gen_tok
         "e2e_tok_s": generated / (t2 - t0),
         "step_ms": 1e3 * (t2 - t1) / max(1, steps),
     }
+
+
+def _prompts(n_vocab: int, concurrency: int, prompt_tokens: int, gen_tokens: int, seed: int,
+             requests: Sequence[Request] | None) -> tuple[list[list[int]], list[int]]:
+    """The prompts and output lengths: the workload's (longest output first, so that sequences that
+    finish leave the highest ids and the rest stay consecutive), or random ones."""
+    import random
+
+    if requests:
+        reqs = sorted(requests[:concurrency], key=lambda r: -r.max_tokens)
+        return [list(r.prompt) for r in reqs], [r.max_tokens for r in reqs]
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(FIRST_ID, n_vocab) for _ in range(prompt_tokens)] for _ in range(concurrency)]
+    return prompts, [gen_tokens] * concurrency
+
+
+class _Run:
+    """One context with a sequence per prompt, its greedy samplers and its batch."""
+
+    def __init__(self, model: Any, prompts: list[list[int]], gens: list[int], threads: int, n_batch: int,
+                 n_ubatch: int, gpu_sampling: bool, kv_unified: bool):
+        import ctypes
+
+        import llama_cpp as L
+
+        self.L, self.prompts, self.gens, self.n_batch, self.gpu_sampling = L, prompts, gens, n_batch, gpu_sampling
+        c = self.c = len(prompts)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = c * (max(len(p) + g for p, g in zip(prompts, gens, strict=True)) + 8)
+        cp.n_batch = max(n_batch, c)
+        cp.n_ubatch = min(n_ubatch, cp.n_batch)
+        cp.n_seq_max = c
+        cp.kv_unified = kv_unified
+        cp.no_perf = True
+        if threads > 0:
+            cp.n_threads = cp.n_threads_batch = threads
+        self.samplers = []
+        for _ in range(c):
+            ch = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+            L.llama_sampler_chain_add(ch, L.llama_sampler_init_greedy())
+            self.samplers.append(ch)
+        if gpu_sampling:
+            cfgs = [L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p))
+                    for i, ch in enumerate(self.samplers)]
+            self.seq_cfg = (L.llama_sampler_seq_config * c)(*cfgs)
+            cp.samplers = ctypes.cast(self.seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
+            cp.n_samplers = c
+        self.ctx = L.llama_init_from_model(model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"cannot create a context of {cp.n_ctx} tokens for {c} sequences")
+        self.batch = L.llama_batch_init(max(n_batch, c), 0, c)
+        self.nxt = [0] * c
+
+    def sample(self, s: int, i: int) -> int:
+        if self.gpu_sampling:
+            return int(self.L.llama_get_sampled_token_ith(self.ctx, i))
+        return int(self.L.llama_sampler_sample(self.samplers[s], self.ctx, i))
+
+    def put(self, i: int, tok: int, pos: int, seq: int, logits: bool) -> None:
+        b = self.batch
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+        b.seq_id[i][0] = seq
+
+    def prefill(self) -> None:
+        """The prompts in sequence-id order, packed into batches of up to n_batch tokens."""
+        flat = [(s, j, t) for s, p in enumerate(self.prompts) for j, t in enumerate(p)]
+        for start in range(0, len(flat), self.n_batch):
+            part = flat[start:start + self.n_batch]
+            last_idx: dict[int, int] = {}
+            for i, (s, j, t) in enumerate(part):
+                is_last = j == len(self.prompts[s]) - 1
+                self.put(i, t, j, s, is_last)
+                if is_last:
+                    last_idx[s] = i
+            self.batch.n_tokens = len(part)
+            if self.L.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError("llama_decode failed in prefill")
+            for s, i in last_idx.items():
+                self.nxt[s] = self.sample(s, i)
+
+    def decode(self) -> tuple[int, int]:
+        """Every sequence to its length, one token each per step; (steps, tokens decoded)."""
+        made = [1] * self.c  # the prefill sampled each sequence's first token
+        steps = decoded = 0
+        while True:
+            active = [s for s in range(self.c) if made[s] < self.gens[s]]  # sequence-id order
+            if not active:
+                return steps, decoded
+            for i, s in enumerate(active):
+                self.put(i, self.nxt[s], len(self.prompts[s]) + made[s] - 1, s, True)
+            self.batch.n_tokens = len(active)
+            if self.L.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError("llama_decode failed in decode")
+            for i, s in enumerate(active):
+                self.nxt[s] = self.sample(s, i)
+                made[s] += 1
+            steps += 1
+            decoded += len(active)
+
+    def free(self) -> None:
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
+        for ch in self.samplers:
+            self.L.llama_sampler_free(ch)

@@ -32,7 +32,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # the supervisor's reasons for a worker's unexpected exit (``llamapool_worker_restarts_total``)
 RESTART_REASONS = ("exit", "signal", "heartbeat", "step_timeout", "start_timeout", "gpu_lost")
-WORKER_STATES = ("starting", "joining", "ready", "backoff", "retiring", "failed", "stopped", "lost")  # lifecycle.State + the router's "lost"
+# the supervisor's lifecycle states (supervisor/lifecycle.py), and the router's "lost"
+WORKER_STATES = ("starting", "joining", "ready", "backoff", "retiring", "failed", "stopped", "lost")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,

@@ -37,6 +37,10 @@ class TemplateRaised(Exception):
     """The template called ``raise_exception(message)``."""
 
 
+class TemplateFileError(Exception):
+    """The configured template file cannot be read or compiled (a permanent worker error)."""
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateRaised(message)
 
@@ -138,22 +142,15 @@ class ChatFormatter:
         """
         import llama_cpp as L
 
-        from llamapool.worker.engine import EngineError
+        from llamapool.worker.vocab import tokenize as llama_tokenize
 
         def text(tok: int) -> str:
             return L.llama_vocab_get_text(vocab, tok).decode(errors="replace") if tok >= 0 else ""
 
         bos, eos = L.llama_vocab_bos(vocab), L.llama_vocab_eos(vocab)
 
-        def tokenize(s: str) -> list[int]:
-            data = s.encode()
-            n_max = len(data) + 8
-            buf = (L.llama_token * n_max)()
-            n = L.llama_tokenize(vocab, data, len(data), buf, n_max, False, True)
-            if n < 0:
-                buf = (L.llama_token * -n)()
-                n = L.llama_tokenize(vocab, data, len(data), buf, -n, False, True)
-            return list(buf[:n])
+        def tokenize(s: str) -> list[int]:  # the template writes BOS itself; its special tokens are parsed
+            return llama_tokenize(vocab, s, add_special=False, parse_special=True)
 
         def make(source: str) -> ChatTemplate:
             return ChatTemplate(source, text(bos), text(eos))
@@ -163,9 +160,9 @@ class ChatFormatter:
             try:
                 template = make(read_template_file(path))
             except ValueError as e:
-                raise EngineError(str(e)) from None
+                raise TemplateFileError(str(e)) from None
             except Exception as e:
-                raise EngineError(f"{CONFIG_KEY}: {path} is not a valid Jinja2 template: {e}") from None
+                raise TemplateFileError(f"{CONFIG_KEY}: {path} is not a valid Jinja2 template: {e}") from None
         else:
             raw = L.llama_model_chat_template(model, None)
             if not raw:

@@ -20,8 +20,9 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
-from llamapool.worker.chat import ChatFormatter
+from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.text import TextStream
+from llamapool.worker.vocab import tokenize
 
 PENALTY_LAST_N = 64
 
@@ -208,7 +209,10 @@ class Engine:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.max_piece = self._max_piece_bytes()
-        self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
+        try:
+            self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
+        except TemplateFileError as e:
+            raise EngineError(str(e)) from None
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = _Batch(cp.n_batch)
         self.free_ids: deque[int] = deque(range(cfg.slots))
@@ -280,14 +284,8 @@ class Engine:
         return n_bytes // self.max_piece >= self.cfg.ctx_per_slot
 
     def tokenize(self, text: str) -> list[int]:
-        data = text.encode()
-        n_max = len(data) + 8
-        buf = (L.llama_token * n_max)()
-        n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, True, False)
-        if n < 0:
-            buf = (L.llama_token * -n)()
-            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, True, False)
-        return list(buf[:n])
+        """A text prompt's tokens: BOS added as the model wants, special-token text read as text."""
+        return tokenize(self.vocab, text, add_special=True, parse_special=False)
 
     def submit(self, run: Run, out: Step) -> None:
         """Queue a run; it takes a slot at the next step (a bad prompt fails into that step's report).
