@@ -66,7 +66,7 @@ def test_gpu_figures_in_the_exposition() -> None:
     rows = gpus.health(nv, found)
     for row in rows:
         row["xid_errors"] = 3 if row["index"] == 1 else 0
-    router = SimpleNamespace(sup_info={"gpu1": {"device": found[1].uuid, "state": "ready"}}, workers={},
+    router = SimpleNamespace(supervisor_view={"gpu1": {"device": found[1].uuid, "state": "ready"}}, workers={},
                              models=["m"], queued=0, gpus=rows)
     text = RouterMetrics("m").render(router).decode()  # type: ignore[arg-type]
     fams = {f.name: f for f in text_string_to_metric_families(text)}

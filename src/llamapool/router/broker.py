@@ -87,10 +87,10 @@ class RouterConfig:
 class Job:
     """One prompt of one client request, from arrival to its final reply."""
 
-    rid: int
+    rid: int  # the router's id of this prompt's run on a worker (Run.rid)
     client: bytes
-    id: str
-    index: int
+    id: str  # the client's request id (every reply to the client carries it)
+    index: int  # the prompt's place in a micro-batch
     prompt: Prompt
     params: SamplingParams
     stream: bool
@@ -102,7 +102,7 @@ class Job:
     ending: str | None = None  # error code to answer with once the worker confirms the abort
     started: float = 0.0  # when a worker first took it (metrics: queue wait)
     last_token: float = 0.0  # when its last chunk came (metrics: inter-token latency)
-    req: str = ""  # the request id in logs: the client's id (+ "/index" in a micro-batch)
+    log_id: str = ""  # the request id in logs: the client's id (+ "/index" in a micro-batch)
     dispatched_at: float = 0.0  # when it was last sent to a worker
     model: str = ""  # the model that runs it (a name in the pool)
     first_at: float = 0.0  # when its first chunk went to the client
@@ -177,8 +177,8 @@ class Router:
         self.remote_lost: dict[str, dict[str, Any]] = {}  # status rows of nodes' workers that left or were lost
         self._back_keys = cfg.curve is not None and needs_curve(cfg.backend)  # peers' keys (User-Id) readable
         self._peer: Any = None  # the last backend frame (its User-Id is the peer's key)
-        self._refusals: dict[tuple[str, str], float] = {}
-        self.sup_info: dict[str, dict[str, Any]] = {}  # the supervisor's view of each worker
+        self._refused_at: dict[tuple[str, str], float] = {}
+        self.supervisor_view: dict[str, dict[str, Any]] = {}  # the supervisor's view of each worker
         self.gpus: list[dict[str, Any]] = []
         self.draining = False
         self.running = True
@@ -211,9 +211,9 @@ class Router:
         while self.running:
             for sock, _ in poller.poll(timeout=int(TICK * 1000)):
                 if sock is self.back:
-                    self._drain_back()
+                    self._read_backend()
                 elif sock is self.front:
-                    self._drain(self.front, self._on_client)
+                    self._read_burst(self.front, self._on_client)
                 elif sock in self.monitors:
                     while sock.poll(0):
                         self.handshakes.event(recv_monitor_message(sock))
@@ -229,7 +229,7 @@ class Router:
             self._report_ready()
         self._close()
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[bytes, list[bytes]], None]) -> None:
+    def _read_burst(self, sock: zmq.Socket, handle: Callable[[bytes, list[bytes]], None]) -> None:
         for _ in range(1000):  # bounded so one busy side cannot starve the other
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -237,9 +237,9 @@ class Router:
                 return
             handle(frames[0], frames[1:])
 
-    def _drain_back(self) -> None:
+    def _read_backend(self) -> None:
         if not self._back_keys:
-            self._drain(self.back, self._on_worker)
+            self._read_burst(self.back, self._on_worker)
             return
         for _ in range(1000):  # with CURVE: frames, to read the peer's key on a hello
             try:
@@ -295,9 +295,9 @@ class Router:
         if self.draining:
             self._refuse_request(client, msg, model, ErrorCode.UNAVAILABLE, "llamapool is shutting down")
             return
-        hopeless = self._hopeless(model)
-        if hopeless:
-            self._refuse_request(client, msg, model, ErrorCode.UNAVAILABLE, hopeless)
+        unservable = self._unservable(model)
+        if unservable:
+            self._refuse_request(client, msg, model, ErrorCode.UNAVAILABLE, unservable)
             return
         queue = self._queue(model)
         if len(queue) + len(msg.prompts) > self.cfg.max_queue:
@@ -309,7 +309,7 @@ class Router:
         jobs = []
         for i, prompt in enumerate(msg.prompts):
             job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline,
-                      keys=prefix_keys(prompt), req=f"{msg.id}/{i}" if msg.batch else msg.id, model=model)
+                      keys=prefix_keys(prompt), log_id=f"{msg.id}/{i}" if msg.batch else msg.id, model=model)
             self.next_rid += 1
             self.jobs[job.rid] = job
             queue.append(job)
@@ -350,7 +350,7 @@ class Router:
             outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         else:
             return
-        LOG.info("access", id=job.req, model=job.model or None, worker=job.last_worker or None,
+        LOG.info("access", id=job.log_id, model=job.model or None, worker=job.last_worker or None,
                  outcome=outcome, finish=finish, prompt_tokens=n_prompt, generated_tokens=n_gen,
                  stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
                  duration_ms=ms(now))
@@ -414,9 +414,9 @@ class Router:
                 w.last_seen = now
                 return
             key = self._peer_key() if self._back_keys else ""
-            why = self._refusal(name, msg, key)
+            why = self._why_refused(name, msg, key)
             if why:
-                self._refuse(ident, name, msg, key, why)
+                self._refuse_worker(ident, name, msg, key, why)
                 return
             if w is not None:
                 self._lose_worker(w, "replaced by a new process")
@@ -490,7 +490,7 @@ class Router:
                                               "step_s": w.step_s, "steps": w.steps})
         if w.jobs:
             LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
-                        requests=",".join(sorted(j.req for j in w.jobs.values())))
+                        requests=",".join(sorted(j.log_id for j in w.jobs.values())))
         for job in sorted(w.jobs.values(), key=lambda j: j.rid, reverse=True):
             job.worker = None
             if job.ending is not None:
@@ -516,7 +516,7 @@ class Router:
                 "active": 0, "state": "stopped" if why == "it shut down" else "lost", "reason": why,
                 "model": w.model}
 
-    def _refusal(self, name: str, hello: Hello, key: str) -> str:
+    def _why_refused(self, name: str, hello: Hello, key: str) -> str:
         """Why a worker's hello cannot be accepted ("" if it can): its name must be unique, and the
         name of a node's worker is "<node>/..."; a node's name belongs to the key that holds it."""
         node = hello.node
@@ -531,7 +531,7 @@ class Router:
                 return (f"a worker of another daemon (boot id {hello.boot or '-'}; this daemon's is "
                         f"{self.cfg.boot_id}): only this daemon's own workers may join")
             return ""
-        if name in self.sup_info:
+        if name in self.supervisor_view:
             return f"name clash: {name!r} is one of the router's own workers"
         for other in self.workers.values():
             if other.key != key and (other.name == name or (node and other.hello.node == node)):
@@ -539,13 +539,13 @@ class Router:
                         f"({security.fingerprint(other.key.encode()) if other.key else 'none'})")
         return ""
 
-    def _refuse(self, ident: bytes, name: str, hello: Hello, key: str, why: str) -> None:
+    def _refuse_worker(self, ident: bytes, name: str, hello: Hello, key: str, why: str) -> None:
         """Tell the worker (it logs it and exits for good) and log it here, once per 10 s per worker."""
         with contextlib.suppress(zmq.ZMQError):
             self.back.send_multipart([ident, codec.encode(Shutdown(reason=why))], zmq.NOBLOCK)
         now = time.monotonic()
-        if now - self._refusals.get((name, why), -1e9) >= 10.0:
-            self._refusals[(name, why)] = now
+        if now - self._refused_at.get((name, why), -1e9) >= 10.0:
+            self._refused_at[(name, why)] = now
             LOG.warning(f"refused worker {name} (node {hello.node or '-'}, pid {hello.pid}): {why}", worker=name,
                         node=hello.node or None, key=security.fingerprint(key.encode()) if key else None)
 
@@ -570,19 +570,19 @@ class Router:
             w.jobs[job.rid] = job
             remember(w, job.keys)
             if LOG.enabled("debug"):
-                LOG.debug("dispatch", id=job.req, worker=w.name, rid=job.rid)
-            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.req))
+                LOG.debug("dispatch", id=job.log_id, worker=w.name, rid=job.rid)
+            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id))
             if self.workers.get(w.name) is not w:  # its socket was gone: lost, and the job is queued again
                 pool.remove(w)
 
-    def _hopeless(self, model: str) -> str:
+    def _unservable(self, model: str) -> str:
         """Why no worker of ``model`` can ever take its work (it left the pool, or every worker of it
         failed for good), or "" if one may."""
         if any(w.model == model for w in self.workers.values()):
             return ""
         if model not in self.models:
             return f"model {model!r} was removed from the pool"
-        rows = [i for i in self.sup_info.values() if i.get("model", self.models[0]) == model]
+        rows = [i for i in self.supervisor_view.values() if i.get("model", self.models[0]) == model]
         if rows and all(i.get("state") == "failed" for i in rows):
             reasons = sorted({str(i.get("reason")) for i in rows})
             return f"no worker can serve: every worker failed ({'; '.join(reasons)}); see llamapool status"
@@ -604,15 +604,15 @@ class Router:
             elif now - w.last_sent >= self.cfg.heartbeat_interval:
                 w.last_sent = now
                 self._send_worker(w, Heartbeat())
-        hopeless = {m: self._hopeless(m) for m, q in self.queues.items() if q}
+        unservable = {m: self._unservable(m) for m, q in self.queues.items() if q}
         for job in list(self.jobs.values()):
-            if job.worker is None and hopeless.get(job.model):
+            if job.worker is None and unservable.get(job.model):
                 self.queues[job.model].remove(job)
-                self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, hopeless[job.model]))
+                self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, unservable[job.model]))
             elif job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
                 self.queues[job.model].remove(job)
                 ready = sum(1 for w in self.workers.values() if w.model == job.model and w.routable)
-                local = any(i.get("model", self.models[0]) == job.model for i in self.sup_info.values())
+                local = any(i.get("model", self.models[0]) == job.model for i in self.supervisor_view.values())
                 why = "" if ready or local else (
                     f": model {job.model!r} has no local worker and no node's worker has joined "
                     f"(devices = \"remote\": is a `llamapool node` running and is its key in authorized_keys?)")
@@ -637,9 +637,9 @@ class Router:
     def _on_control(self, cmd: control.Command) -> None:
         """One command of the supervisor (protocol/control.py)."""
         if isinstance(cmd, WorkerInfo):
-            self.sup_info[cmd.name] = cmd.info
+            self.supervisor_view[cmd.name] = cmd.info
         elif isinstance(cmd, ForgetWorker):
-            self.sup_info.pop(cmd.name, None)
+            self.supervisor_view.pop(cmd.name, None)
         elif isinstance(cmd, GpuRows):
             self.gpus = cmd.rows
         elif isinstance(cmd, WorkerExited):
@@ -677,9 +677,9 @@ class Router:
 
     def _status(self, rid: str) -> StatusReply:
         rows = []
-        names = sorted(set(self.sup_info) | set(self.workers) | set(self.remote_lost))
+        names = sorted(set(self.supervisor_view) | set(self.workers) | set(self.remote_lost))
         for name in names:
-            info = dict(self.sup_info.get(name, {}))
+            info = dict(self.supervisor_view.get(name, {}))
             w = self.workers.get(name)
             if w is not None:
                 info.update(

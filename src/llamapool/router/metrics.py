@@ -124,7 +124,7 @@ class _Snapshot(Collector):
     def collect(self) -> Iterator[Metric]:
         m, r = self.m, self.r
         self.gone: dict[str, dict[str, Any]] = getattr(r, "remote_lost", {})  # nodes' workers that left
-        self.names = sorted(set(r.sup_info) | set(r.workers) | set(self.gone) | set(m.generated_tokens))
+        self.names = sorted(set(r.supervisor_view) | set(r.workers) | set(self.gone) | set(m.generated_tokens))
         yield self._requests()
         yield from self._tokens()
         yield from self._engine_counters()
@@ -134,14 +134,14 @@ class _Snapshot(Collector):
         yield GaugeMetricFamily("llamapool_requests_running", "Prompts running on workers",
                                 value=sum(len(w.jobs) for w in r.workers.values()))
         yield from self._workers()
-        yield from _gpu_families(r.gpus, {uuid: n for n, i in r.sup_info.items()
+        yield from _gpu_families(r.gpus, {uuid: n for n, i in r.supervisor_view.items()
                                           for uuid in str(i.get("device")).split(",")})
 
     def _model_of(self, worker: str) -> str:
         live = self.r.workers.get(worker)
         if live is not None:
             return live.model
-        return str(self.r.sup_info.get(worker, {}).get("model") or self.gone.get(worker, {}).get("model")
+        return str(self.r.supervisor_view.get(worker, {}).get("model") or self.gone.get(worker, {}).get("model")
                    or self.m.worker_model.get(worker) or self.r.models[0])
 
     def _requests(self) -> Metric:
@@ -217,7 +217,7 @@ class _Snapshot(Collector):
                                        "by reason (the supervisor restarts it, or marks it failed)",
                                        labels=["worker", "node", "reason"])
         for name in self.names:
-            info = r.sup_info.get(name) or self.gone.get(name, {})
+            info = r.supervisor_view.get(name) or self.gone.get(name, {})
             w = r.workers.get(name)
             device = str(w.hello.device if w else info.get("device", ""))
             slots = w.hello.slots if w else 0

@@ -362,9 +362,9 @@ class Engine:
         """
         src, best = -1, 0
         if self.cfg.prefix_cache:
-            held = list(self.cached.items())
-            held += [(s.seq_id, s.tokens[: s.n_past]) for s in self.active.values() if s.n_past]
-            for sid, have in held:
+            in_kv = list(self.cached.items())
+            in_kv += [(s.seq_id, s.tokens[: s.n_past]) for s in self.active.values() if s.n_past]
+            for sid, have in in_kv:
                 n = min(len(have), len(want) - 1)
                 if n <= best:
                     continue
@@ -470,8 +470,8 @@ class Engine:
         if self.gpu_sampling:
             ready = self._collect(out)
             order = self._build(out)
-            heavy = flush is not None and self._split
-            if heavy:
+            blocking = flush is not None and self._split  # several micro-batches: decode blocks
+            if blocking:
                 self._emit_ready(ready, out)
                 out.active = len(self.active)
                 assert flush is not None
@@ -479,7 +479,7 @@ class Engine:
                 out = Step()
             if self.batch.n:
                 self._launch(order, out)
-            if not heavy:
+            if not blocking:
                 self._emit_ready(ready, out)
         else:
             order = self._build(out)
@@ -535,23 +535,23 @@ class Engine:
         chunks: list[tuple[int, Sequence]] = []
         outputs: list[tuple[int, Sequence]] = []
         for k, sid in enumerate(range(lo, hi + 1)):
-            held = self.active.get(sid)
-            if held is None:  # a free slot between busy ones: pad it past its cached prefix
+            running = self.active.get(sid)
+            if running is None:  # a free slot between busy ones: pad it past its cached prefix
                 keep = self.cached.get(sid)
                 n = len(keep) if keep is not None else 0
                 L.llama_memory_seq_rm(self.mem, sid, n, -1)
                 one_at.append(k)
                 one_tok.append(int(keep[-1]) if keep is not None and n else 0)
                 one_pos.append(n)
-            elif not held.prefilling:
+            elif not running.prefilling:
                 one_at.append(k)
-                one_tok.append(held.last)
-                one_pos.append(held.n_past)
-                held.n_past += 1
-                outputs.append((k, held))
+                one_tok.append(running.last)
+                one_pos.append(running.n_past)
+                running.n_past += 1
+                outputs.append((k, running))
             else:
                 lens[k] = chunk[sid]
-                chunks.append((k, held))
+                chunks.append((k, running))
         start = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=start[1:])
         total = int(start[-1])
