@@ -21,6 +21,7 @@ import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
+from llamapool.worker.scheduler import Prefill, plan_step
 from llamapool.worker.text import TextStream
 from llamapool.worker.vocab import tokenize
 
@@ -500,28 +501,21 @@ class Engine:
     def _build(self, out: Step) -> list[Sequence]:
         """Schedule this step's tokens and fill the batch; return the sequences with an output.
 
-        The step has a budget of ``max_batch_tokens``. Every decoding sequence gets its one
-        token and every sequence still prefilling gets at least one prompt token; the rest of
-        the budget goes to prompt chunks, oldest request first, and then admits waiting runs
-        into free slots, oldest first. With per-sequence KV streams llama.cpp splits a batch
+        The step's tokens are planned by ``scheduler.plan_step`` (a budget of ``max_batch_tokens``:
+        a token for each decoding sequence, prompt chunks oldest first, then admissions). With
+        per-sequence KV streams llama.cpp splits a batch
         into micro-batches of consecutive sequence ids, so the batch is filled in sequence-id
         order and a free slot between busy ones gets one padding token (written past its
         cached prefix, no output): the decode tokens of the step then form one micro-batch.
         """
-        budget = self.cfg.max_batch_tokens
-        decoding = [s for s in self.active.values() if not s.prefilling]
-        prefilling = sorted((s for s in self.active.values() if s.prefilling), key=lambda s: s.order)
-        budget -= len(decoding) + len(prefilling)
-        chunk: dict[int, int] = {s.seq_id: 1 for s in decoding}
-        for seq in prefilling:  # one token each, then the rest of the budget, oldest first
-            n = 1 + min(len(seq.tokens) - seq.n_past - 1, max(budget, 0))
-            chunk[seq.seq_id] = n
-            budget -= n - 1
-        while budget > 0 and self.waiting and self.free_ids:
+        plan = plan_step(
+            self.cfg.max_batch_tokens, (s.seq_id for s in self.active.values() if not s.prefilling),
+            [Prefill(s.seq_id, len(s.tokens) - s.n_past, s.order) for s in self.active.values() if s.prefilling])
+        while plan.can_admit and self.waiting and self.free_ids:
             new = self._admit(out)
             if new is not None:
-                chunk[new.seq_id] = n = min(len(new.tokens) - new.n_past, budget)
-                budget -= n
+                plan.admit(new.seq_id, len(new.tokens) - new.n_past)
+        chunk = plan.tokens
         b = self.batch
         b.n = 0
         self._split = False
