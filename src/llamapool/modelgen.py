@@ -174,6 +174,8 @@ def _random_matrix(rng: np.random.Generator, shape: tuple[int, ...], std: float,
         a = rng.standard_normal(shape, dtype=np.float32)
         a *= np.float32(std)
         return a
+    if gtype == gguf.GGMLQuantizationType.Q8_0:
+        return _random_q8_0(rng, rows, cols, std)
     res: np.ndarray | None = None
     step = max(1, _CHUNK // cols)
     for r in range(0, rows, step):
@@ -185,6 +187,20 @@ def _random_matrix(rng: np.random.Generator, shape: tuple[int, ...], std: float,
         res[r : r + step] = q
     assert res is not None
     return res
+
+
+def _random_q8_0(rng: np.random.Generator, rows: int, cols: int, std: float) -> np.ndarray:
+    """Q8_0 blocks written directly (an fp16 scale, then 32 int8), uniform with standard deviation
+    ``std``: seconds for an 8B shape where quantising floats took minutes (speed does not depend on
+    the weights' values)."""
+    scale = np.float16(std / np.sqrt((255**2 - 1) / 12))  # the std of the integers -127..127
+    out = np.empty((rows, cols // 32, 34), dtype=np.uint8)
+    out[..., :2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    step = max(1, _CHUNK // cols)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        out[r : r + n, :, 2:] = rng.integers(-127, 128, size=(n, cols // 32, 32), dtype=np.int8).view(np.uint8)
+    return out.reshape(rows, cols // 32 * 34)
 
 
 def _check_dims(n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int, n_ctx_train: int,
