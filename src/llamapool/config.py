@@ -75,6 +75,9 @@ class ModelConfig:
     # Per-step token budget: one token per decoding sequence, prompt chunks fill the rest.
     # 0 = auto: 4096 on a GPU (measured: docs/benchmarks.md), 512 on CPU workers.
     max_batch_tokens: int = 0
+    # A step-time budget on top (worker/scheduler.py): "off", "auto" (2x the measured pure-decode
+    # step), "<F>x" or "<N>ms"; max_batch_tokens stays the upper bound.
+    target_step: str = "off"
     n_ubatch: int = 1024  # llama.cpp physical micro-batch
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
@@ -380,6 +383,12 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
             check_template_file(m.chat_template)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
+
+    try:
+        StepTarget.parse(m.target_step)
+    except ValueError as e:
+        raise ConfigError(f"{key}.target_step: {e}") from None
     if m.max_batch_tokens and m.max_batch_tokens <= m.slots:
         raise ConfigError(
             f"{key}.max_batch_tokens: must be > the slots per worker ({m.slots}): every step gives each "

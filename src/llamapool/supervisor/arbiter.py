@@ -300,7 +300,7 @@ class Supervisor:
             max_batch_tokens=step_budget(m.max_batch_tokens, m.slots, bool(slot.gpus)),
             n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-            gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine,
+            gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine, target_step=m.target_step,
             chat_template=m.chat_template, model_name=m.name, tensor_split=list(m.tensor_split),
             boot_id=self.boot_id,
             **self._curve_for(self.cfg.backend),

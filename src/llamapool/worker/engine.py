@@ -21,7 +21,7 @@ import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
-from llamapool.worker.scheduler import Prefill, plan_step
+from llamapool.worker.scheduler import CostModel, Prefill, StepTarget, plan_step
 from llamapool.worker.text import TextStream
 from llamapool.worker.vocab import tokenize
 
@@ -42,6 +42,7 @@ class EngineConfig:
     slots: int = 8
     ctx_per_slot: int = 2048
     max_batch_tokens: int = 2048  # the per-step token budget: decode tokens + prompt chunks
+    target_step: str = "off"  # a step-time budget below it (worker/scheduler.py StepTarget)
     n_ubatch: int = 512
     prefix_cache: bool = True  # reuse KV of a shared prompt prefix instead of recomputing it
     gpu: bool = False
@@ -229,6 +230,10 @@ class Engine:
         self._split = False  # the batch being built runs as several micro-batches
         self._admitted = 0
         self.steps = 0
+        self.target = StepTarget.parse(cfg.target_step)
+        self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
+        self._measure: tuple[int, int, float] | None = None  # (rows, prompt tokens, start) of the last batch
+        self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.step_s = 0.0  # whole steps, Python work included
 
@@ -508,8 +513,9 @@ class Engine:
         order and a free slot between busy ones gets one padding token (written past its
         cached prefix, no output): the decode tokens of the step then form one micro-batch.
         """
+        budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens)
         plan = plan_step(
-            self.cfg.max_batch_tokens, (s.seq_id for s in self.active.values() if not s.prefilling),
+            budget, (s.seq_id for s in self.active.values() if not s.prefilling),
             [Prefill(s.seq_id, len(s.tokens) - s.n_past, s.order) for s in self.active.values() if s.prefilling])
         while plan.can_admit and self.waiting and self.free_ids:
             new = self._admit(out)
@@ -567,6 +573,7 @@ class Engine:
             seq.out_idx = int(start[k + 1]) - 1
             b.logits[seq.out_idx] = 1
         b.n = total
+        self._shape = (len(one_at) + len(chunks), int(sum(lens[k] for k, _ in chunks)))
         # more than one micro-batch: a sequence with several tokens (per-sequence KV splits
         # into equal shares per sequence), or more tokens than one micro-batch holds
         self._split = bool(chunks) or total > self.cfg.n_ubatch
@@ -577,6 +584,7 @@ class Engine:
         b = self.batch
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
+        self._time_step(t0)
         rc = L.llama_decode(self.ctx, b.raw)
         self.decode_s += time.perf_counter() - t0
         self.steps += 1
@@ -588,6 +596,19 @@ class Engine:
             return False
         self.inflight = order
         return True
+
+    def _time_step(self, now: float) -> None:
+        """Feed the cost model: the batch launched before this one took until now (launches follow each
+        other while the engine is busy: with GPU sampling the host works while the GPU computes)."""
+        last, self._measure = self._measure, (self._shape[0], self._shape[1], now)
+        if last is None:
+            return
+        rows, tokens, start = last
+        seconds = now - start
+        coef = self.cost.coef
+        expected = coef[0] + coef[1] * rows + coef[2] * tokens if coef else 0.5
+        if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
+            self.cost.observe(rows, tokens, seconds)
 
     def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
         """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""

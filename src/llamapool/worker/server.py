@@ -65,6 +65,7 @@ class WorkerSpec:
     heartbeat_liveness: int
     gpu_sampling: bool = True
     prefix_cache: bool = True
+    target_step: str = "off"  # model.target_step: a step-time budget (worker/scheduler.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
     chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
     server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
@@ -192,7 +193,7 @@ def serve(spec: WorkerSpec) -> int:
                 model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
                 max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
                 gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
-                gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache,
+                gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
                 chat_template=spec.chat_template, n_gpus=max(1, spec.n_gpus),
                 tensor_split=tuple(spec.tensor_split),
             )
