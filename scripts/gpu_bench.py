@@ -50,6 +50,9 @@ import llama_cpp  # first: CUDA model loads segfaulted after numpy/pyzmq imports
 
 GPU_SHAPE = {"n_embd": 2048, "n_layer": 16, "n_head": 32, "n_head_kv": 8, "n_ff": 8192, "n_vocab": 32000,
              "qtype": "q8_0"}
+# Llama-3.1-8B's dimensions (8.5 GB in q8_0; make-model writes it in well under a minute)
+SHAPE_8B = {"n_embd": 4096, "n_layer": 32, "n_head": 32, "n_head_kv": 8, "n_ff": 14336, "n_vocab": 128256,
+            "qtype": "q8_0"}
 CPU_SHAPE: dict[str, Any] = {}  # make_model's defaults: the tiny test model
 
 
@@ -201,7 +204,8 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4, help="client processes the streams are spread over")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="prompt + output budget of 'mixed'")
-    ap.add_argument("--model", default="", help="a GGUF (default: the 1B shape, made here)")
+    ap.add_argument("--model", default="", help="a GGUF (default: a random one of --shape, made here)")
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="the random model's shape")
     ap.add_argument("--cpu", action="store_true", help="tiny model, devices = \"cpu\" (checks the script)")
     ap.add_argument("--llama-server", default="", metavar="PATH", help="the peer's binary (else skipped)")
     ap.add_argument("--peer-api", choices=("llama", "completions"), default="llama",
@@ -257,7 +261,7 @@ def main() -> int:
     if not model:
         with section("model", timings):
             t0 = time.monotonic()
-            shape = CPU_SHAPE if args.cpu else GPU_SHAPE
+            shape = CPU_SHAPE if args.cpu else SHAPE_8B if args.shape == "8b" else GPU_SHAPE
             model = str(make_model(tmp / "m.gguf", **shape))
             record({"mode": "model", "path": model, "bytes": os.path.getsize(model), "shape": shape,
                     "gen_s": round(time.monotonic() - t0, 1)})
