@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -346,22 +347,14 @@ class WorkerIO:
 
     def on_engine_reports(self) -> None:
         """The engine thread's step reports, to the router; its goodbye ends the loop."""
-        while True:
-            try:
-                frame = self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if frame == self.bye:
+        for frames in _waiting(self.pull):
+            if frames[0] == self.bye:
                 self.stop = True
-            self.send(frame)
+            self.send(frames[0])
 
     def on_router_messages(self) -> None:
         """The router's messages: a refusal ends the worker for good; the rest go to the engine."""
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in _waiting(self.sock):
             self.router_seen = time.monotonic()
             try:
                 msg = codec.decode(frames, codec.ROUTER_TYPES)
@@ -393,6 +386,15 @@ class WorkerIO:
         self.zctx.term()
         self.engine.close()
         return self.exit_code
+
+
+def _waiting(sock: zmq.Socket) -> Iterator[list[bytes]]:
+    """Every message already waiting on ``sock``, without blocking."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 class _Link:
