@@ -346,6 +346,14 @@ class Supervisor:
                 slot.state = State.STOPPED
             self._publish(slot)
             return
+        self._after_death(slot, proc.pid, code, how, self._start)
+        self._publish(slot)
+        self._check_all_failed()
+
+    def _after_death(self, slot: WorkerSlot, pid: int, code: int, how: str,
+                     restart: Callable[[WorkerSlot], None]) -> None:
+        """An unexpected exit of a worker or a gateway: FAILED for good (a permanent error, or flapping),
+        else BACKOFF and ``restart`` after a delay that doubles with each death in a row."""
         now = time.monotonic()
         reason = lifecycle.restart_reason(code, slot.kill_reason)
         slot.exits[reason] = slot.exits.get(reason, 0) + 1
@@ -365,18 +373,16 @@ class Supervisor:
                         self.cfg.workers.restart_backoff_max)
             slot.streak += 1
             slot.state = State.BACKOFF
-            self._log(f"{slot.name}: pid {proc.pid} died ({how}); restarting in {delay:g}s", "warning")
-            self._spawn_task(self._restart_later(slot, delay))
-        if slot.state == State.FAILED:
-            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
-        self._publish(slot)
-        self._check_all_failed()
+            self._log(f"{slot.name}: pid {pid} died ({how}); restarting in {delay:g}s", "warning")
+            self._spawn_task(self._restart_later(slot, delay, restart))
+            return
+        self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
 
-    async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
+    async def _restart_later(self, slot: WorkerSlot, delay: float, restart: Callable[[WorkerSlot], None]) -> None:
         await asyncio.sleep(delay)
         if slot.state == State.BACKOFF and not self.stopping:
             slot.restarts += 1
-            self._start(slot)
+            restart(slot)
 
     async def _kill(self, slot: WorkerSlot, pid: int, why: str) -> None:
         """SIGABRT (a core and a stack for the evidence), then SIGKILL."""
@@ -436,21 +442,8 @@ class Supervisor:
         if self.stopping or slot.state == State.STOPPED:
             self._log(f"{slot.name}: pid {proc.pid} exited ({slot.last_exit})")
             return
-        if code == EXIT_PERMANENT:
-            fatal = [ln for ln in slot.log if "FATAL" in ln]
-            slot.state, slot.reason = State.FAILED, fatal[-1] if fatal else slot.last_exit
-            self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
-            return
-        if slot.ready_at and time.monotonic() - slot.ready_at > self.cfg.workers.restart_backoff_max:
-            slot.streak = 0
-        delay = min(self.cfg.workers.restart_backoff * 2**slot.streak, self.cfg.workers.restart_backoff_max)
-        slot.streak += 1
-        slot.state = State.BACKOFF
-        self._log(f"{slot.name}: pid {proc.pid} died ({slot.last_exit}); restarting in {delay:g}s", "warning")
-        await asyncio.sleep(delay)
-        if not self.stopping and slot.state == State.BACKOFF:
-            slot.restarts += 1
-            self._spawn_task(self._run_gateway(slot))
+        self._after_death(slot, proc.pid, code, slot.last_exit,  # the workers' reaper rules
+                          lambda gw: self._spawn_task(self._run_gateway(gw)))
 
     async def _reload_gateways(self) -> None:
         """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones (they share the
