@@ -47,3 +47,14 @@ def test_the_metrics_know_every_state() -> None:
     from llamapool.router.metrics import WORKER_STATES
 
     assert {s.value for s in State} <= set(WORKER_STATES)
+
+
+def test_a_childs_report_is_a_typed_line_apart_from_its_log() -> None:
+    from llamapool.protocol.control import ChildReport
+
+    line = codec.report_line(ChildReport("live", 1.5))
+    assert "\n" not in line
+    assert codec.read_report(f"<3>{line}\n".encode()) == ChildReport("live", 1.5)
+    for not_a_report in (b"llamapool gateway http0: listening on http://127.0.0.1:8000",
+                         b"\x1ellamapool-report not-base64!", codec.report_line(ChildReport("dancing")).encode()):
+        assert codec.read_report(not_a_report) is None

@@ -7,6 +7,7 @@ environment (``LLAMAPOOL_PARENT_PID``): a parent that died before the call is se
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -14,6 +15,15 @@ import sys
 
 PARENT_PID_ENV = "LLAMAPOOL_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+def report(event: str, busy_for: float = 0.0) -> None:
+    """Tell the supervisor ``event`` (protocol/control.py ChildReport) on this process's output pipe."""
+    from llamapool.protocol import codec
+    from llamapool.protocol.control import ChildReport
+
+    with contextlib.suppress(OSError):  # the supervisor is gone: it will not read it anyway
+        print(codec.report_line(ChildReport(event, busy_for)), file=sys.stderr, flush=True)
 
 
 def parent_env() -> dict[str, str]:

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 
+from llamapool import lifeline
 from llamapool.gateway import GatewaySpec
 
 
@@ -50,6 +51,7 @@ async def serve(spec: GatewaySpec) -> int:
                             timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
     server = uvicorn.Server(config)
     log.info(f"listening on http://{spec.host}:{spec.port}")
+    lifeline.report("listening")
     watch = asyncio.create_task(_exit_with_supervisor(spec.name))
     try:
         await server.serve(sockets=[sock])

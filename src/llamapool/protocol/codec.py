@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 from collections.abc import Callable
@@ -77,7 +78,7 @@ def _wire(value: Any) -> Any:
     return value
 
 
-def to_dict(msg: Message | control.Command) -> dict[str, Any]:
+def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, Any]:
     d: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     for f in dataclasses.fields(msg):  # type: ignore[arg-type]
         d[f.name] = _wire(getattr(msg, f.name))
@@ -93,7 +94,7 @@ def to_dict(msg: Message | control.Command) -> dict[str, Any]:
     return d
 
 
-def encode(msg: Message | control.Command) -> bytes:
+def encode(msg: Message | control.Command | control.ChildReport) -> bytes:
     """Encode one message as one msgpack frame."""
     return msgpack.packb(to_dict(msg), use_bin_type=True)
 
@@ -113,6 +114,27 @@ def encode_generate(rid: str, prompts: list[Any], batch: bool, stream: bool, tim
     if model is not None:
         d["model"] = model
     return msgpack.packb(d, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+REPORT_MARK = "\x1ellamapool-report "  # starts a child's report line on its output pipe (not a log line)
+
+
+def report_line(report: control.ChildReport) -> str:
+    """A child's report as one line of text (its msgpack frame in base64 after the mark)."""
+    return REPORT_MARK + base64.b64encode(encode(report)).decode()
+
+
+def read_report(raw: bytes) -> control.ChildReport | None:
+    """The report in a line of a child's output, or None for an ordinary (log) line or a bad report."""
+    at = raw.find(REPORT_MARK.encode())
+    if at < 0:
+        return None
+    try:
+        frame = base64.b64decode(raw[at + len(REPORT_MARK):].strip(), validate=True)
+        report = decode([frame], REPORT_TYPES)
+    except (ValueError, ProtocolError):
+        return None
+    return report if report.event in control.REPORT_EVENTS else None
 
 
 # ---------------------------------------------------------------- field readers
@@ -284,6 +306,9 @@ def _run(d: dict[str, Any]) -> Run:
 
 COMMAND_TYPES: dict[str, Callable[[dict[str, Any]], control.Command]] = {
     cls.TYPE: _plain(cls) for cls in control.COMMANDS  # type: ignore[attr-defined,misc]
+}
+REPORT_TYPES: dict[str, Callable[[dict[str, Any]], control.ChildReport]] = {
+    control.ChildReport.TYPE: _plain(control.ChildReport),  # type: ignore[dict-item]
 }
 CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Generate.TYPE: _generate,

@@ -90,6 +90,23 @@ Command = (WorkerInfo | ForgetWorker | GpuRows | WorkerExited | RetireWorker | P
 COMMANDS: tuple[type, ...] = (WorkerInfo, ForgetWorker, GpuRows, WorkerExited, RetireWorker, PoolModels,
                               StartDrain, CancelAll, StopRouter)
 
+# ---------------------------------------------------------------- child process -> supervisor
+
+
+@dataclass(slots=True)
+class ChildReport:
+    """What a worker or a gateway tells its supervisor about itself, on its output pipe as one marked
+    line (``codec.report_line``), never as log text: ``listening`` (a gateway serves), ``joining`` (a
+    node's worker loaded its model), ``joined`` (the router accepted it), ``key_refused`` (the router
+    refuses the node's CURVE key), ``live`` (a node's worker's heartbeat, with its step's ``busy_for``)."""
+
+    TYPE: ClassVar[str] = "child_report"
+    event: str
+    busy_for: float = 0.0
+
+
+REPORT_EVENTS = ("listening", "joining", "joined", "key_refused", "live")
+
 # ---------------------------------------------------------------- router -> supervisor
 
 

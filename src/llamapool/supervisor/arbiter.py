@@ -433,9 +433,7 @@ class Supervisor:
         self._log(f"{slot.name}: started pid {proc.pid}")
         assert proc.stdout is not None
         async for raw in proc.stdout:
-            line = self._child_line(slot, raw)
-            if "listening on" in line and slot.state == State.STARTING:
-                slot.state, slot.ready_at = State.READY, time.monotonic()
+            self._child_line(slot, raw)
         code = await proc.wait()
         slot.proc = None
         slot.last_exit = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
@@ -773,7 +771,12 @@ class Supervisor:
         LOG.log(logmod.LEVELS[level], msg, **fields)
 
     def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
-        """Re-emit one line of a worker's or gateway's output at its level; returns its message."""
+        """Re-emit one line of a worker's or gateway's output at its level; returns its message. A
+        report line (protocol/control.py ChildReport) is handled, not logged."""
+        report = codec.read_report(raw)
+        if report is not None:
+            self._on_report(slot, report)
+            return ""
         line = raw.decode(errors="replace").rstrip()
         # a line without the <N> prefix: a library's own (uvicorn's "ERROR: ...", llama.cpp, a traceback)
         if "FATAL" in line or "Traceback" in line or line.startswith(("ERROR:", "CRITICAL:")):
@@ -794,6 +797,11 @@ class Supervisor:
         slot.log.append(msg)
         logmod.emit(level, out)
         return msg
+
+    def _on_report(self, slot: WorkerSlot, report: control.ChildReport) -> None:
+        """A child's report: a gateway that listens is ready (a worker is ready at its hello)."""
+        if report.event == "listening" and slot.state == State.STARTING:
+            slot.state, slot.ready_at = State.READY, time.monotonic()
 
     def _check_all_failed(self) -> None:
         """Every worker failed for good before any became ready: exit EX_CONFIG (78), do not idle.

@@ -34,7 +34,7 @@ from llamapool.protocol import control
 from llamapool.protocol.control import ReadyCount, RetireWorker, WorkerInfo
 from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
 from llamapool.supervisor.lifecycle import State
-from llamapool.worker.server import JOINED, JOINING, LIVE_MARK, WorkerSpec
+from llamapool.worker.server import WorkerSpec
 
 REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refused node key
 
@@ -126,24 +126,20 @@ class NodeSupervisor(Supervisor):
         level = self.cfg.log.level if self.cfg.log.level == "debug" else "info"
         return logmod.child_env(self.cfg.log.format, level)
 
-    def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
-        mark = raw.find(LIVE_MARK.encode())
-        if mark >= 0:  # a liveness line, not a log line
-            slot.live_at = time.monotonic()
-            with contextlib.suppress(ValueError):
-                slot.busy_for = float(raw[mark + len(LIVE_MARK):].strip() or 0)
-            return ""
-        msg = super()._child_line(slot, raw)
-        if slot.proc is None:
-            return msg
-        if JOINED in msg and slot.state in (State.STARTING, State.JOINING):
+    def _on_report(self, slot: WorkerSlot, report: control.ChildReport) -> None:
+        """A node's worker's reports: liveness, loaded (joining), accepted by the router (ready), and a
+        refused key."""
+        if report.event == "live":
+            slot.live_at, slot.busy_for = time.monotonic(), report.busy_for
+        elif slot.proc is None:
+            return
+        elif report.event == "joined" and slot.state in (State.STARTING, State.JOINING):
             self._joined(slot)
-        elif JOINING in msg and slot.state == State.STARTING:
+        elif report.event == "joining" and slot.state == State.STARTING:
             slot.state = State.JOINING  # loaded: no start_timeout now, it waits for the router to accept it
             self._publish(slot)
-        elif "cannot join" in msg and "refused this worker's key" in msg:
+        elif report.event == "key_refused":
             self._refused_hint()
-        return msg
 
     def _joined(self, slot: WorkerSlot) -> None:
         """The router accepted the worker: it is ready (the base class's ``hello``)."""

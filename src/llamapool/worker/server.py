@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from llamapool import lifeline
 from llamapool import log as logmod
 from llamapool.protocol import codec
 from llamapool.protocol.messages import (
@@ -37,11 +38,9 @@ from llamapool.protocol.messages import (
 from llamapool.worker.contract import Engine
 
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
-JOINING = "joining the router at"  # a node's worker logs it once its model is loaded
-JOINED = "joined the router at"  # ... and this once the router accepted it (`llamapool node` waits for it)
-# A node worker's liveness line to its supervisor, once a heartbeat: the marker, then how long its
-# running engine step has taken (0 when idle). The supervisor consumes it; it is never logged.
-LIVE_MARK = "\x1elive "
+# A node's worker logs these for people; its supervisor follows it by its reports (lifeline.report)
+JOINING = "joining the router at"  # its model is loaded
+JOINED = "joined the router at"  # the router accepted it
 EXIT_ENGINE = 70  # EX_SOFTWARE: the engine thread failed; the supervisor restarts the worker
 REDIAL_MAX = 5.0  # seconds between re-dials after a refused handshake (libzmq does not retry it)
 LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -293,6 +292,7 @@ class WorkerIO:
         self.send(self.hello)
         if self.spec.node:  # `llamapool node` reads these lines (its workers log at info at least)
             self.log.info(f"model loaded; {JOINING} {self.spec.backend}")
+            lifeline.report("joining")
         self.loop.start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -341,8 +341,8 @@ class WorkerIO:
             decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
             kv_used=kv_used, kv_total=kv_total, draining=self.draining,
         )))
-        if spec.node:  # the node's supervisor watches this line (no router of its own to do it)
-            logmod.emit(logmod.LEVELS["error"], f"{LIVE_MARK}{(now - started) if started else 0.0:.3f}")
+        if spec.node:  # the node's supervisor watches these (no router of its own to do it)
+            lifeline.report("live", (now - started) if started else 0.0)
         self.next_beat = now + spec.heartbeat_interval
 
     def on_engine_reports(self) -> None:
@@ -368,6 +368,7 @@ class WorkerIO:
                 self.joined = True
                 if self.spec.node:
                     self.log.info(f"{JOINED} {self.spec.backend}" + (" again" if self.ever_joined else ""))
+                    lifeline.report("joined")
                 self.ever_joined = True
             if not isinstance(msg, Heartbeat):
                 self.loop.inbox.put(msg)
@@ -462,6 +463,7 @@ class _Link:
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             why = (f"the router refused this worker's {key} (ZAP status {value}): its .pub is not in the "
                    f"router's authorized_keys")
+            lifeline.report("key_refused")
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             why = f"handshake failed, ZMTP error {value:#x} (a wrong server public key, or the router uses no CURVE)"
         else:
