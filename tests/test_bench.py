@@ -81,6 +81,26 @@ def test_cli_bench_workload_against_the_daemon(start_daemon: Callable[..., Any])
     assert out.returncode == 0 and "short" in out.stdout and "tok/s" in out.stdout, out.stderr
 
 
+def test_open_loop_bench_at_poisson_rates_against_the_daemon(start_daemon: Callable[..., Any], tmp_path: Any
+                                                          ) -> None:
+    """``--rate``: requests go out at Poisson arrivals whatever is in flight; each rate is a row with the
+    achieved rate and TTFT/ITL/end-to-end percentiles, then the highest rate that met the TTFT target."""
+    d = start_daemon()
+    rows_file = tmp_path / "open.jsonl"
+    out = _bench_cli("--endpoint", d.endpoint, "--workload", "short", "--prompt-tokens", "16", "--gen-tokens", "8",
+                     "--rate", "5", "40", "-n", "40", "--ttft-slo", "1e9", "--out", str(rows_file))
+    assert out.returncode == 0, out.stderr
+    *rows, summary = [json.loads(x) for x in rows_file.read_text().splitlines()]
+    assert [r["rate"] for r in rows] == [5, 40] and all(r["errors"] == 0 and r["requests"] == 40 for r in rows)
+    assert all(r["gen_tokens"] == 40 * 8 and r["e2e_p99_ms"] >= r["e2e_p50_ms"] >= r["ttft_p50_ms"] > 0 for r in rows)
+    # 40 arrivals at 5/s span ~8 s (Poisson: well over 3 s); at 40/s, about 1 s
+    assert 40 / rows[0]["req_s"] > 3 and rows[1]["req_s"] > 2 * rows[0]["req_s"]
+    assert summary == {"ttft_slo_ms": 1e9, "best_rate": 40, "rates": [5, 40]}
+    assert "highest rate with TTFT p99 <= 1e+09 ms: 40 req/s" in out.stdout
+    out = _bench_cli("--endpoint", d.endpoint, "--rate", "0")
+    assert out.returncode == 2 and "--rate" in out.stderr
+
+
 # ---------------------------------------------------------------- the HTTP driver, fake peer
 
 class FakePeer:

@@ -192,7 +192,29 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_while_others_decode(m
         eng.close()
 
 
-def test_prompt_chunks_go_to_the_oldest_request_first(model_path: str) -> None:
+def test_a_short_prompt_behind_a_long_one_gets_its_first_token_first(model_path: str) -> None:
+    """Shortest remaining prompt first (worker/scheduler.py): a 30-token prompt arriving while a
+    1,200-token one is being computed is done in its first step, not after the long prompt."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=2048, max_batch_tokens=128, n_ubatch=512,
+                              threads=2, prefix_cache=False, target_step="off"))
+    try:
+        once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        eng.submit(Run(1, [7] * 1200, once, False), Step())
+        eng.step()
+        eng.step()
+        eng.submit(Run(2, [9] * 30, once, False), Step())
+        done = eng.step().done
+        assert [d.rid for d in done] == [2], "the short prompt finished in its first step"
+        long = next(s for s in eng.active.values() if s.rid == 1)
+        assert long.n_past == 128 * 3 - 30, "the long prompt lost only the short one's tokens"
+        while eng.busy:
+            done = eng.step().done
+        assert [d.rid for d in done] == [1]
+    finally:
+        eng.close()
+
+
+def test_prompts_of_one_length_are_computed_in_arrival_order(model_path: str) -> None:
     eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, max_batch_tokens=100, n_ubatch=512,
                               threads=2, prefix_cache=False))
     try:

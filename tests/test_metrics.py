@@ -43,6 +43,8 @@ EXPECTED = {  # family name (without _total) -> type
     "llamapool_worker_restarts": "counter",
     "llamapool_kv_cache_used_cells": "gauge",
     "llamapool_kv_cache_cells": "gauge",
+    "llamapool_step_budget_tokens": "gauge",
+    "llamapool_step_cost_seconds": "gauge",
 }
 
 
@@ -101,7 +103,8 @@ def test_metrics_from_listen_and_gateway(start_daemon) -> None:  # type: ignore[
     for fam in fams.values():
         assert fam.name.startswith("llamapool_")
         for s in fam.samples:  # bounded labels only
-            assert set(s.labels) <= {"model", "worker", "device", "node", "outcome", "state", "reason", "gpu", "le"}, s
+            assert set(s.labels) <= {"model", "worker", "device", "node", "outcome", "state", "reason", "gpu", "le",
+                                      "target", "term"}, s
     model = Path(d.config.read_text().split('path = "')[1].split('"')[0]).stem
     assert value(fams, "llamapool_generated_tokens", "llamapool_generated_tokens_total", model=model) == counted
     assert value(fams, "llamapool_requests", "llamapool_requests_total", outcome="ok") == 6

@@ -75,9 +75,10 @@ class ModelConfig:
     # Per-step token budget: one token per decoding sequence, prompt chunks fill the rest.
     # 0 = auto: 4096 on a GPU (measured: docs/benchmarks.md), 512 on CPU workers.
     max_batch_tokens: int = 0
-    # A step-time budget on top (worker/scheduler.py): "off", "auto" (2x the measured pure-decode
-    # step), "<F>x" or "<N>ms"; max_batch_tokens stays the upper bound.
-    target_step: str = "off"
+    # How much prompt work a step takes, under max_batch_tokens (worker/scheduler.py StepTarget):
+    # "auto" (sized from the step costs the worker measures and the prompts waiting), "off" (the
+    # token budget alone), "<F>x" (F times the measured pure-decode step) or "<N>ms".
+    target_step: str = "auto"
     n_ubatch: int = 1024  # llama.cpp physical micro-batch
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers

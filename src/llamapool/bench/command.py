@@ -19,7 +19,14 @@ from llamapool.bench.workloads import DEFAULT_CTX, NAMES
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[8],
                    help="concurrent streaming clients; several values run one after another")
-    p.add_argument("-n", "--requests", type=int, default=0, help="requests per run (default 4 x C)")
+    p.add_argument("-n", "--requests", type=int, default=0,
+                   help="requests per run (default 4 x C; open loop: 20 s of arrivals, at least 64)")
+    p.add_argument("--rate", type=float, nargs="+", metavar="R",
+                   help="open loop instead of C streams: Poisson arrivals at R requests/s, whatever is in "
+                        "flight; several values run one after another (reports TTFT/ITL/end-to-end p50/p99 "
+                        "and the achieved rate)")
+    p.add_argument("--ttft-slo", type=float, metavar="MS",
+                   help="with --rate: also report the highest rate whose TTFT p99 is at most MS milliseconds")
     p.add_argument("-w", "--workload", choices=NAMES, default="short",
                    help="short: 128 prompt / 128 output tokens; rag: 1024/128; long: 4096/256; mixed: "
                         "log-normal lengths, median 512/128, sigma 0.8/0.6, clipped to --ctx")
@@ -86,6 +93,8 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
     if not n_vocab:
         print("llamapool bench: the server did not say its vocabulary size; pass --n-vocab", file=sys.stderr)
         return 2
+    if args.rate:
+        return _open_loop(args, target, n_vocab)
     rows: list[dict[str, Any]] = []
     errors = 0
     for c in args.concurrency:
@@ -118,6 +127,47 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
             if args.ceiling:
                 line += f"  | ceiling {row['ceiling_e2e_tok_s']:9.1f} tok/s  over ceiling {row['over_ceiling']:.3f}"
             print(line, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    if errors:
+        print(f"llamapool bench: {errors} request(s) failed or came back short: not a figure", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _open_loop(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
+    """``--rate``: one open-loop run per rate, then the highest rate that met ``--ttft-slo``."""
+    from llamapool.bench.drivers import measure_open
+    from llamapool.bench.workloads import make_workload
+
+    if any(r <= 0 for r in args.rate):
+        print("llamapool bench: --rate: every rate must be > 0 requests/s", file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    errors = 0
+    for rate in args.rate:
+        try:
+            work = make_workload(args.workload, args.requests or max(64, int(20 * rate)), n_vocab, seed=args.seed,
+                                 ctx=args.ctx, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+        except ValueError as e:
+            print(f"llamapool bench: {e}", file=sys.stderr)
+            return 2
+        res = asyncio.run(measure_open(target, work, rate, not args.no_progress))
+        errors += res.errors
+        row = res.as_dict()
+        rows.append(row)
+        _append(args.out, [row])
+        if not args.json:
+            print(res.line() + f"  e2e p50 {res.e2e_p50_ms:7.1f} p99 {res.e2e_p99_ms:7.1f} ms  "
+                  f"achieved {res.req_s:.2f} req/s", flush=True)
+    if args.ttft_slo:
+        met = [r["rate"] for r in rows if r["ttft_p99_ms"] <= args.ttft_slo and not r["errors"]]
+        best = max(met) if met else 0.0
+        summary = {"ttft_slo_ms": args.ttft_slo, "best_rate": best, "rates": [r["rate"] for r in rows]}
+        _append(args.out, [summary])
+        if not args.json:
+            print(f"highest rate with TTFT p99 <= {args.ttft_slo:g} ms: " +
+                  (f"{best:g} req/s" if met else "none of the rates tried"), flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
     if errors:

@@ -8,7 +8,12 @@ every reply event on arrival:
 - ITL: the gap between two events that carry tokens, per token: an event that brings ``k`` tokens
   contributes ``k`` gaps of ``gap / k``;
 - tok/s: tokens received divided by the wall time from the first send to the last reply;
-- decode tok/s: ``C / ITL p50``, the steady rate at which the C streams receive tokens.
+- decode tok/s: ``C / ITL p50``, the steady rate at which the C streams receive tokens;
+- end-to-end: from sending a request to its last event.
+
+Closed loop (``drive``): each of the C clients sends its next request when its last one ends. Open
+loop (``drive_open``): requests are sent at Poisson arrivals of a given rate, whatever is in flight,
+as independent users would; the achieved rate is requests / wall time.
 
 Every reply is counted. A request that fails, or ends with a token count other than the one it asked
 for (generation ignores EOS), is an error; a row with errors is not a figure.
@@ -34,6 +39,7 @@ import asyncio
 import json
 import multiprocessing
 import queue as queue_mod
+import random
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -102,6 +108,9 @@ class BenchRow:
     itl_p50_ms: float
     itl_p99_ms: float
     decode_tok_s: float  # C / ITL p50
+    e2e_p50_ms: float = 0.0
+    e2e_p99_ms: float = 0.0
+    rate: float = 0.0  # open loop: the offered Poisson rate, requests/s (0: closed loop at C streams)
     seed: int = 0
     ctx: int = 0
     address: str = ""
@@ -116,7 +125,8 @@ class BenchRow:
         return d
 
     def line(self) -> str:
-        s = (f"{self.workload:<6} {self.transport:<11} C={self.concurrency:<4} {self.tok_s:9.1f} tok/s "
+        load = f"rate={self.rate:<6g}" if self.rate else f"C={self.concurrency:<4}"
+        s = (f"{self.workload:<6} {self.transport:<11} {load} {self.tok_s:9.1f} tok/s "
              f"{self.req_s:7.2f} req/s  TTFT p50 {self.ttft_p50_ms:7.1f} p99 {self.ttft_p99_ms:7.1f} ms  "
              f"ITL p50 {self.itl_p50_ms:6.2f} p99 {self.itl_p99_ms:6.2f} ms  decode {self.decode_tok_s:8.1f} tok/s")
         if self.errors:
@@ -295,6 +305,7 @@ class Tally:
     done: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
     error_samples: list[str] = field(default_factory=list)
@@ -342,6 +353,7 @@ async def _one(transport: _Transport, req: Request, tally: Tally) -> None:
         tally.error(f"{type(e).__name__}: {e}"[:300])
         return
     tally.tokens += n
+    tally.e2e.append(time.perf_counter() - t0)
     if n != req.max_tokens:
         tally.error(f"{n} tokens, asked for {req.max_tokens}")
 
@@ -372,6 +384,37 @@ async def drive(target: Target, requests: Sequence[Request], concurrency: int, p
             barrier.wait(300)  # every client process starts sending at the same moment
         tally.start = time.time()
         await asyncio.gather(*(client() for _ in range(max(1, concurrency))))
+        tally.end = time.time()
+    finally:
+        await transport.close()
+    return tally
+
+
+async def drive_open(target: Target, requests: Sequence[Request], rate: float, seed: int = 0,
+                     progress: bool = False) -> Tally:
+    """Send ``requests`` at Poisson arrivals of ``rate`` per second (exponential gaps drawn with
+    ``seed``), each as soon as its time comes, however many are in flight."""
+    transport = make_transport(target)
+    tally = Tally()
+    bar = _Progress(len(requests), progress)
+    gaps = random.Random(seed)
+
+    async def one(req: Request) -> None:
+        await _one(transport, req, tally)
+        tally.done += 1
+        bar.tick()
+
+    await transport.open()
+    try:
+        tally.start, t0, at = time.time(), time.perf_counter(), 0.0
+        tasks = []
+        for req in requests:
+            at += gaps.expovariate(rate)
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        await asyncio.gather(*tasks)
         tally.end = time.time()
     finally:
         await transport.close()
@@ -427,6 +470,7 @@ def row(workload: Workload, target: Target, concurrency: int, procs: int, parts:
     errors += len(workload.requests) - done  # never happens; if it did, unanswered requests are errors
     ttft = [x for p in parts for x in p.ttft]
     itl = [x for p in parts for x in p.itl]
+    e2e = [x for p in parts for x in p.e2e]
     wall = max(1e-9, max(p.end for p in parts) - min(p.start for p in parts)) if parts else 1e-9
     itl50 = pct(itl, 0.5)
     return BenchRow(
@@ -437,6 +481,7 @@ def row(workload: Workload, target: Target, concurrency: int, procs: int, parts:
         ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
         itl_p50_ms=1e3 * itl50, itl_p99_ms=1e3 * pct(itl, 0.99),
         decode_tok_s=concurrency / itl50 if itl50 > 0 else 0.0, seed=workload.seed, ctx=workload.ctx,
+        e2e_p50_ms=1e3 * pct(e2e, 0.5), e2e_p99_ms=1e3 * pct(e2e, 0.99),
         address=target.address, error_samples=[s for p in parts for s in p.error_samples][:MAX_ERROR_SAMPLES])
 
 
@@ -450,6 +495,14 @@ async def measure(target: Target, workload: Workload, concurrency: int, procs: i
         parts = await asyncio.get_running_loop().run_in_executor(
             None, drive_processes, target, workload.requests, concurrency, procs)
     return row(workload, target, concurrency, procs, parts)
+
+
+async def measure_open(target: Target, workload: Workload, rate: float, progress: bool = False) -> BenchRow:
+    """Run ``workload`` against ``target`` at Poisson arrivals of ``rate`` requests/s (open loop)."""
+    tally = await drive_open(target, workload.requests, rate, workload.seed, progress)
+    result = row(workload, target, 0, 1, [tally])
+    result.rate = rate
+    return result
 
 
 def run(target: Target, workload: Workload, concurrency: int, procs: int = 1, progress: bool = False) -> BenchRow:

@@ -187,6 +187,10 @@ class Heartbeat:
     reused_tokens: int = 0  # cumulative prompt tokens served from the prefix cache
     kv_used: int = 0  # KV cache cells holding tokens (running sequences and kept prefixes)
     kv_total: int = 0  # KV cache cells in all (0: not reported)
+    step_target: str = ""  # model.target_step as the worker runs it ("" from an engine without one)
+    step_budget: int = 0  # the token budget of its last step
+    step_cost: list[float] = field(default_factory=list)  # fitted step cost, seconds: base, per row,
+    # per prompt token ([] until fitted)
     draining: bool = False  # from a worker: it was told to stop (SIGTERM); route nothing more to it
 
 

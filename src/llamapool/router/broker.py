@@ -66,6 +66,16 @@ TICK = 0.1  # seconds between housekeeping passes
 LOG = logmod.Logger("router", prefix="llamapool: router")
 
 
+def schedule_view(schedule: tuple[str, int, list[float]]) -> dict[str, Any]:
+    """A worker's step scheduling for ``status``: its target, last budget and fitted step cost (ms)."""
+    target, budget, cost = schedule
+    view: dict[str, Any] = {"step_target": target, "step_budget": budget}
+    if len(cost) == 3:
+        view["step_cost_ms"] = {"base": round(cost[0] * 1e3, 4), "per_row": round(cost[1] * 1e3, 5),
+                                "per_prompt_token": round(cost[2] * 1e3, 6)}
+    return view
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     frontend: str
@@ -126,6 +136,7 @@ class WorkerState:
     reused_tokens: int = 0
     kv_used: int = 0
     kv_total: int = 0
+    schedule: tuple[str, int, list[float]] = ("", 0, [])  # its step target, last budget, fitted cost
     last_sent: float = 0.0
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     key: str = ""  # its CURVE public key (Z85) on a CURVE backend
@@ -440,6 +451,7 @@ class Router:
         elif isinstance(msg, Heartbeat):
             w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
             w.reused_tokens, w.kv_used, w.kv_total = msg.reused_tokens, msg.kv_used, msg.kv_total
+            w.schedule = (msg.step_target, msg.step_budget, msg.step_cost)
             if msg.draining and w.state == "ready":  # SIGTERM on its node: it finishes what it has
                 w.state = "retiring"
         elif isinstance(msg, Shutdown):  # drained and leaving
@@ -688,7 +700,7 @@ class Router:
                     visible_devices=w.hello.visible_devices, steps=w.steps,
                     n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
                     decode_s=round(w.decode_s, 3), step_s=round(w.step_s, 3),
-                    reused_tokens=w.reused_tokens, node=w.hello.node,
+                    reused_tokens=w.reused_tokens, node=w.hello.node, **schedule_view(w.schedule),
                 )
             elif name in self.remote_lost:
                 info.update(self.remote_lost[name])

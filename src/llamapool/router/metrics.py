@@ -237,6 +237,25 @@ class _Snapshot(Collector):
             for reason in RESTART_REASONS:
                 restarts.add_metric([name, nd, reason], counts.get(reason, 0))
         yield from (busy, total, kv_used, kv_total, kv_ratio, state, restarts)
+        yield from self._scheduling()
+
+    def _scheduling(self) -> Iterator[Metric]:
+        budget = GaugeMetricFamily("llamapool_step_budget_tokens", "Token budget of the worker's last engine "
+                                   "step (decode tokens + prompt chunks; model.target_step sizes it)",
+                                   labels=["worker", "node", "target"])
+        cost = GaugeMetricFamily("llamapool_step_cost_seconds", "The worker's fitted step cost: seconds per step "
+                                 "(base), per sequence in the step (per_row), per prompt token (per_prompt_token)",
+                                 labels=["worker", "node", "term"])
+        for name in self.names:
+            w = self.r.workers.get(name)
+            if w is None or not w.schedule[0]:
+                continue
+            target, tokens, fitted = w.schedule
+            budget.add_metric([name, node_of(name), target], tokens)
+            for term, value in zip(("base", "per_row", "per_prompt_token"), fitted, strict=False):
+                cost.add_metric([name, node_of(name), term], value)
+        yield budget
+        yield cost
 
 
 def _gpu_families(rows: list[dict[str, Any]], worker_of: dict[str, str]) -> Iterator[Metric]:

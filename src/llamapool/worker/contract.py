@@ -59,4 +59,9 @@ class Engine(Protocol):
         """KV cells holding tokens, and in all ((0, 0) when the engine has no KV cache)."""
         ...
 
+    def scheduling(self) -> tuple[str, int, list[float]]:
+        """The step target (``model.target_step``), the last step's token budget, and the fitted step
+        cost in seconds (base, per row, per prompt token; [] until fitted)."""
+        ...
+
     def close(self) -> None: ...

@@ -21,7 +21,7 @@ import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
-from llamapool.worker.scheduler import CostModel, Prefill, StepTarget, plan_step
+from llamapool.worker.scheduler import CostModel, PromptWork, StepTarget, plan_step, priority
 from llamapool.worker.text import TextStream
 from llamapool.worker.vocab import tokenize
 
@@ -42,7 +42,7 @@ class EngineConfig:
     slots: int = 8
     ctx_per_slot: int = 2048
     max_batch_tokens: int = 2048  # the per-step token budget: decode tokens + prompt chunks
-    target_step: str = "off"  # a step-time budget below it (worker/scheduler.py StepTarget)
+    target_step: str = "auto"  # how large a step's prompt work is, below the budget (scheduler.StepTarget)
     n_ubatch: int = 512
     prefix_cache: bool = True  # reuse KV of a shared prompt prefix instead of recomputing it
     gpu: bool = False
@@ -89,11 +89,24 @@ class Sequence:
     generated: int = 0
     last: int = -1  # last sampled token, fed at the next step
     out_idx: int = -1  # batch index of this sequence's logits in the current step
-    order: int = 0  # admission order: prompt chunks go to the oldest first
+    arrived: int = 0  # the engine step its request arrived at (prompt chunks: scheduler.priority)
 
     @property
     def prefilling(self) -> bool:
         return self.n_past < len(self.tokens)
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A run waiting for a slot, its prompt tokenized on arrival."""
+
+    run: Run
+    tokens: np.ndarray
+    arrived: int
+
+    @property
+    def rid(self) -> int:
+        return self.run.rid
 
 
 class _Batch:
@@ -218,7 +231,7 @@ class Engine:
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = _Batch(cp.n_batch)
         self.free_ids: deque[int] = deque(range(cfg.slots))
-        self.waiting: deque[Run] = deque()  # runs beyond the free slots
+        self.waiting: list[Waiting] = []  # runs beyond the free slots, in arrival order
         self.active: dict[int, Sequence] = {}
         self._piece = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # token -> its bytes, filled as tokens are seen
@@ -228,9 +241,9 @@ class Engine:
         self.reused_tokens = 0
         self.copied_streams = 0  # prefix shares that copied a KV stream buffer
         self._split = False  # the batch being built runs as several micro-batches
-        self._admitted = 0
         self.steps = 0
         self.target = StepTarget.parse(cfg.target_step)
+        self.budget = cfg.max_batch_tokens  # the last step's token budget
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
         self._measure: tuple[int, int, float] | None = None  # (rows, prompt tokens, start) of the last batch
         self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
@@ -256,6 +269,9 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self.active or self.waiting)
+
+    def scheduling(self) -> tuple[str, int, list[float]]:
+        return str(self.target), self.budget, list(self.cost.coef or ())
 
     def close(self) -> None:
         L.llama_synchronize(self.ctx)
@@ -294,16 +310,22 @@ class Engine:
         return tokenize(self.vocab, text, add_special=True, parse_special=False)
 
     def submit(self, run: Run, out: Step) -> None:
-        """Queue a run; it takes a slot at the next step (a bad prompt fails into that step's report).
-
-        ``out`` is the report being built; the interface is shared with the echo engine.
-        """
-        self.waiting.append(run)
+        """Queue a run (it takes a slot at a coming step); a prompt that cannot run fails into ``out``,
+        the report being built (the interface is shared with the echo engine)."""
+        try:
+            tokens = self._prompt_tokens(run.prompt)
+        except ValueError as e:  # a ChatError carries its own code (no_chat_template)
+            chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
+            out.failed.append(Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
+                                     "messages" if chat else "prompt"))
+            return
+        # converted once: planning, admission, prefill, cache
+        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps))
 
     def abort(self, rid: int, out: Step) -> None:
-        for run in self.waiting:
-            if run.rid == rid:
-                self.waiting.remove(run)
+        for w in self.waiting:
+            if w.rid == rid:
+                self.waiting.remove(w)
                 out.done.append(Done(rid, "cancelled", "", 0, 0))
                 return
         seq = self._find(rid)
@@ -311,8 +333,8 @@ class Engine:
             self._finish(seq, "cancelled", out)
 
     def abort_all(self, out: Step) -> None:
-        for run in list(self.waiting):
-            self.abort(run.rid, out)
+        for w in list(self.waiting):
+            self.abort(w.rid, out)
         for seq in list(self.active.values()):
             self._finish(seq, "cancelled", out)
 
@@ -322,17 +344,9 @@ class Engine:
                 return seq
         return None
 
-    def _admit(self, out: Step) -> Sequence | None:
-        """Give the oldest waiting run a slot (None when its prompt is bad: it fails into ``out``)."""
-        run = self.waiting.popleft()
-        try:
-            tokens = self._prompt_tokens(run.prompt)
-        except ValueError as e:  # a ChatError carries its own code (no_chat_template)
-            chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
-            out.failed.append(Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
-                               "messages" if chat else "prompt"))
-            return None
-        prompt = np.asarray(tokens, dtype=np.int32)  # converted once: admission, prefill, cache
+    def _admit(self, w: Waiting, out: Step) -> Sequence | None:
+        """Give the waiting run a slot (None when llama.cpp will not build its sampler: it fails into ``out``)."""
+        run, prompt = w.run, w.tokens
         seq_id, reused = self._take_slot(prompt)
         p = run.params
         sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
@@ -348,10 +362,9 @@ class Engine:
                 L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
                 out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
                 return None
-        self._admitted += 1
         seq = self.active[seq_id] = Sequence(
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
-            sampler=sampler, text=TextStream(p.stop), n_past=reused, order=self._admitted,
+            sampler=sampler, text=TextStream(p.stop), n_past=reused, arrived=w.arrived,
         )
         self.reused_tokens += reused
         return seq
@@ -503,25 +516,42 @@ class Engine:
             if self.active.get(seq.seq_id) is seq:
                 self._emit(seq, tok, out)
 
+    def _plan(self, out: Step) -> dict[int, int]:
+        """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
+        now = self.steps
+        prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
+                   for s in self.active.values() if s.prefilling]
+        prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False) for i, w in enumerate(self.waiting)]
+        ahead, free = [], len(self.free_ids)  # what could run this step, first in line first
+        for p in sorted(prompts, key=lambda p: priority(p, now)):
+            if p.running or free > 0:
+                ahead.append(p)
+                free -= not p.running
+        budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
+                                       backlog=sum(p.remaining for p in ahead),
+                                       first=ahead[0].remaining if ahead else 0)
+        plan = plan_step(budget, (s.seq_id for s in self.active.values() if not s.prefilling), prompts,
+                         len(self.free_ids), now)
+        chunk = plan.tokens
+        admitted = [(self.waiting[key], n) for key, n in plan.admit]
+        for w, n in admitted:
+            self.waiting.remove(w)
+            seq = self._admit(w, out)
+            if seq is not None:
+                chunk[seq.seq_id] = min(n, len(seq.tokens) - seq.n_past)
+        self.budget = budget
+        return chunk
+
     def _build(self, out: Step) -> list[Sequence]:
         """Schedule this step's tokens and fill the batch; return the sequences with an output.
 
-        The step's tokens are planned by ``scheduler.plan_step`` (a budget of ``max_batch_tokens``:
-        a token for each decoding sequence, prompt chunks oldest first, then admissions). With
+        The step's tokens are planned by ``scheduler.plan_step`` (see ``_plan``). With
         per-sequence KV streams llama.cpp splits a batch
         into micro-batches of consecutive sequence ids, so the batch is filled in sequence-id
         order and a free slot between busy ones gets one padding token (written past its
         cached prefix, no output): the decode tokens of the step then form one micro-batch.
         """
-        budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens)
-        plan = plan_step(
-            budget, (s.seq_id for s in self.active.values() if not s.prefilling),
-            [Prefill(s.seq_id, len(s.tokens) - s.n_past, s.order) for s in self.active.values() if s.prefilling])
-        while plan.can_admit and self.waiting and self.free_ids:
-            new = self._admit(out)
-            if new is not None:
-                plan.admit(new.seq_id, len(new.tokens) - new.n_past)
-        chunk = plan.tokens
+        chunk = self._plan(out)
         b = self.batch
         b.n = 0
         self._split = False

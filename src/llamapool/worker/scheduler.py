@@ -1,59 +1,86 @@
-"""What one engine step computes: the token budget split between sequences. No llama.cpp here.
+"""What one engine step computes: which prompt tokens run beside the decode tokens. No llama.cpp here.
 
-A step has a budget of ``max_batch_tokens`` tokens. Every decoding sequence gets its one token and
-every sequence still prefilling gets at least one prompt token, so no running sequence ever waits a
-step; the rest of the budget goes to prompt chunks, oldest request first (a prompt admitted earlier
-is never passed over by a later one), and what is left then admits waiting runs into free slots,
-oldest first. The engine (worker/engine.py) turns the plan into one ``llama_decode`` batch.
+The engine hands the planner what it holds (the decoding sequences, the prompts being computed and
+those waiting for a slot) and a token budget; the planner returns the step's plan, which the engine
+executes as one ``llama_decode`` batch (worker/engine.py; the echo engine runs the same plans).
+
+The rules, each a property test in tests/test_scheduler.py:
+
+- every decoding sequence gets its one token, and every prompt being computed at least one: no
+  running sequence ever waits a step;
+- the rest of the budget goes to prompts **shortest remaining first**, so a short prompt that arrives
+  behind a long one gets its first token after its own chunk, not after the long prompt's;
+- **aging**: a prompt that arrived ``PASS_OVER_LIMIT`` steps ago or more goes before every younger
+  one, oldest first: no prompt is passed over for longer than that by later arrivals;
+- a waiting prompt is admitted only into a free slot, with the chunk it is given this step.
+
+The budget itself comes from ``CostModel.step_budget``: a token count (``max_batch_tokens``), or a
+step time, fitted from the worker's own step timings (see ``StepTarget``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+PASS_OVER_LIMIT = 8  # steps after its arrival a prompt stops yielding to shorter, younger ones
+
 
 @dataclass(frozen=True, slots=True)
-class Prefill:
-    """A running sequence whose prompt is not all computed yet."""
+class PromptWork:
+    """A prompt not all computed yet: running (holding slot ``key``) or waiting (``key``: its place in
+    the engine's waiting queue)."""
 
-    seq_id: int
+    key: int
     remaining: int  # prompt tokens still to compute (at least 1)
-    order: int  # admission order: lower is older
+    arrived: int  # the engine step at which its request arrived
+    running: bool = True
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """Tokens per sequence this step, and the budget left for admitting waiting runs."""
+    """Tokens per running sequence this step, and the waiting prompts admitted with their first chunk."""
 
     tokens: dict[int, int] = field(default_factory=dict)
-    left: int = 0
+    admit: list[tuple[int, int]] = field(default_factory=list)  # (waiting key, tokens this step)
 
     @property
-    def can_admit(self) -> bool:
-        return self.left > 0
-
-    def admit(self, seq_id: int, remaining: int) -> int:
-        """A run just given the slot ``seq_id`` with ``remaining`` prompt tokens: its first chunk."""
-        n = min(remaining, self.left)
-        self.tokens[seq_id] = n
-        self.left -= n
-        return n
+    def total(self) -> int:
+        return sum(self.tokens.values()) + sum(n for _, n in self.admit)
 
 
-def plan_step(budget: int, decoding: Iterable[int], prefilling: Iterable[Prefill]) -> StepPlan:
-    """Split ``budget`` tokens: one per decoding sequence, at least one per prefilling sequence, then
-    prompt chunks oldest first; the plan's ``left`` is what admitting waiting runs may use."""
+def priority(p: PromptWork, now: int) -> tuple[int, int, int]:
+    """Sort key: aged prompts first, oldest first; then shortest remaining, oldest first on ties."""
+    if now - p.arrived >= PASS_OVER_LIMIT:
+        return (0, p.arrived, 0)
+    return (1, p.remaining, p.arrived)
+
+
+def plan_step(budget: int, decoding: Iterable[int], prompts: Iterable[PromptWork], free_slots: int,
+              now: int) -> StepPlan:
+    """Split ``budget`` tokens: one per decoding sequence, one per running prompt, then prompt chunks in
+    ``priority`` order; a waiting prompt takes a free slot (at most ``free_slots``) with its chunk."""
     plan = StepPlan()
     for seq_id in decoding:
         plan.tokens[seq_id] = 1
-    ordered = sorted(prefilling, key=lambda p: p.order)
-    left = budget - len(plan.tokens) - len(ordered)
-    for p in ordered:
-        extra = min(p.remaining - 1, max(left, 0))
-        plan.tokens[p.seq_id] = 1 + extra
-        left -= extra
-    plan.left = max(left, 0)
+    work = sorted(prompts, key=lambda p: priority(p, now))
+    for p in work:
+        if p.running:
+            plan.tokens[p.key] = 1
+    left = budget - len(plan.tokens)
+    for p in work:
+        if left <= 0:
+            break
+        if p.running:
+            extra = min(p.remaining - 1, left)
+            plan.tokens[p.key] += extra
+            left -= extra
+        elif free_slots > 0:
+            n = min(p.remaining, left)
+            plan.admit.append((p.key, n))
+            free_slots -= 1
+            left -= n
     return plan
 
 
@@ -61,15 +88,33 @@ def plan_step(budget: int, decoding: Iterable[int], prefilling: Iterable[Prefill
 
 @dataclass(frozen=True, slots=True)
 class StepTarget:
-    """``model.target_step``: "off" (the token budget alone), "<F>x" (F times the pure-decode step the
-    worker measures at its current number of decoding sequences; "auto" is 2x), or "<N>ms"."""
+    """``model.target_step``, how large a step's prompt work may be (never above ``max_batch_tokens``):
+
+    - ``"auto"`` (the default): the chunk that minimises the mean time to first token of the prompts
+      held now. With ``B`` prompt tokens to compute, a pure-decode step of ``d`` seconds (measured at
+      the current number of sequences) and ``c`` seconds per prompt token, chunks of ``P`` tokens
+      take ``B / P`` steps of ``d + P·c``; the prompts' mean wait, about ``B·d / 2P + B·c / 2 +
+      (d + P·c) / 2``, is least at ``P = sqrt(B·d / c)``. The first prompt in line is always given
+      all it needs (one step is its fastest first token). Large model, small backlog: small steps
+      (decoding streams wait less); a burst of prompts: large steps (they are computed faster);
+    - ``"off"``: ``max_batch_tokens`` alone;
+    - ``"<F>x"``: a step of F times the pure-decode step; ``"<N>ms"``: a step of N milliseconds.
+    """
 
     factor: float = 0.0
     ms: float = 0.0
+    auto: bool = False
 
     @property
     def on(self) -> bool:
-        return self.factor > 0 or self.ms > 0
+        return self.auto or self.factor > 0 or self.ms > 0
+
+    def __str__(self) -> str:
+        if self.auto:
+            return "auto"
+        if self.ms:
+            return f"{self.ms:g}ms"
+        return f"{self.factor:g}x" if self.factor else "off"
 
     @classmethod
     def parse(cls, text: str) -> StepTarget:
@@ -79,18 +124,15 @@ class StepTarget:
             if t in ("", "off"):
                 return cls()
             if t == "auto":
-                return cls(factor=AUTO_FACTOR)
+                return cls(auto=True)
             if t.endswith("ms") and float(t[:-2]) > 0:
                 return cls(ms=float(t[:-2]))
             if t.endswith("x") and float(t[:-1]) >= 1:
                 return cls(factor=float(t[:-1]))
         except ValueError:
             pass
-        raise ValueError(f"must be \"off\", \"auto\", a factor of the decode step such as \"2.5x\" (at least 1), "
+        raise ValueError(f"must be \"auto\", \"off\", a factor of the decode step such as \"2.5x\" (at least 1), "
                          f"or a time such as \"40ms\"; got {text!r}")
-
-
-AUTO_FACTOR = 2.0  # "auto": a step with prompt work takes at most twice a pure-decode step
 
 
 class CostModel:
@@ -125,16 +167,30 @@ class CostModel:
             return self.coef
         return (base, row, tok) if tok > 0 else self.coef
 
-    def step_budget(self, target: StepTarget, rows: int, cap: int) -> int:
-        """The token budget (decode rows included) of a step that should take the target's time; ``cap``
-        (``max_batch_tokens``) until the model is fitted, and always at most ``cap``."""
+    def step_budget(self, target: StepTarget, rows: int, cap: int, backlog: int = 0, first: int = 0) -> int:
+        """The token budget (decode rows included) of the next step: ``rows`` sequences hold a slot,
+        ``backlog`` prompt tokens wait to be computed, ``first`` of them by the prompt first in line.
+        ``cap`` (``max_batch_tokens``) until the model is fitted, and always at most ``cap``."""
         if not target.on or self.coef is None:
             return cap
         base, per_row, per_token = self.coef
         decode_s = base + per_row * rows
-        seconds = target.ms / 1e3 if target.ms else target.factor * decode_s
-        prompt = int((seconds - decode_s) / per_token) if per_token > 0 else cap
-        return max(rows + MIN_CHUNK, min(cap, rows + prompt))
+        if per_token <= 0:
+            return cap
+        if target.auto:
+            prompt = max(math.sqrt(backlog * decode_s / per_token), first)
+        else:
+            seconds = target.ms / 1e3 if target.ms else target.factor * decode_s
+            prompt = (seconds - decode_s) / per_token
+        return min(cap, rows + max(MIN_CHUNK, int(prompt)))
+
+    def view(self) -> dict[str, float]:
+        """The fitted costs, for status and /metrics (empty until fitted)."""
+        if self.coef is None:
+            return {}
+        base, per_row, per_token = self.coef
+        return {"step_base_ms": round(base * 1e3, 4), "step_per_row_ms": round(per_row * 1e3, 5),
+                "step_per_prompt_token_ms": round(per_token * 1e3, 6), "fitted_steps": self.steps}
 
 
 MIN_CHUNK = 64  # prompt tokens a step always has room for: prompts never stall

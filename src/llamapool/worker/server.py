@@ -65,7 +65,7 @@ class WorkerSpec:
     heartbeat_liveness: int
     gpu_sampling: bool = True
     prefix_cache: bool = True
-    target_step: str = "off"  # model.target_step: a step-time budget (worker/scheduler.py)
+    target_step: str = "auto"  # model.target_step: how much prompt work a step takes (worker/scheduler.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
     chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
     server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
@@ -184,7 +184,7 @@ def serve(spec: WorkerSpec) -> int:
     if spec.engine == "echo":
         from llamapool.worker.echo import EchoEngine
 
-        return _serve(spec, EchoEngine(spec.slots), [])
+        return _serve(spec, EchoEngine(spec.slots, spec.max_batch_tokens), [])
     from llamapool.worker.engine import Engine, EngineConfig, EngineError, visible_gpus
 
     try:
@@ -335,11 +335,13 @@ class WorkerIO:
             self.introduce()  # the router lost us (or restarted)
         started = self.loop.step_started
         kv_used, kv_total = engine.kv_cells()
+        target, budget, cost = engine.scheduling()
         self.send(codec.encode(Heartbeat(
             active=len(engine.active) + len(engine.waiting), steps=self.loop.steps,
             busy_for=(now - started) if started else 0.0,
             decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
-            kv_used=kv_used, kv_total=kv_total, draining=self.draining,
+            kv_used=kv_used, kv_total=kv_total, step_target=target, step_budget=budget, step_cost=cost,
+            draining=self.draining,
         )))
         if spec.node:  # the node's supervisor watches these (no router of its own to do it)
             lifeline.report("live", (now - started) if started else 0.0)
