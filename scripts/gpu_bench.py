@@ -226,6 +226,15 @@ def main() -> int:
     ap.add_argument("--gateway", type=int, default=0, metavar="PROCS",
                     help="also drive llamapool through its HTTP gateway (this many gateway processes), "
                          "with the same requests over POST /v1/completions")
+    ap.add_argument("--rates", default="", metavar="R1,R2,...",
+                    help="also: open loop, --open-workload at Poisson arrivals of each rate (ascending) for "
+                         "llamapool and llama-server (C slots each); a service stops at its first rate whose "
+                         "TTFT p99 passes --ttft-slo")
+    ap.add_argument("--open-workload", choices=NAMES, default="rag")
+    ap.add_argument("--open-seconds", type=float, default=12.0, help="seconds of arrivals per rate")
+    ap.add_argument("--ttft-slo", type=float, default=500.0, metavar="MS", help="the open loop's TTFT p99 target")
+    ap.add_argument("--streams", default="", metavar="C1,C2,...",
+                    help="also: 'short' at each stream count (slots = C) for llamapool, with the ceiling at C")
     ap.add_argument("--scaling", action="store_true",
                     help="also: 'short' on one GPU, then on every GPU (C streams each), with isolation checks")
     args = ap.parse_args()
@@ -369,6 +378,24 @@ def main() -> int:
                 record({**scenario("shared-prefix", ep, **kw), "prefix_cache": on, "extra": extra})
                 stop_daemon(proc, logf)
 
+    if args.rates:
+        rates = sorted(float(x) for x in args.rates.split(",") if x.strip())
+        open_loop(args, rates, model, n_vocab, peer, daemon, record, logs, timings)
+    if args.streams:
+        for c in [int(x) for x in args.streams.split(",") if x.strip()]:
+            with section(f"streams C={c}", timings):
+                work = make_workload("short", args.requests or 4 * c, n_vocab, seed=args.seed, ctx=sum(FIXED["short"]))
+                proc, ep, logf, _ = daemon(f"streams-{c}", c, work.longest + 16)
+                r, eng = drive_llamapool(ep, work, c)
+                stop_daemon(proc, logf)
+                row = {**r.as_dict(), "service": "llamapool", "streams": c, "engine": eng, "extra": extra}
+                if not args.no_ceiling:
+                    ceil = ceiling(model, c, gpu=not args.cpu, gpu_sampling=not args.cpu, kv_unified=False,
+                                   n_ubatch=args.ceiling_ubatch, requests=work.requests[:c])
+                    row.update(ceiling_e2e_tok_s=round(ceil["e2e_tok_s"], 1),
+                               over_ceiling=round(r.tok_s / ceil["e2e_tok_s"], 3))
+                record(row)
+
     if args.scaling:
         if len(inventory) < 2:
             log("NOTE: --scaling needs 2 or more GPUs; skipped")
@@ -388,6 +415,51 @@ def main() -> int:
         log(f"{errors} request(s) failed or came back short: those rows are not figures")
     log(f"done in {total:.1f} s; rows in {results}")
     return 1 if errors else 0
+
+
+def open_loop(args: argparse.Namespace, rates: list[float], model: str, n_vocab: int, peer: str, daemon: Any,
+              record: Any, logs: Path, timings: list[tuple[str, float]]) -> None:
+    """--rates: each service at ascending Poisson rates until one misses the TTFT p99 target; the
+    highest rate that met it, per service."""
+    import asyncio
+
+    from llamapool.bench import drivers
+    from llamapool.bench.workloads import FIXED, make_workload
+
+    name, c = args.open_workload, args.concurrency
+    best: dict[str, float] = {}
+    for service in ("llamapool", "llama-server") if peer else ("llamapool",):
+        with section(f"open loop {name}: {service}", timings):
+            ctx_slot = (args.ctx if name == "mixed" else sum(FIXED[name])) + 16
+            if service == "llamapool":
+                proc, ep, logf, _ = daemon(f"open-{name}", c, ctx_slot)
+                target = drivers.Target("sdk", ep)
+            else:
+                srv = LlamaServer(peer, model, c, ctx_slot, logs, f"open-{name}-llama-server", args.cpu,
+                                  args.peer_threads)
+                srv.wait_healthy()
+                target = drivers.Target("http-llama" if args.peer_api == "llama" else "http-openai", srv.url)
+            best[service] = 0.0
+            try:
+                for rate in rates:
+                    n = max(32, int(args.open_seconds * rate))
+                    work = make_workload(name, n, n_vocab, seed=args.seed, ctx=ctx_slot - 16)
+                    r = asyncio.run(drivers.measure_open(target, work, rate))
+                    met = r.ttft_p99_ms <= args.ttft_slo and not r.errors
+                    record({**r.as_dict(), "service": service, "open_loop": True, "ttft_slo_ms": args.ttft_slo,
+                            "met": met})
+                    if not met:
+                        break
+                    best[service] = rate
+            finally:
+                if service == "llamapool":
+                    stop_daemon(proc, logf)
+                else:
+                    srv.stop()
+    row: dict[str, Any] = {"mode": "open-loop-best", "workload": name, "ttft_slo_ms": args.ttft_slo, "best": best}
+    if best.get("llama-server"):
+        row["ratio"] = round(best["llamapool"] / best["llama-server"], 2)
+    record(row)
 
 
 def scaling(args: argparse.Namespace, inventory: list[Any], daemon: Any, drive_llamapool: Any, workload: Any,
@@ -422,8 +494,9 @@ def scaling(args: argparse.Namespace, inventory: list[Any], daemon: Any, drive_l
 
 def side_by_side(summary: list[dict[str, Any]]) -> str:
     head = ("| workload | C | requests | llamapool tok/s | llama-server tok/s | ratio | TTFT p50 ms llamapool / "
-            "llama-server | ITL p50 ms llamapool / llama-server | ceiling e2e tok/s | llamapool / ceiling | errors |")
-    lines = [head, "|" + "---|" * 11]
+            "llama-server | ITL p50 ms llamapool / llama-server | ITL p99 ms llamapool / llama-server | "
+            "ceiling e2e tok/s | llamapool / ceiling | errors |")
+    lines = [head, "|" + "---|" * 12]
     for s in summary:
         lp, ls, ce = s.get("llamapool"), s.get("llama-server"), s.get("ceiling")
 
@@ -435,6 +508,7 @@ def side_by_side(summary: list[dict[str, Any]]) -> str:
             f"{f(lp.tok_s / ls.tok_s if lp and ls else None, '{:.2f}')} | "
             f"{f(lp and lp.ttft_p50_ms)} / {f(ls and ls.ttft_p50_ms)} | "
             f"{f(lp and lp.itl_p50_ms, '{:.2f}')} / {f(ls and ls.itl_p50_ms, '{:.2f}')} | "
+            f"{f(lp and lp.itl_p99_ms, '{:.1f}')} / {f(ls and ls.itl_p99_ms, '{:.1f}')} | "
             f"{f(ce and ce['e2e_tok_s'])} | {f(lp.tok_s / ce['e2e_tok_s'] if lp and ce else None, '{:.2f}')} | "
             f"{(lp.errors if lp else 0)} / {(ls.errors if ls else 0)} |")
     gateway = [s for s in summary if s.get("gateway")]
