@@ -247,6 +247,9 @@ class Engine:
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
         self._measure: tuple[int, int, float] | None = None  # (rows, prompt tokens, start) of the last batch
         self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
+        # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds and budget to PREFIX.<pid>
+        trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
+        self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1 << 16) if trace else None
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.step_s = 0.0  # whole steps, Python work included
 
@@ -274,6 +277,8 @@ class Engine:
         return str(self.target), self.budget, list(self.cost.coef or ())
 
     def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
         L.llama_synchronize(self.ctx)
         for seq in list(self.active.values()):
             self._release(seq)
@@ -639,6 +644,8 @@ class Engine:
         expected = coef[0] + coef[1] * rows + coef[2] * tokens if coef else 0.5
         if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
             self.cost.observe(rows, tokens, seconds)
+        if self._trace is not None:
+            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget}\n")
 
     def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
         """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""
