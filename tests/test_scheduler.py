@@ -104,36 +104,42 @@ def test_a_worked_example() -> None:
 
 # ---------------------------------------------------------------- many steps: arrival traces
 
-Budget = Callable[[int, int, int], int]  # (rows, backlog, first in line) -> the step's token budget
-Cost = tuple[float, float, float]  # a step's seconds: base, per row, per prompt token
+Budget = Callable[[int, list[int]], int]  # (rows, the prompts in line) -> the step's token budget
+Cost4 = tuple[float, float, float, float]  # a step's seconds: base, per row, per prompt token, per prompt step
 
 
-def _simulate(trace: list[tuple[int, int, int]], budget: int | Budget, slots: int, cost: Cost = (0, 0, 0),
+def _simulate(trace: list[tuple[int, int, int]], budget: int | Budget, slots: int, cost: Cost4 = (0, 0, 0, 0),
               steps: int = 4000) -> dict[int, tuple[int, int, float]]:
     """Run the planner over ``trace`` ((arrival step, prompt tokens, tokens to generate) per request)
-    as an engine would; each request's (arrival, step its first token came, seconds until then when a
-    step costs ``cost``)."""
+    as an engine would; each request's (arrival, step its first token came, seconds from arrival to then when a
+    step costs ``cost``: its time to first token)."""
     clock = 0.0
     pending = sorted(enumerate(trace), key=lambda e: e[1][0])
     waiting: list[tuple[int, int, int]] = []  # (request, remaining, arrived)
+    since: dict[int, float] = {}  # request -> the clock at its arrival
     running: dict[int, list[int]] = {}  # slot -> [request, prompt left, tokens left, arrived]
     first: dict[int, tuple[int, int]] = {}
     for now in range(steps):
         while pending and pending[0][1][0] <= now:
             r, (t, n, _) = pending.pop(0)
             waiting.append((r, n, t))
+            since[r] = clock
         work = [PromptWork(s, v[1], v[3]) for s, v in running.items() if v[1] > 0]
         work += [PromptWork(i, n, t, running=False) for i, (_, n, t) in enumerate(waiting)]
         free = [s for s in range(slots) if s not in running]
         decoding = [s for s, v in running.items() if v[1] == 0]
         if callable(budget):
-            ahead = sorted(work, key=lambda p: priority(p, now))[:len(running) + len(free)]
-            size = budget(len(running), sum(p.remaining for p in ahead), ahead[0].remaining if ahead else 0)
+            ahead, slots_left = [], len(free)
+            for p in sorted(work, key=lambda p: priority(p, now)):
+                if p.running or slots_left > 0:
+                    ahead.append(p.remaining)
+                    slots_left -= not p.running
+            size = budget(len(running), ahead)
         else:
             size = budget
         plan = plan_step(size, decoding, work, len(free), now)
         assert plan.total <= max(size, len(running))
-        clock += cost[0] + cost[1] * (len(running) + len(plan.admit)) + cost[2] * (plan.total - len(decoding))
+        clock += _seconds(cost, len(running) + len(plan.admit), plan.total - len(decoding))
         for (key, n), slot in zip(plan.admit, free, strict=False):
             r, remaining, t = waiting[key]
             running[slot] = [r, remaining, trace[r][2], t]
@@ -146,7 +152,7 @@ def _simulate(trace: list[tuple[int, int, int]], budget: int | Budget, slots: in
                 v[1] -= n
                 if v[1] > 0:
                     continue
-                first[v[0]] = (v[3], now, clock)
+                first[v[0]] = (v[3], now, clock - since[v[0]])
             v[2] -= 1
             if v[2] <= 0:
                 del running[slot]
@@ -187,95 +193,101 @@ def test_equal_prompts_arriving_together_finish_in_arrival_order() -> None:
 
 # ---------------------------------------------------------------- step-time budgets
 
-# step costs (base s, s per row, s per prompt token) near those measured on an H200 (docs/benchmarks.md)
-SHAPE_1B = (0.003, 5e-5, 2.2e-5)
-SHAPE_8B = (0.012, 8e-5, 9e-5)
+# a step's seconds (base, per row, per prompt token, per step with prompt work), near those fitted on an
+# H200 at 64 streams (docs/benchmarks.md)
+SHAPE_1B = (0.004, 3e-5, 1.8e-5, 0.008)
+SHAPE_8B = (0.008, 1.8e-4, 8.5e-5, 0.018)
 
 
-def _fitted(base: float, per_row: float, per_token: float, noise: float = 0.0) -> CostModel:
+def _seconds(shape: Cost4, rows: int, tokens: int) -> float:
+    base, per_row, per_token, prompt_step = shape
+    return base + per_row * rows + per_token * tokens + (prompt_step if tokens else 0.0)
+
+
+def _fitted(shape: Cost4, noise: float = 0.0) -> CostModel:
     rng = random.Random(0)
     cost = CostModel()
     for _ in range(200):
         rows, tokens = rng.randint(1, 256), rng.choice([0, 0, rng.randint(1, 4096)])
-        cost.observe(rows, tokens, (base + per_row * rows + per_token * tokens) * (1 + rng.uniform(-noise, noise)))
+        cost.observe(rows, tokens, _seconds(shape, rows, tokens) * (1 + rng.uniform(-noise, noise)))
     return cost
 
 
-@pytest.mark.parametrize("shape", [SHAPE_1B, SHAPE_8B, (0.0005, 1e-6, 2e-6)])
-def test_the_cost_model_learns_a_steps_cost_from_its_timings(shape: tuple[float, float, float]) -> None:
-    cost = _fitted(*shape, noise=0.02)
+@pytest.mark.parametrize("shape", [SHAPE_1B, SHAPE_8B, (0.0005, 1e-6, 2e-6, 0.0)])
+def test_the_cost_model_learns_a_steps_cost_from_its_timings(shape: Cost4) -> None:
+    cost = _fitted(shape, noise=0.02)
     assert cost.coef is not None
     for got, want in zip(cost.coef, shape, strict=True):
-        assert got == pytest.approx(want, rel=0.15, abs=1e-4 * want + 1e-7)
-    view = cost.view()
-    assert view["step_per_prompt_token_ms"] == pytest.approx(shape[2] * 1e3, rel=0.15)
+        assert got == pytest.approx(want, rel=0.15, abs=1e-3 * max(shape))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from([SHAPE_1B, SHAPE_8B]), st.integers(1, 256),
        st.sampled_from(["1.5x", "3x", "20ms", "60ms"]), st.integers(512, 16384))
-def test_a_time_target_keeps_the_predicted_step_within_it(shape: tuple[float, float, float], rows: int,
-                                                          target: str, cap: int) -> None:
-    cost = _fitted(*shape)
+def test_a_time_target_keeps_the_predicted_step_within_it(shape: Cost4, rows: int, target: str, cap: int) -> None:
+    cost = _fitted(shape)
     t = StepTarget.parse(target)
     budget = cost.step_budget(t, rows, cap)
     assert rows + MIN_CHUNK <= budget or budget == cap
     assert budget <= max(cap, rows + MIN_CHUNK)
-    base, per_row, per_token = shape
-    decode = base + per_row * rows
+    decode = _seconds(shape, rows, 0)
     limit = t.ms / 1e3 if t.ms else t.factor * decode
-    predicted = decode + per_token * (budget - rows)
     if budget > rows + MIN_CHUNK:  # above the floor that keeps prompts moving, the target holds
-        assert predicted <= limit * 1.2 + 1e-4
+        assert _seconds(shape, rows, budget - rows) <= limit * 1.1 + 1e-4
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.sampled_from([SHAPE_1B, SHAPE_8B]), st.integers(0, 256), st.integers(1, 200_000),
-       st.integers(1, 4000), st.integers(512, 16384))
-def test_auto_sizes_the_step_for_the_least_mean_wait_of_the_prompts_held(
-        shape: tuple[float, float, float], rows: int, backlog: int, first: int, cap: int) -> None:
-    """The prompt chunk P minimises B·d/2P + B·c/2 + (d + P·c)/2 (the mean wait of B tokens of prompts
-    in chunks of P, at a decode step d and c per token), but never below what the first in line needs."""
-    first = min(first, backlog)
-    cost = _fitted(*shape)
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([SHAPE_1B, SHAPE_8B]), st.integers(0, 256),
+       st.lists(st.integers(1, 4000), min_size=1, max_size=64), st.integers(512, 16384))
+def test_auto_finishes_whole_prompts_for_the_least_mean_wait(shape: Cost4, rows: int, line: list[int],
+                                                             cap: int) -> None:
+    """"auto" gives a step the first k prompts in line, the fewest whose tokens reach
+    P* = sqrt(B·o / c) (the chunk of least mean wait for B tokens at o seconds a step besides c a
+    token), capped at ``max_batch_tokens``."""
+    cost = _fitted(shape)
     assert cost.coef is not None
-    base, per_row, per_token = cost.coef
-    d, c = base + per_row * rows, per_token
-    got = cost.step_budget(StepTarget.parse("auto"), rows, cap, backlog=backlog, first=first) - rows
-
-    def wait(p: float) -> float:
-        return backlog * d / (2 * p) + backlog * c / 2 + (d + p * c) / 2
-
-    assert got >= min(first, cap - rows)
-    if MIN_CHUNK < got < min(cap - rows, backlog) and got > first:  # not held at a bound
-        best = min(range(1, backlog + 1, 7), key=wait)
-        assert wait(got) <= wait(best) * 1.01
+    base, per_row, per_token, prompt_step = cost.coef
+    o = base + per_row * rows + prompt_step
+    got = cost.step_budget(StepTarget.parse("auto"), rows, cap, line) - rows
+    want = math.sqrt(sum(line) * o / per_token)
+    ends = [sum(line[:k]) for k in range(1, len(line) + 1)]
+    k = next((k for k, e in enumerate(ends) if e >= want), len(ends) - 1)
+    assert got == min(cap - rows, max(MIN_CHUNK, ends[k])) or (rows + MIN_CHUNK > cap and got == cap - rows)
 
 
-def _auto(shape: Cost, cap: int) -> Budget:
-    cost = _fitted(*shape)
-    return lambda rows, backlog, first: cost.step_budget(StepTarget.parse("auto"), rows, cap, backlog, first)
+def _auto(shape: Cost4, cap: int) -> Budget:
+    cost = _fitted(shape)
+    return lambda rows, line: cost.step_budget(StepTarget.parse("auto"), rows, cap, line)
 
 
-def _mean_ttft(trace: list[tuple[int, int, int]], budget: int | Budget, shape: Cost) -> float:
+def _mean_ttft(trace: list[tuple[int, int, int]], budget: int | Budget, shape: Cost4) -> float:
     first = _simulate(trace, budget, slots=len(trace), cost=shape)
     return sum(t for _, _, t in first.values()) / len(first)
 
 
 @pytest.mark.parametrize("shape", [SHAPE_1B, SHAPE_8B], ids=["1B", "8B"])
-@pytest.mark.parametrize("prompt", [128, 1024], ids=["short", "rag"])
-def test_auto_matches_the_best_fixed_budget_at_each_model_shape_without_a_sweep(shape: Cost, prompt: int) -> None:
+@pytest.mark.parametrize("prompt", [128, 1024, 4096], ids=["short", "rag", "long"])
+def test_auto_matches_the_best_fixed_budget_at_each_model_shape_without_a_sweep(shape: Cost4, prompt: int) -> None:
     """64 streams decoding (long replies), then a burst of 64 prompts: the mean time to first token with
-    "auto" is within 10 % of the best of eight fixed budgets, whichever model shape sets the costs."""
+    "auto" is within 5 % of the best of eight fixed budgets, whichever model shape sets the costs."""
     trace = [(0, 8, 10_000)] * 64 + [(2, prompt, 100)] * 64
     fixed = {b: _mean_ttft(trace, b, shape) for b in (256, 512, 1024, 1536, 2048, 3072, 4096, 8192)}
     auto = _mean_ttft(trace, _auto(shape, 8192), shape)
-    assert auto <= 1.1 * min(fixed.values()), (auto, fixed)
+    assert auto <= 1.05 * min(fixed.values()), (auto, fixed)
+
+
+@pytest.mark.parametrize("shape", [SHAPE_1B, SHAPE_8B], ids=["1B", "8B"])
+def test_auto_beats_a_fixed_budget_when_prompts_arrive_one_by_one(shape: Cost4) -> None:
+    """Prompts arriving one at a time, of mixed lengths, among 64 decoding streams: "auto" never splits a
+    prompt that fits a step, so each waits no longer than with the 4,096-token budget."""
+    rng = random.Random(1)
+    trace = [(0, 8, 10_000)] * 64 + [(3 + 20 * i, rng.choice([100, 700, 2000, 4000]), 50) for i in range(40)]
+    assert _mean_ttft(trace, _auto(shape, 4096), shape) <= _mean_ttft(trace, 4096, shape) * 1.001
 
 
 def test_without_a_target_or_a_fit_the_token_budget_rules() -> None:
-    assert CostModel().step_budget(StepTarget.parse("auto"), 64, 4096, 10_000, 100) == 4096  # not fitted yet
-    assert _fitted(*SHAPE_1B).step_budget(StepTarget.parse("off"), 64, 4096, 10_000, 100) == 4096
+    assert CostModel().step_budget(StepTarget.parse("auto"), 64, 4096, [100] * 100) == 4096  # not fitted yet
+    assert _fitted(SHAPE_1B).step_budget(StepTarget.parse("off"), 64, 4096, [100] * 100) == 4096
 
 
 @pytest.mark.parametrize("text", ["fast", "0.5x", "0ms", "-3ms", "x"])

@@ -190,7 +190,7 @@ class Heartbeat:
     step_target: str = ""  # model.target_step as the worker runs it ("" from an engine without one)
     step_budget: int = 0  # the token budget of its last step
     step_cost: list[float] = field(default_factory=list)  # fitted step cost, seconds: base, per row,
-    # per prompt token ([] until fitted)
+    # per prompt token, per step with prompt work ([] until fitted)
     draining: bool = False  # from a worker: it was told to stop (SIGTERM); route nothing more to it
 
 

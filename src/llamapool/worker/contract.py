@@ -61,7 +61,7 @@ class Engine(Protocol):
 
     def scheduling(self) -> tuple[str, int, list[float]]:
         """The step target (``model.target_step``), the last step's token budget, and the fitted step
-        cost in seconds (base, per row, per prompt token; [] until fitted)."""
+        cost in seconds (base, per row, per prompt token, per step with prompt work; [] until fitted)."""
         ...
 
     def close(self) -> None: ...

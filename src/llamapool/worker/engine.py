@@ -249,7 +249,7 @@ class Engine:
         self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
         # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds and budget to PREFIX.<pid>
         trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
-        self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1 << 16) if trace else None
+        self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1) if trace else None  # line by line
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.step_s = 0.0  # whole steps, Python work included
 
@@ -533,8 +533,7 @@ class Engine:
                 ahead.append(p)
                 free -= not p.running
         budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
-                                       backlog=sum(p.remaining for p in ahead),
-                                       first=ahead[0].remaining if ahead else 0)
+                                       [p.remaining for p in ahead])
         plan = plan_step(budget, (s.seq_id for s in self.active.values() if not s.prefilling), prompts,
                          len(self.free_ids), now)
         chunk = plan.tokens

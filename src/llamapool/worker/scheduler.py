@@ -21,7 +21,7 @@ step time, fitted from the worker's own step timings (see ``StepTarget``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 PASS_OVER_LIMIT = 8  # steps after its arrival a prompt stops yielding to shorter, younger ones
@@ -91,12 +91,9 @@ class StepTarget:
     """``model.target_step``, how large a step's prompt work may be (never above ``max_batch_tokens``):
 
     - ``"auto"`` (the default): the chunk that minimises the mean time to first token of the prompts
-      held now. With ``B`` prompt tokens to compute, a pure-decode step of ``d`` seconds (measured at
-      the current number of sequences) and ``c`` seconds per prompt token, chunks of ``P`` tokens
-      take ``B / P`` steps of ``d + P·c``; the prompts' mean wait, about ``B·d / 2P + B·c / 2 +
-      (d + P·c) / 2``, is least at ``P = sqrt(B·d / c)``. The first prompt in line is always given
-      all it needs (one step is its fastest first token). Large model, small backlog: small steps
-      (decoding streams wait less); a burst of prompts: large steps (they are computed faster);
+      that could run now, from the step costs the worker fitted (``auto_chunk``): small steps when
+      few prompts wait (decoding streams wait less), large ones for a burst of prompts (they are
+      computed faster), and always whole prompts;
     - ``"off"``: ``max_batch_tokens`` alone;
     - ``"<F>x"``: a step of F times the pure-decode step; ``"<N>ms"``: a step of N milliseconds.
     """
@@ -136,61 +133,74 @@ class StepTarget:
 
 
 class CostModel:
-    """A step's seconds, ``base + per_row * rows + per_token * prompt_tokens``, fitted while serving:
-    least squares over the steps seen, older ones weighing less (each step halves in ~35 steps)."""
+    """A step's seconds, fitted while serving: ``base + per_row * rows + per_token * prompt_tokens``, plus
+    ``prompt_step`` when the step has prompt work (such a step runs as several micro-batches and blocks
+    the host, so it costs more than its tokens: 8-20 ms more on an H200, docs/benchmarks.md). Least
+    squares over the steps seen, older ones weighing less (a step's weight halves in ~35 steps)."""
+
+    TERMS = ("base", "per_row", "per_prompt_token", "prompt_step")
 
     def __init__(self, decay: float = 0.98, warmup: int = 16):
         self.decay, self.warmup = decay, warmup
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
+        self._xtx = [[0.0] * 4 for _ in range(4)]
+        self._xty = [0.0] * 4
         self.steps = 0
-        self.coef: tuple[float, float, float] | None = None  # (base, per_row, per_token) seconds
+        self.coef: tuple[float, float, float, float] | None = None  # seconds, as TERMS
 
     def observe(self, rows: int, prompt_tokens: int, seconds: float) -> None:
-        x = (1.0, float(rows), float(prompt_tokens))
+        x = (1.0, float(rows), float(prompt_tokens), 1.0 if prompt_tokens else 0.0)
         d = self.decay
-        for i in range(3):
+        for i in range(4):
             self._xty[i] = d * self._xty[i] + x[i] * seconds
-            for j in range(3):
+            for j in range(4):
                 self._xtx[i][j] = d * self._xtx[i][j] + x[i] * x[j]
         self.steps += 1
         if self.steps >= self.warmup:
             self.coef = self._solve()
 
-    def _solve(self) -> tuple[float, float, float] | None:
+    def _solve(self) -> tuple[float, float, float, float] | None:
         import numpy as np
 
-        a = np.array(self._xtx) + np.diag([1e-9, 1e-9, 1e-9])  # a ridge: collinear steps stay solvable
+        a = np.array(self._xtx) + np.diag([1e-9] * 4)  # a ridge: collinear steps stay solvable
         try:
-            base, row, tok = (max(0.0, float(v)) for v in np.linalg.solve(a, np.array(self._xty)))
+            base, row, tok, step = (max(0.0, float(v)) for v in np.linalg.solve(a, np.array(self._xty)))
         except np.linalg.LinAlgError:
             return self.coef
-        return (base, row, tok) if tok > 0 else self.coef
+        return (base, row, tok, step) if tok > 0 else self.coef
 
-    def step_budget(self, target: StepTarget, rows: int, cap: int, backlog: int = 0, first: int = 0) -> int:
-        """The token budget (decode rows included) of the next step: ``rows`` sequences hold a slot,
-        ``backlog`` prompt tokens wait to be computed, ``first`` of them by the prompt first in line.
-        ``cap`` (``max_batch_tokens``) until the model is fitted, and always at most ``cap``."""
+    def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = ()) -> int:
+        """The token budget (decode rows included) of the next step: ``rows`` sequences hold a slot, and
+        ``line`` is what the prompts that could run now still need, first in line first. ``cap``
+        (``max_batch_tokens``) until the model is fitted, and always at most ``cap``."""
         if not target.on or self.coef is None:
             return cap
-        base, per_row, per_token = self.coef
+        base, per_row, per_token, prompt_step = self.coef
         decode_s = base + per_row * rows
-        if per_token <= 0:
-            return cap
         if target.auto:
-            prompt = max(math.sqrt(backlog * decode_s / per_token), first)
+            prompt = auto_chunk(line, decode_s + prompt_step, per_token)
         else:
             seconds = target.ms / 1e3 if target.ms else target.factor * decode_s
-            prompt = (seconds - decode_s) / per_token
-        return min(cap, rows + max(MIN_CHUNK, int(prompt)))
+            prompt = int((seconds - decode_s - prompt_step) / per_token)
+        return min(cap, rows + max(MIN_CHUNK, prompt))
 
-    def view(self) -> dict[str, float]:
-        """The fitted costs, for status and /metrics (empty until fitted)."""
-        if self.coef is None:
-            return {}
-        base, per_row, per_token = self.coef
-        return {"step_base_ms": round(base * 1e3, 4), "step_per_row_ms": round(per_row * 1e3, 5),
-                "step_per_prompt_token_ms": round(per_token * 1e3, 6), "fitted_steps": self.steps}
+
+def auto_chunk(line: Sequence[int], overhead: float, per_token: float) -> int:
+    """``"auto"``: the prompt tokens of a step, for the least mean wait of the prompts in ``line``.
+
+    Computing ``B`` prompt tokens in chunks of ``P``, at ``overhead`` seconds a step besides ``per_token``
+    a token, takes ``B / P`` steps; their mean wait, about ``B·o / 2P + B·c / 2 + (o + P·c) / 2``, is
+    least at ``P* = sqrt(B·o / c)``. A prompt gets its first token only when its last chunk is done, so
+    the chunk is rounded up to the end of a prompt: the step finishes the first ``k`` prompts in line,
+    the fewest whose tokens reach ``P*``.
+    """
+    backlog = sum(line)
+    want = math.sqrt(backlog * overhead / per_token)
+    done = 0
+    for n in line:
+        done += n
+        if done >= want:
+            break
+    return done
 
 
 MIN_CHUNK = 64  # prompt tokens a step always has room for: prompts never stall
