@@ -12,12 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamapool.worker.scheduler import (
+    MAX_PREFILL_LOAD,
     MIN_CHUNK,
     PASS_OVER_LIMIT,
+    ArrivalRate,
     CostModel,
     PromptWork,
     StepPlan,
     StepTarget,
+    auto_chunk,
     plan_step,
     priority,
 )
@@ -253,6 +256,34 @@ def test_auto_finishes_whole_prompts_for_the_least_mean_wait(shape: Cost4, rows:
     ends = [sum(line[:k]) for k in range(1, len(line) + 1)]
     k = next((k for k, e in enumerate(ends) if e >= want), len(ends) - 1)
     assert got == min(cap - rows, max(MIN_CHUNK, ends[k])) or (rows + MIN_CHUNK > cap and got == cap - rows)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([SHAPE_1B, SHAPE_8B]), st.lists(st.integers(1, 4000), min_size=1, max_size=64),
+       st.floats(0, 50_000))
+def test_auto_chunks_keep_up_with_the_prompts_arriving(shape: Cost4, line: list[int], arrivals: float) -> None:
+    """Whatever the prompts in line, a step's prompt work keeps prefill busy at most MAX_PREFILL_LOAD of
+    the time at the current arrival rate, or takes every prompt in line when nothing smaller can."""
+    base, per_row, per_token, prompt_step = shape
+    o = base + per_row * 64 + prompt_step
+    got = auto_chunk(line, o, per_token, arrivals)
+    assert got in {sum(line[:k]) for k in range(1, len(line) + 1)}, "whole prompts only"
+    if got < sum(line):
+        assert arrivals * (o + got * per_token) / got <= MAX_PREFILL_LOAD + 1e-9
+
+
+def test_arrival_rate_is_the_prompt_tokens_of_the_last_window() -> None:
+    now = [100.0]
+    rate = ArrivalRate(window=2.0, clock=lambda: now[0])
+    assert rate.rate() == 0
+    rate.add(1000)
+    now[0] += 1.0
+    rate.add(1000)
+    assert rate.rate() == pytest.approx(2000 / 1.0)  # over the time seen so far
+    now[0] += 1.5  # the first arrival leaves the window
+    assert rate.rate() == pytest.approx(1000 / 2.0)
+    now[0] += 10
+    assert rate.rate() == 0
 
 
 def _auto(shape: Cost4, cap: int) -> Budget:

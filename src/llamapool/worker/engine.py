@@ -21,7 +21,7 @@ import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
-from llamapool.worker.scheduler import CostModel, PromptWork, StepTarget, plan_step, priority
+from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 from llamapool.worker.text import TextStream
 from llamapool.worker.vocab import tokenize
 
@@ -244,6 +244,7 @@ class Engine:
         self.steps = 0
         self.target = StepTarget.parse(cfg.target_step)
         self.budget = cfg.max_batch_tokens  # the last step's token budget
+        self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
         self._measure: tuple[int, int, float] | None = None  # (rows, prompt tokens, start) of the last batch
         self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
@@ -326,6 +327,7 @@ class Engine:
             return
         # converted once: planning, admission, prefill, cache
         self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps))
+        self.arrivals.add(len(tokens))
 
     def abort(self, rid: int, out: Step) -> None:
         for w in self.waiting:
@@ -533,7 +535,7 @@ class Engine:
                 ahead.append(p)
                 free -= not p.running
         budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
-                                       [p.remaining for p in ahead])
+                                       [p.remaining for p in ahead], self.arrivals.rate())
         plan = plan_step(budget, (s.seq_id for s in self.active.values() if not s.prefilling), prompts,
                          len(self.free_ids), now)
         chunk = plan.tokens

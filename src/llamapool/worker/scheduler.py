@@ -21,7 +21,9 @@ step time, fitted from the worker's own step timings (see ``StepTarget``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 PASS_OVER_LIMIT = 8  # steps after its arrival a prompt stops yielding to shorter, younger ones
@@ -132,6 +134,26 @@ class StepTarget:
                          f"or a time such as \"40ms\"; got {text!r}")
 
 
+class ArrivalRate:
+    """Prompt tokens a second arriving at the engine, over the last ``window`` seconds."""
+
+    def __init__(self, window: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.window, self.clock = window, clock
+        self._seen: deque[tuple[float, int]] = deque()
+        self._sum = 0
+        self._since = clock()
+
+    def add(self, tokens: int) -> None:
+        self._seen.append((self.clock(), tokens))
+        self._sum += tokens
+
+    def rate(self) -> float:
+        now = self.clock()
+        while self._seen and self._seen[0][0] < now - self.window:
+            self._sum -= self._seen.popleft()[1]
+        return self._sum / max(min(self.window, now - self._since), 0.25)
+
+
 class CostModel:
     """A step's seconds, fitted while serving: ``base + per_row * rows + per_token * prompt_tokens``, plus
     ``prompt_step`` when the step has prompt work (such a step runs as several micro-batches and blocks
@@ -168,33 +190,41 @@ class CostModel:
             return self.coef
         return (base, row, tok, step) if tok > 0 else self.coef
 
-    def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = ()) -> int:
-        """The token budget (decode rows included) of the next step: ``rows`` sequences hold a slot, and
-        ``line`` is what the prompts that could run now still need, first in line first. ``cap``
-        (``max_batch_tokens``) until the model is fitted, and always at most ``cap``."""
+    def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = (),
+                    arrivals: float = 0.0) -> int:
+        """The token budget (decode rows included) of the next step: ``rows`` sequences hold a slot,
+        ``line`` is what the prompts that could run now still need, first in line first, and
+        ``arrivals`` the prompt tokens a second arriving lately. ``cap`` (``max_batch_tokens``) until
+        the model is fitted, and always at most ``cap``."""
         if not target.on or self.coef is None:
             return cap
         base, per_row, per_token, prompt_step = self.coef
         decode_s = base + per_row * rows
         if target.auto:
-            prompt = auto_chunk(line, decode_s + prompt_step, per_token)
+            prompt = auto_chunk(line, decode_s + prompt_step, per_token, arrivals)
         else:
             seconds = target.ms / 1e3 if target.ms else target.factor * decode_s
             prompt = int((seconds - decode_s - prompt_step) / per_token)
         return min(cap, rows + max(MIN_CHUNK, prompt))
 
 
-def auto_chunk(line: Sequence[int], overhead: float, per_token: float) -> int:
+def auto_chunk(line: Sequence[int], overhead: float, per_token: float, arrivals: float = 0.0) -> int:
     """``"auto"``: the prompt tokens of a step, for the least mean wait of the prompts in ``line``.
 
     Computing ``B`` prompt tokens in chunks of ``P``, at ``overhead`` seconds a step besides ``per_token``
     a token, takes ``B / P`` steps; their mean wait, about ``B·o / 2P + B·c / 2 + (o + P·c) / 2``, is
-    least at ``P* = sqrt(B·o / c)``. A prompt gets its first token only when its last chunk is done, so
-    the chunk is rounded up to the end of a prompt: the step finishes the first ``k`` prompts in line,
-    the fewest whose tokens reach ``P*``.
+    least at ``P* = sqrt(B·o / c)``. That holds for the prompts held now; prompts keep arriving
+    (``arrivals``: prompt tokens a second, lately), and a chunk so small that its steps' overhead
+    leaves prefill busy more than ``MAX_PREFILL_LOAD`` of the time lets a queue grow, so the chunk is
+    at least ``a·o / (MAX_PREFILL_LOAD - a·c)`` at ``a`` arriving tokens a second (all of ``line`` when
+    even that cannot keep up). A prompt gets its first token only when its last chunk is done, so
+    the chunk is rounded up to the end of a prompt: the step finishes the first ``k`` prompts in
+    line, the fewest whose tokens reach it.
     """
     backlog = sum(line)
     want = math.sqrt(backlog * overhead / per_token)
+    spare = MAX_PREFILL_LOAD - arrivals * per_token
+    want = max(want, arrivals * overhead / spare if spare > 0 else backlog)
     done = 0
     for n in line:
         done += n
@@ -203,4 +233,5 @@ def auto_chunk(line: Sequence[int], overhead: float, per_token: float) -> int:
     return done
 
 
+MAX_PREFILL_LOAD = 0.8  # "auto" sizes steps so prompts keep up with arrivals using at most this share of time
 MIN_CHUNK = 64  # prompt tokens a step always has room for: prompts never stall
