@@ -137,7 +137,7 @@ class StepTarget:
 class ArrivalRate:
     """Prompt tokens a second arriving at the engine, over the last ``window`` seconds."""
 
-    def __init__(self, window: float = 2.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, window: float = 0.5, clock: Callable[[], float] = time.monotonic):
         self.window, self.clock = window, clock
         self._seen: deque[tuple[float, int]] = deque()
         self._sum = 0
