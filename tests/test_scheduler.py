@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -347,6 +349,10 @@ def test_a_daemon_with_a_step_time_target_serves_the_same_text(start_daemon) -> 
         assert value(fams, "llamapool_step_budget_tokens", "llamapool_step_budget_tokens", target=target) > 0
         per_token = value(fams, "llamapool_step_cost_seconds", "llamapool_step_cost_seconds", term="per_prompt_token")
         assert per_token == pytest.approx(cost["per_prompt_token"] / 1e3, rel=0.5)
+        shown = subprocess.run([sys.executable, "-m", "llamapool.cli", "status", "--endpoint", d.endpoint],
+                               capture_output=True, text=True, timeout=60)
+        assert f"steps sized by target_step {target}, last budget" in shown.stdout, shown.stdout + shown.stderr
+        assert "ms a prompt token" in shown.stdout
         d.stop()
     assert texts[0] == texts[1]
 

@@ -176,6 +176,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     for w in st["workers"]:
         if w.get("reason"):
             print(f"{w['id']}: {w['reason']}")
+        if w.get("step_target"):
+            cost = w.get("step_cost_ms")
+            fitted = (f"; step cost {cost['base']:g} ms + {cost['per_row']:g} ms a sequence + "
+                      f"{cost['per_prompt_token']:g} ms a prompt token + {cost['prompt_step']:g} ms with prompt work"
+                      if cost else "")
+            print(f"{w['id']}: steps sized by target_step {w['step_target']}, last budget {w['step_budget']} "
+                  f"tokens{fitted}")
     for g in st.get("gpus", []):
         if g.get("lost"):
             print(f"GPU {g['index']} {g['uuid']}: LOST ({g.get('error')})")
