@@ -135,15 +135,13 @@ class StepTarget:
 
 
 class ArrivalRate:
-    """Prompt tokens a second arriving at the engine: those of the last ``window`` seconds over the time
-    since the first of them (at least ``MIN_SPAN``), so a burst shows at its first step."""
-
-    MIN_SPAN = 0.1
+    """Prompt tokens a second arriving at the engine, over the last ``window`` seconds."""
 
     def __init__(self, window: float = 0.5, clock: Callable[[], float] = time.monotonic):
         self.window, self.clock = window, clock
         self._seen: deque[tuple[float, int]] = deque()
         self._sum = 0
+        self._since = clock()
 
     def add(self, tokens: int) -> None:
         self._seen.append((self.clock(), tokens))
@@ -153,9 +151,7 @@ class ArrivalRate:
         now = self.clock()
         while self._seen and self._seen[0][0] < now - self.window:
             self._sum -= self._seen.popleft()[1]
-        if not self._seen:
-            return 0.0
-        return self._sum / max(now - self._seen[0][0], self.MIN_SPAN)
+        return self._sum / max(min(self.window, now - self._since), 0.25)
 
 
 class CostModel:
@@ -218,7 +214,7 @@ def auto_chunk(line: Sequence[int], overhead: float, per_token: float, arrivals:
     Computing ``B`` prompt tokens in chunks of ``P``, at ``overhead`` seconds a step besides ``per_token``
     a token, takes ``B / P`` steps; their mean wait, about ``B·o / 2P + B·c / 2 + (o + P·c) / 2``, is
     least at ``P* = sqrt(B·o / c)``. That holds for the prompts held now; prompts keep arriving
-    (``arrivals``: prompt tokens a second, lately: ``ArrivalRate``), and a chunk so small that its steps' overhead
+    (``arrivals``: prompt tokens a second, lately), and a chunk so small that its steps' overhead
     leaves prefill busy more than ``MAX_PREFILL_LOAD`` of the time lets a queue grow, so the chunk is
     at least ``a·o / (MAX_PREFILL_LOAD - a·c)`` at ``a`` arriving tokens a second (all of ``line`` when
     even that cannot keep up). A prompt gets its first token only when its last chunk is done, so
