@@ -163,7 +163,7 @@ def test_demo_model_has_chatml_tokens_and_template(model_path: str) -> None:
     ([{"role": "r" * 65, "content": "x"}], "messages[0].role"),
     ([{"role": b"user", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": None}], "messages[0].content"),
-    ([{"role": "user", "content": "x", "name": "bob"}], "messages[0].name"),
+    ([{"role": "user", "content": "x", "nickname": "bob"}], "messages[0].nickname"),
     ([{"role": "user", "content": "x"}, "hello"], "messages[1]"),
     ([{"role": "user", "content": "x"}, 5], "messages[1]"),
     ([5, {"role": "user", "content": "x"}], "prompt"),

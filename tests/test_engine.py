@@ -36,7 +36,7 @@ def run_all(engine: Engine, runs: list[Run], steps_before: dict[int, int] | None
                 del later[r.rid]
         step = engine.step()
         n += 1
-        for rid, _reason, text, _pt, _ct in step.done:
+        for rid, _reason, text, _pt, _ct, *_ in step.done:
             out[rid] = text
         assert not step.failed
     return out
@@ -297,7 +297,7 @@ def test_pipelined_steps_honour_stop_strings_and_aborts(model_path: str, engine:
         done: dict[int, list] = {}
         while eng.busy:
             step = eng.step()
-            for rid, text, _n in step.deltas:
+            for rid, text, _n, *_ in step.deltas:
                 streamed[rid] += text
             for d in step.done:
                 done[d[0]] = d
@@ -347,11 +347,11 @@ def test_every_sampling_parameter_builds_a_sampler_and_generates(engine: Engine)
 
 def test_a_sampler_that_cannot_be_built_fails_its_request_and_frees_the_slot(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(p: SamplingParams) -> None:
+    def broken(slot: int, p: SamplingParams, matcher: object = None) -> None:
         raise TypeError("no such sampler")
 
     free = len(engine.free_ids)
-    monkeypatch.setattr(engine, "_sampler", broken)
+    monkeypatch.setattr(engine.sampling, "admit", broken)
     out = Step()
     engine.submit(Run(950, "hello", SamplingParams(max_tokens=4, temperature=0.7), False), out)
     while engine.busy:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from llamapool.protocol import control, limits
+from llamapool.protocol import control, params
 from llamapool.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -72,9 +72,7 @@ def _invalid(field: str, why: str) -> ProtocolError:
 
 def _wire(value: Any) -> Any:
     if isinstance(value, SamplingParams):
-        d = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        d["stop"] = list(value.stop)
-        return d
+        return params.to_wire(value)
     return value
 
 
@@ -176,26 +174,55 @@ def _prompt(v: Any, field: str) -> Prompt:
                           f"got {type(v).__name__}")
 
 
-_MESSAGE_KEYS = frozenset({"role", "content"})
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
 
 def _messages(v: list[Any], field: str) -> list[ChatMessage]:
-    """A chat: maps with a ``role`` (1 to 64 characters) and a ``content`` string, nothing else."""
+    """A chat: maps with a ``role`` (1 to 64 characters) and a ``content`` string; an assistant message
+    may carry ``tool_calls`` instead of content, a ``tool`` message its ``tool_call_id`` and ``name``."""
     out = []
     for i, m in enumerate(v):
         at = f"{field}[{i}]"
         if not isinstance(m, dict):
             raise _invalid(at, f"must be a chat message (a map with 'role' and 'content'), got {type(m).__name__}")
         _check_keys(m, _MESSAGE_KEYS, f"{at}.")
-        for key in ("role", "content"):
-            if key not in m:
-                raise _invalid(f"{at}.{key}", "is missing")
-            if not isinstance(m[key], str):
-                raise _invalid(f"{at}.{key}", f"must be a string, got {type(m[key]).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise _invalid(f"{at}.role", "is missing" if "role" not in m else "must be a string")
         if not 0 < len(m["role"]) <= MAX_ROLE_LEN:
             raise _invalid(f"{at}.role", f"must have 1 to {MAX_ROLE_LEN} characters")
-        out.append({"role": m["role"], "content": m["content"]})
+        msg: ChatMessage = {"role": m["role"], "content": m.get("content")}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{at}.tool_calls")
+            msg["content"] = msg["content"] or ""
+        if not isinstance(msg["content"], str):
+            raise _invalid(f"{at}.content", "is missing" if msg["content"] is None
+                           else f"must be a string, got {type(msg['content']).__name__}")
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str) or len(m[key]) > MAX_ID_LEN:
+                    raise _invalid(f"{at}.{key}", f"must be a string of at most {MAX_ID_LEN} characters")
+                msg[key] = m[key]
+        out.append(msg)
     return out
+
+
+def _tool_calls(v: Any, at: str) -> list[dict[str, Any]]:
+    """An assistant's earlier tool calls: ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+    (``arguments`` a JSON text, as OpenAI sends it, or an object)."""
+    if not isinstance(v, list):
+        raise _invalid(at, "must be a list of tool calls")
+    calls = []
+    for j, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _invalid(f"{at}[{j}].function", "must be an object with a 'name' and 'arguments'")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise _invalid(f"{at}[{j}].function.arguments", "must be a JSON text or an object")
+        cid = c.get("id", "")
+        calls.append({"id": cid if isinstance(cid, str) else "", "type": "function",
+                      "function": {"name": fn["name"], "arguments": args}})
+    return calls
 
 
 def _check_keys(d: dict[str, Any], allowed: frozenset[str], prefix: str = "") -> None:
@@ -204,44 +231,16 @@ def _check_keys(d: dict[str, Any], allowed: frozenset[str], prefix: str = "") ->
             raise _invalid(f"{prefix}{k}", "is not a known field")
 
 
-_PARAM_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
 def parse_params(raw: Any) -> SamplingParams:
-    """Validate a ``params`` map (the limits of protocol/limits.py); a bad value names its parameter."""
+    """Validate a ``params`` map (the contract of protocol/params.py); a bad value names its parameter."""
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):
         raise _invalid("params", "must be a map")
-    for k in raw:
-        if k not in _PARAM_KEYS:
-            raise _invalid(k, f"is not a generation parameter (known: {', '.join(sorted(_PARAM_KEYS))})")
-    kw: dict[str, Any] = {}
-    for key, limit in limits.PARAMS.items():
-        v = raw.get(key)
-        if v is None and (key == "seed" or key not in raw):
-            continue
-        why = limits.problem(key, v)
-        if why is not None or v is None:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, why or f"'{key}' must not be null", key)
-        kw[key] = v if limit.integer else float(v)
-    if raw.get("stop") is not None:
-        kw["stop"] = _stop(raw["stop"])
-    if "ignore_eos" in raw:
-        if not isinstance(raw["ignore_eos"], bool):
-            raise _invalid("ignore_eos", f"must be true or false, got {limits.show(raw['ignore_eos'])}")
-        kw["ignore_eos"] = raw["ignore_eos"]
-    return dataclasses.replace(SamplingParams(), **kw)
-
-
-def _stop(stop: Any) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > limits.MAX_STOP:
-        raise _invalid("stop", f"must be a string or a list of at most {limits.MAX_STOP} strings")
-    for s in stops:
-        if not isinstance(s, str) or not 0 < len(s) <= limits.MAX_STOP_LEN:
-            raise _invalid("stop", f"entries must be strings of 1 to {limits.MAX_STOP_LEN} characters")
-    return tuple(stops)
+    try:
+        return params.parse(raw)
+    except params.ParamError as e:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, e.message, e.field) from None
 
 
 # ---------------------------------------------------------------- decoding

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+from llamapool.protocol.params import SamplingParams
+
 PROTOCOL_VERSION = 1
 
-ChatMessage = dict[str, str]  # {"role": ..., "content": ...}
+ChatMessage = dict[str, Any]  # {"role": ..., "content": ...} (and tool_calls, tool_call_id, name)
 Prompt = str | list[int] | list[ChatMessage]  # text, token ids, or chat messages
 
 
@@ -32,25 +34,6 @@ class ErrorCode:
     INTERNAL = "internal"
     NO_CHAT_TEMPLATE = "no_chat_template"  # chat messages sent to a model without a chat template
     UNKNOWN_MODEL = "unknown_model"  # the request's ``model`` is not in the pool
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request generation parameters."""
-
-    max_tokens: int = 128
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
 
 
 # ---------------------------------------------------------------- client -> router
@@ -102,6 +85,7 @@ class Chunk:
     index: int
     text: str
     tokens: int
+    logprobs: list[Any] | None = None  # per token of ``text``: [token, logprob, bytes, top] (docs/protocol.md)
 
 
 @dataclass(slots=True)
@@ -117,6 +101,10 @@ class Result:
     completion_tokens: int
     worker: str
     model: str = ""  # the model that answered
+    tool_calls: list[dict[str, Any]] | None = None  # parsed calls: [{"id", "name", "arguments"}]; ``text``
+    # is then the text outside them
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[Any] | None = None  # as Chunk's, for the whole text
 
 
 @dataclass(slots=True)
@@ -221,6 +209,7 @@ class Delta(NamedTuple):
     rid: int
     text: str
     tokens: int  # tokens generated so far
+    logprobs: list[Any] | None = None
 
 
 class Done(NamedTuple):
@@ -231,6 +220,9 @@ class Done(NamedTuple):
     text: str
     prompt_tokens: int
     completion_tokens: int
+    tool_calls: list[dict[str, Any]] | None = None
+    cached_tokens: int = 0
+    logprobs: list[Any] | None = None
 
 
 class Failed(NamedTuple):

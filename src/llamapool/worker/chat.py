@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from llamapool.protocol.messages import ChatMessage, ErrorCode
+from llamapool.worker.tools import ToolFormat, detect
 
 CONFIG_KEY = "model.chat_template"
 
@@ -90,12 +91,14 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text; :class:`ChatError` (``invalid_request``) when the template raises."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             return str(self.template.render(
                 messages=list(messages), bos_token=self.bos_token, eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, **extra,
             ))
         except TemplateRaised as e:
             raise ChatError(f"chat template: {e}") from None
@@ -126,8 +129,10 @@ class ChatFormatter:
     """What the engine holds: the worker's template (or why it has none) and its tokenizer."""
 
     def __init__(self, template: ChatTemplate | None, missing: str,
-                 tokenize: Callable[[str], list[int]], bos: int, add_bos: bool):
+                 tokenize: Callable[[str], list[int]], bos: int, add_bos: bool,
+                 tool_format: ToolFormat | None = None):
         self.template = template
+        self.tool_format = tool_format or ToolFormat("generic", native=False)  # how its calls are written
         self.missing = missing  # the no_chat_template message when ``template`` is None
         self._tokenize = tokenize  # text -> tokens, special tokens parsed, nothing added
         self.bos = bos
@@ -174,16 +179,27 @@ class ChatFormatter:
                 except Exception as e:
                     missing = (f"the model's chat template (tokenizer.chat_template in its GGUF) does not "
                                f"compile ({e}); set {CONFIG_KEY} in the config to a Jinja2 template file")
-        return cls(template, missing, tokenize, bos, bool(L.llama_vocab_get_add_bos(vocab)) and bos >= 0)
+        def special(marker: str) -> int | None:  # the control token that is ``marker``, if one is
+            toks = tokenize(marker)
+            attr = L.llama_token_get_attr(vocab, toks[0]) if len(toks) == 1 else 0
+            return toks[0] if attr & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED) else None
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+        tool_format = detect(template.source, special) if template is not None else None
+        return cls(template, missing, tokenize, bos, bool(L.llama_vocab_get_add_bos(vocab)) and bos >= 0,
+                   tool_format)
+
+    def render(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text, with ``tools`` (and earlier calls and results) as the template's family
+        writes them (tools.ToolFormat.messages)."""
         if self.template is None:
             raise ChatError(self.missing, ErrorCode.NO_CHAT_TEMPLATE)
-        return self.template.render(messages)
+        fmt = self.tool_format
+        msgs = fmt.messages(list(messages), tools)
+        return self.template.render(msgs, tools=tools if tools and fmt.native else None)
 
-    def tokens(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def tokens(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's tokens: rendered, special tokens parsed, BOS added once when the model wants one."""
-        tokens = self._tokenize(self.render(messages))
+        tokens = self._tokenize(self.render(messages, tools))
         if self.add_bos and (not tokens or tokens[0] != self.bos):
             tokens.insert(0, self.bos)
         return tokens

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import random
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +20,13 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, Run, SamplingParams, Step
+from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
+from llamapool.worker.constraints import Grammars, spec_of
+from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 from llamapool.worker.text import TextStream
 from llamapool.worker.vocab import tokenize
-
-PENALTY_LAST_N = 64
 
 
 class EngineError(Exception):
@@ -83,7 +84,7 @@ class Sequence:
     tokens: np.ndarray  # the prompt, int32
     params: SamplingParams
     stream: bool
-    sampler: Any
+    sampling: SeqSampling
     text: TextStream
     n_past: int = 0  # tokens already in the KV cache
     generated: int = 0
@@ -103,10 +104,16 @@ class Waiting:
     run: Run
     tokens: np.ndarray
     arrived: int
+    grammar: Future[Any] | None = None  # the compiled constraint (a matcher to copy), compiling meanwhile
 
     @property
     def rid(self) -> int:
         return self.run.rid
+
+    @property
+    def ready(self) -> bool:
+        """Its constraint (if any) is compiled: it may take a slot."""
+        return self.grammar is None or self.grammar.done()
 
 
 class _Batch:
@@ -177,7 +184,9 @@ class Engine:
         self.cfg = cfg
         if not os.path.isfile(cfg.model_path):
             raise EngineError(f"model file {cfg.model_path} does not exist")
-        quiet_llama_logs()
+        from llamapool.worker.llamalog import route_llama_logs  # llama.cpp's log through llamapool's logger
+
+        route_llama_logs()
         L.llama_backend_init()
         mp, self._tensor_split = model_params(cfg)
         self.model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
@@ -205,24 +214,19 @@ class Engine:
             cp.n_threads = cp.n_threads_batch = cfg.threads
         # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
         # graph on the GPU, so only the sampled token comes back, not n_vocab logits per sequence.
-        # Greedy chains stay attached; a request with other parameters attaches its own chain.
         self.gpu_sampling = (cfg.gpu and cfg.gpu_sampling) if cfg.backend_sampling is None \
             else cfg.backend_sampling
-        self._greedy: dict[int, Any] = {}
-        if self.gpu_sampling:
-            self._greedy = {i: self._greedy_chain() for i in range(cfg.slots)}
-            self._seq_cfg = (L.llama_sampler_seq_config * cfg.slots)(
-                *[L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p)) for i, ch in self._greedy.items()])
-            cp.samplers = ctypes.cast(self._seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
-            cp.n_samplers = cfg.slots
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling)
+        self.sampling.context_params(cp)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise EngineError(
                 f"llama.cpp could not create a context of {cp.n_ctx} tokens "
                 f"({cfg.slots} slots x {cfg.ctx_per_slot}); out of memory?"
             )
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.sampling.bind(self.ctx)
         self.max_piece = self._max_piece_bytes()
         try:
             self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
@@ -236,6 +240,7 @@ class Engine:
         self._piece = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # token -> its bytes, filled as tokens are seen
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.grammars = Grammars(self.vocab, self.n_vocab, self._eog)
         self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0
@@ -283,16 +288,10 @@ class Engine:
         L.llama_synchronize(self.ctx)
         for seq in list(self.active.values()):
             self._release(seq)
+        self.grammars.close()
+        self.sampling.close()
         L.llama_free(self.ctx)
-        for ch in self._greedy.values():
-            L.llama_sampler_free(ch)
         L.llama_model_free(self.model)
-
-    @staticmethod
-    def _greedy_chain() -> Any:
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-        return chain
 
     # ------------------------------------------------------------ requests in and out
 
@@ -318,15 +317,22 @@ class Engine:
     def submit(self, run: Run, out: Step) -> None:
         """Queue a run (it takes a slot at a coming step); a prompt that cannot run fails into ``out``,
         the report being built (the interface is shared with the echo engine)."""
+        chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
         try:
-            tokens = self._prompt_tokens(run.prompt)
+            if run.params.tools and not chat:
+                raise ParamError("tools", "'tools' need a chat prompt (messages), not a text or token prompt")
+            spec = spec_of(run.params, self.chat.tool_format)
+            tokens = self._prompt_tokens(run.prompt, run.params.tools)
+        except ParamError as e:
+            out.failed.append(Failed(run.rid, ErrorCode.INVALID_REQUEST, e.message, e.field))
+            return
         except ValueError as e:  # a ChatError carries its own code (no_chat_template)
-            chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
             out.failed.append(Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
                                      "messages" if chat else "prompt"))
             return
-        # converted once: planning, admission, prefill, cache
-        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps))
+        # converted once: planning, admission, prefill, cache; a grammar compiles meanwhile
+        grammar = None if spec is None else self.grammars.compile(spec)
+        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar))
         self.arrivals.add(len(tokens))
 
     def abort(self, rid: int, out: Step) -> None:
@@ -356,22 +362,18 @@ class Engine:
         run, prompt = w.run, w.tokens
         seq_id, reused = self._take_slot(prompt)
         p = run.params
-        sampler = None  # None: the greedy chain attached to seq_id on the GPU samples it
-        in_graph = self._in_graph(p)
-        if not (in_graph and p.greedy):
-            try:
-                sampler = self._sampler(p)
-                if self.gpu_sampling:  # a chain the graph cannot run is taken off: logits go to the host
-                    self._attach(seq_id, sampler if in_graph else None)
-            except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
-                self.free_ids.appendleft(seq_id)
-                self.cached.pop(seq_id, None)
-                L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
-                out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
-                return None
+        try:
+            matcher = None if w.grammar is None else w.grammar.result().deep_copy()
+            sampling = self.sampling.admit(seq_id, p, matcher)
+        except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
+            self.free_ids.appendleft(seq_id)
+            self.cached.pop(seq_id, None)
+            L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
+            return None
         seq = self.active[seq_id] = Sequence(
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
-            sampler=sampler, text=TextStream(p.stop), n_past=reused, arrived=w.arrived,
+            sampling=sampling, text=self._text_stream(p), n_past=reused, arrived=w.arrived,
         )
         self.reused_tokens += reused
         return seq
@@ -414,7 +416,7 @@ class Engine:
         self.cached.pop(seq_id, None)
         return seq_id, best
 
-    def _prompt_tokens(self, prompt: Prompt) -> list[int]:
+    def _prompt_tokens(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
         text_bytes = 0
         for part in [prompt] if isinstance(prompt, str) else prompt:
             content = part.get("content") if isinstance(part, dict) else part
@@ -428,7 +430,7 @@ class Engine:
         if isinstance(prompt, str):
             tokens = self.tokenize(prompt)
         elif prompt and isinstance(prompt[0], dict):  # chat messages
-            tokens = self.chat.tokens(prompt)  # type: ignore[arg-type]
+            tokens = self.chat.tokens(prompt, tools)  # type: ignore[arg-type]
         else:
             tokens = list(prompt)  # type: ignore[arg-type]
         if not tokens:
@@ -443,37 +445,15 @@ class Engine:
             )
         return tokens
 
-    def _attach(self, seq_id: int, chain: Any) -> None:
-        """Put ``chain`` on ``seq_id`` in the decode graph (the next decode re-plans the graph);
-        None takes the sequence's chain off: its logits come to the host."""
-        L.llama_synchronize(self.ctx)  # never change the graph's samplers under a batch in flight
-        if not L.llama_set_sampler(self.ctx, seq_id, chain):
-            raise EngineError(f"llama.cpp refused a sampler for sequence {seq_id}", permanent=False)
-
-    def _in_graph(self, p: SamplingParams) -> bool:
-        """Whether the decode graph samples for ``p`` (GPU sampling; llama.cpp has no in-graph penalties
-        sampler, so a ``repeat_penalty`` request is sampled on the host from its logits)."""
-        return self.gpu_sampling and p.repeat_penalty == 1.0
-
-    def _sampler(self, p: SamplingParams) -> Any:
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        add = L.llama_sampler_chain_add
-        if p.repeat_penalty != 1.0:
-            # llama.cpp of llama-cpp-python 0.3.36: (n_vocab, last_n, repeat, freq, present)
-            add(chain, L.llama_sampler_init_penalties(self.n_vocab, PENALTY_LAST_N, p.repeat_penalty, 0.0, 0.0))
-        if p.greedy:
-            add(chain, L.llama_sampler_init_greedy())
-            return chain
-        if p.top_k > 0:
-            add(chain, L.llama_sampler_init_top_k(p.top_k))
-        if p.top_p < 1.0:
-            add(chain, L.llama_sampler_init_top_p(p.top_p, 1))
-        if p.min_p > 0.0:
-            add(chain, L.llama_sampler_init_min_p(p.min_p, 1))
-        add(chain, L.llama_sampler_init_temp(p.temperature))
-        seed = p.seed if p.seed is not None else random.getrandbits(32)
-        add(chain, L.llama_sampler_init_dist(seed))
-        return chain
+    def _text_stream(self, p: SamplingParams) -> TextStream:
+        """The sequence's text: stop strings held back, and a tool call's opening (``auto``: prose
+        streams until it; ``required`` or a named function: the whole reply is calls)."""
+        if not p.tools or p.tool_choice == "none":
+            return TextStream(p.stop)
+        text = TextStream(p.stop, self.chat.tool_format.trigger)
+        if p.tool_choice not in (None, "auto"):
+            text.mark_here()
+        return text
 
     # ------------------------------------------------------------ one step
 
@@ -510,10 +490,8 @@ class Engine:
         else:
             order = self._build(out)
             if self.batch.n and self._launch(order, out):
-                for seq in order:
-                    taken = self._take(seq, out)
-                    if taken is not None:
-                        self._emit(seq, taken, out)
+                for seq, tok in self._take_all(order, out):
+                    self._emit(seq, tok, out)
         out.active = len(self.active)
         self.step_s += time.perf_counter() - t_step
         return out
@@ -526,9 +504,11 @@ class Engine:
     def _plan(self, out: Step) -> dict[int, int]:
         """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
         now = self.steps
+        self._refuse_bad_grammars(out)
         prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
                    for s in self.active.values() if s.prefilling]
-        prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False) for i, w in enumerate(self.waiting)]
+        prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False)
+                    for i, w in enumerate(self.waiting) if w.ready]
         ahead, free = [], len(self.free_ids)  # what could run this step, first in line first
         for p in sorted(prompts, key=lambda p: priority(p, now)):
             if p.running or free > 0:
@@ -547,6 +527,15 @@ class Engine:
                 chunk[seq.seq_id] = min(n, len(seq.tokens) - seq.n_past)
         self.budget = budget
         return chunk
+
+    def _refuse_bad_grammars(self, out: Step) -> None:
+        """Waiting runs whose grammar did not compile fail (before they take a slot), naming the parameter."""
+        for w in [w for w in self.waiting if w.grammar is not None and w.grammar.done()
+                  and w.grammar.exception() is not None]:
+            self.waiting.remove(w)
+            e = w.grammar.exception() if w.grammar is not None else None
+            field = e.field if isinstance(e, ParamError) else None
+            out.failed.append(Failed(w.rid, ErrorCode.INVALID_REQUEST, str(e), field))
 
     def _build(self, out: Step) -> list[Sequence]:
         """Schedule this step's tokens and fill the batch; return the sequences with an output.
@@ -655,31 +644,41 @@ class Engine:
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
         self.decode_s += time.perf_counter() - t0
-        ready = []
-        for seq in self.inflight:
-            if self.active.get(seq.seq_id) is seq:
-                tok = self._take(seq, out)
-                if tok is not None:
-                    ready.append((seq, tok))
+        ready = self._take_all([seq for seq in self.inflight if self.active.get(seq.seq_id) is seq], out)
         self.inflight = []
+        return ready
+
+    def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
+        """Every output row's token (its mask ready first, if constrained); then the next masks are
+        filled in the background while the engine goes on."""
+        self.sampling.masks_ready([seq.sampling for seq in order])
+        ready = []
+        for seq in order:
+            tok = self._take(seq, out)
+            if tok is not None:
+                ready.append((seq, tok))
+        self.sampling.masks_next()
         return ready
 
     def _take(self, seq: Sequence, out: Step) -> int | None:
         """The sequence's new token, or None when it ended (end of generation, length)."""
-        if self._in_graph(seq.params):
-            tok = L.llama_get_sampled_token_ith(self.ctx, seq.out_idx)
-        else:
-            tok = L.llama_sampler_sample(seq.sampler, self.ctx, seq.out_idx)
+        tok = self.sampling.pick(seq.sampling, seq.out_idx)
         p = seq.params
-        if not p.ignore_eos and tok in self._eog:
+        matcher = seq.sampling.matcher
+        if (not p.ignore_eos or matcher is not None) and tok in self._eog:
             self._finish(seq, "stop", out)
             return None
         seq.generated += 1
         seq.last = tok
+        if tok in self.chat.tool_format.special.values() and p.tools:
+            seq.text.mark_here()  # a call opens with a control token (no text)
+        if matcher is not None and matcher.is_stopped():  # the grammar is complete
+            self._finish(seq, "stop", out, seq.text.push(self._piece_of(tok)))
+            return None
         if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
             self._finish(seq, "length", out, seq.text.push(self._piece_of(tok)))
             return None
-        return int(tok)
+        return tok
 
     def _emit(self, seq: Sequence, tok: int, out: Step) -> None:
         """Detokenise the token into the sequence's text; a stop string ends the sequence."""
@@ -700,16 +699,16 @@ class Engine:
         delta += seq.text.finish()
         if delta and seq.stream:
             out.deltas.append(Delta(seq.rid, delta, seq.generated))
-        out.done.append(Done(seq.rid, reason, seq.text.text, len(seq.tokens), seq.generated))
+        text, calls = seq.text.text, None
+        if seq.params.tools and seq.params.tool_choice != "none" and reason != "cancelled":
+            content, found = self.chat.tool_format.parse(text, seq.params.tools)
+            if found:
+                text, calls, reason = content, found, ("tool_calls" if reason == "stop" else reason)
+        out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls))
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.sampler is not None:
-            if self.gpu_sampling:  # give the sequence id its greedy chain back
-                L.llama_sampler_free(self._greedy[seq.seq_id])
-                self._greedy[seq.seq_id] = self._greedy_chain()
-                self._attach(seq.seq_id, self._greedy[seq.seq_id])
-            L.llama_sampler_free(seq.sampler)
+        self.sampling.release(seq.sampling)
         if self.cfg.prefix_cache and seq.n_past:  # keep its prompt's KV for a later request
             self.cached[seq.seq_id] = seq.tokens[: seq.n_past]
         else:

@@ -104,7 +104,7 @@ class EngineLoop(threading.Thread):
 
     def _send(self, sock: zmq.Socket, report: Step) -> None:
         """Send a step report; log its finishes (debug) and failures (warning) with request ids."""
-        for rid, reason, _text, n_prompt, n_gen in report.done:
+        for rid, reason, _text, n_prompt, n_gen, *_ in report.done:
             req = self.reqs.pop(rid, "")
             if self.log.enabled("debug"):
                 self.log.debug("finished", id=req, rid=rid, finish=reason, prompt_tokens=n_prompt,

@@ -1,0 +1,246 @@
+"""The one parameter contract: every generation parameter is declared here once.
+
+A parameter is a field of :class:`SamplingParams` with its default and, in its metadata, the check
+that reads a value as a caller gave it (over the wire, from the SDK's keywords or from an HTTP body)
+into the value kept, and a one-line description. The SDK's keywords (``PARAM_NAMES``), the codec's
+validation (:func:`parse`), the HTTP mapping (``gateway/openai.py`` reads the same names with the same
+checks) and docs/protocol.md's table all follow from these declarations.
+
+A bad value raises :class:`ParamError` naming the parameter (``response_format.json_schema.schema``),
+with the same message wherever it arrives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamapool.protocol import limits
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar, regex or serialised schema
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+class ParamError(ValueError):
+    """A bad parameter value: ``field`` is the parameter's public name (with a path into it)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+Check = Callable[[str, Any], Any]  # (name, value as given) -> value kept; raises ParamError
+
+
+def number(name: str, v: Any) -> Any:
+    why = limits.problem(name, v)
+    if why is not None:
+        raise ParamError(name, why)
+    return v if limits.PARAMS[name].integer else float(v)
+
+
+def boolean(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ParamError(name, f"'{name}' must be true or false, got {limits.show(v)}")
+    return v
+
+
+def stop_strings(name: str, v: Any) -> tuple[str, ...]:
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, (list, tuple)) or len(stops) > limits.MAX_STOP:
+        raise ParamError(name, f"'{name}' must be a string or a list of at most {limits.MAX_STOP} strings")
+    for s in stops:
+        if not isinstance(s, str) or not 0 < len(s) <= limits.MAX_STOP_LEN:
+            raise ParamError(name, f"'{name}' entries must be strings of 1 to {limits.MAX_STOP_LEN} characters")
+    return tuple(stops)
+
+
+def _text(name: str, v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise ParamError(name, f"'{name}' must be a non-empty string, got {limits.show(v)[:80]}")
+    if len(v) > MAX_GRAMMAR_CHARS:
+        raise ParamError(name, f"'{name}' has {len(v)} characters; the limit is {MAX_GRAMMAR_CHARS}")
+    return v
+
+
+def _object(name: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ParamError(name, f"'{name}' must be an object (a JSON schema), got {type(v).__name__}")
+    return v
+
+
+def check_response_format(name: str, v: Any) -> dict[str, Any]:
+    """OpenAI's: ``{"type": "text" | "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}``."""
+    if not isinstance(v, dict):
+        raise ParamError(name, f"'{name}' must be an object with a 'type', got {type(v).__name__}")
+    kind = v.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise ParamError(f"{name}.type", f"'{name}.type' must be one of {', '.join(RESPONSE_FORMATS)}, "
+                                         f"got {limits.show(kind)[:80]}")
+    if kind != "json_schema":
+        return {"type": kind}
+    js = v.get("json_schema")
+    at = f"{name}.json_schema"
+    if not isinstance(js, dict):
+        raise ParamError(at, f"'{at}' must be an object with 'name' and 'schema'")
+    if "name" in js and (not isinstance(js["name"], str) or not TOOL_NAME.fullmatch(js["name"])):
+        raise ParamError(f"{at}.name", f"'{at}.name' must be 1 to 64 letters, digits, '_', '-' or '.'")
+    schema = js.get("schema", {"type": "object"})  # OpenAI's schema is optional: any JSON object
+    _object(f"{at}.schema", schema)
+    if "strict" in js and js["strict"] is not None:
+        boolean(f"{at}.strict", js["strict"])
+    return {"type": kind, "json_schema": {"name": js.get("name", "response"), "schema": schema,
+                                          "strict": bool(js.get("strict"))}}
+
+
+def check_tools(name: str, v: Any) -> list[dict[str, Any]]:
+    """OpenAI's: ``[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]``."""
+    if not isinstance(v, list) or len(v) > MAX_TOOLS:
+        raise ParamError(name, f"'{name}' must be a list of at most {MAX_TOOLS} tools")
+    out, seen = [], set()
+    for i, t in enumerate(v):
+        at = f"{name}[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise ParamError(f"{at}.type", f"'{at}' must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise ParamError(f"{at}.function", f"'{at}.function' must be an object with a 'name'")
+        fname = fn.get("name")
+        if not isinstance(fname, str) or not TOOL_NAME.fullmatch(fname):
+            raise ParamError(f"{at}.function.name", f"'{at}.function.name' must be 1 to 64 letters, digits, "
+                                                     f"'_', '-' or '.', got {limits.show(fname)[:80]}")
+        if fname in seen:
+            raise ParamError(f"{at}.function.name", f"'{at}.function.name': {fname!r} is defined twice")
+        seen.add(fname)
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise ParamError(f"{at}.function.description", f"'{at}.function.description' must be a string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        _object(f"{at}.function.parameters", params)
+        out.append({"type": "function", "function": {"name": fname, "description": desc, "parameters": params}})
+    return out
+
+
+def check_tool_choice(name: str, v: Any) -> str | dict[str, Any]:
+    """``none`` | ``auto`` | ``required`` | ``{"type": "function", "function": {"name": ...}}``."""
+    if isinstance(v, str):
+        if v not in TOOL_CHOICES:
+            raise ParamError(name, f"'{name}' must be one of {', '.join(TOOL_CHOICES)} or "
+                                   f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {v[:80]!r}")
+        return v
+    fn = v.get("function") if isinstance(v, dict) else None
+    fname = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(fname, str):
+        raise ParamError(name, f"'{name}' must be a string or {{\"type\": \"function\", \"function\": "
+                               f"{{\"name\": ...}}}}")
+    return {"type": "function", "function": {"name": fname}}
+
+
+def _meta(check: Check, doc: str) -> dict[str, Any]:
+    return {"check": check, "doc": doc}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request generation parameters: the contract (each field's metadata holds its check and doc)."""
+
+    max_tokens: int = field(default=128, metadata=_meta(
+        number, "tokens to generate at most (each door's default: docs/http.md, docs/sdk.md)"))
+    temperature: float = field(default=0.8, metadata=_meta(number, "0 to 2; 0 is greedy"))
+    top_k: int = field(default=40, metadata=_meta(number, "sample among the k likeliest tokens; 0: off"))
+    top_p: float = field(default=0.95, metadata=_meta(
+        number, "nucleus sampling: the fewest tokens with this much probability"))
+    min_p: float = field(default=0.05, metadata=_meta(
+        number, "drop tokens below min_p times the likeliest one's probability"))
+    repeat_penalty: float = field(default=1.0, metadata=_meta(
+        number, "llama.cpp's repetition penalty over the last 64 tokens; 1: off"))
+    seed: int | None = field(default=None, metadata=_meta(number, "a seed for reproducible sampling (0 to 2^32-1)"))
+    stop: tuple[str, ...] = field(default=(), metadata=_meta(
+        stop_strings, "up to 16 strings that end the text (not included)"))
+    ignore_eos: bool = field(default=False, metadata=_meta(boolean, "keep generating past the end-of-generation token"))
+    response_format: dict[str, Any] | None = field(default=None, metadata=_meta(
+        check_response_format, 'OpenAI\'s: {"type": "json_object"} or {"type": "json_schema", "json_schema": ...}'))
+    json_schema: dict[str, Any] | None = field(default=None, metadata=_meta(
+        _object, "a JSON schema the output follows (llama-server's field)"))
+    grammar: str | None = field(default=None, metadata=_meta(
+        _text, "a GBNF (llama.cpp's) or Lark (llguidance's) grammar the output follows"))
+    regex: str | None = field(default=None, metadata=_meta(_text, "a regular expression the whole output matches"))
+    tools: list[dict[str, Any]] | None = field(default=None, metadata=_meta(
+        check_tools, "OpenAI's function tools (chat prompts only)"))
+    tool_choice: str | dict[str, Any] | None = field(default=None, metadata=_meta(
+        check_tool_choice, 'none | auto (the default with tools) | required | {"type": "function", ...}'))
+    parallel_tool_calls: bool = field(default=True, metadata=_meta(boolean, "whether a reply may call several tools"))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (a format, a grammar, or tool calls)."""
+        rf = self.response_format
+        return bool((rf and rf["type"] != "text") or self.json_schema is not None or self.grammar is not None
+                    or self.regex is not None or (self.tools and self.tool_choice != "none"))
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+PARAM_NAMES = tuple(FIELDS)
+CONSTRAINTS = ("response_format", "json_schema", "grammar", "regex")
+
+
+def check(name: str, value: Any) -> Any:
+    """One parameter's value as kept; :class:`ParamError` names it."""
+    return FIELDS[name].metadata["check"](name, value)
+
+
+def parse(raw: dict[str, Any], *, known_names: str = "") -> SamplingParams:
+    """Validate a map of parameters (absent or None: the default) into :class:`SamplingParams`."""
+    kw: dict[str, Any] = {}
+    for k, v in raw.items():
+        f = FIELDS.get(k)
+        if f is None:
+            raise ParamError(k, f"'{k}' is not a generation parameter (known: {known_names or ', '.join(FIELDS)})")
+        if v is None:
+            if f.default is not None and k != "stop":
+                raise ParamError(k, f"'{k}' must not be null")
+            continue
+        kw[k] = check(k, v)
+    p = SamplingParams(**kw)
+    consistent(p)
+    return p
+
+
+def consistent(p: SamplingParams) -> None:
+    """Checks across parameters: one constraint at a time; a tool choice names a given tool."""
+    given = [k for k in CONSTRAINTS if getattr(p, k) is not None
+             and not (k == "response_format" and p.response_format == {"type": "text"})]
+    if p.tools and p.tool_choice != "none":
+        given.append("tools")
+    if len(given) > 1:
+        raise ParamError(given[1], f"'{given[0]}' and '{given[1]}' both constrain the output; give one of them")
+    if p.tool_choice is not None and not p.tools:
+        raise ParamError("tool_choice", "'tool_choice' is only allowed when 'tools' are given")
+    if isinstance(p.tool_choice, dict):
+        want = p.tool_choice["function"]["name"]
+        names = [t["function"]["name"] for t in p.tools or ()]
+        if want not in names:
+            raise ParamError("tool_choice", f"'tool_choice' names the function {want!r}, which is not in 'tools' "
+                                            f"(given: {', '.join(names)})")
+
+
+def to_wire(p: SamplingParams) -> dict[str, Any]:
+    """The parameters that differ from their defaults, as the wire (and :func:`parse`) takes them."""
+    out = {}
+    for name, f in FIELDS.items():
+        v = getattr(p, name)
+        if v != f.default:
+            out[name] = list(v) if isinstance(v, tuple) else v
+    return out

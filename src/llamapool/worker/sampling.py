@@ -1,0 +1,211 @@
+"""The engine's sampling part: how each sequence's next token is chosen.
+
+A sequence's sampling state (:class:`SeqSampling`) is its llama.cpp sampler chain, where that chain
+runs, and its grammar matcher. Where it runs:
+
+- **in the decode graph** (GPU sampling): every slot has a greedy chain attached to the graph, and a
+  request with other parameters attaches its own chain; only the sampled token comes back;
+- **on the host**, from the row's logits, for what the graph cannot do: llama.cpp's repetition
+  penalty, and grammar constraints.
+
+A constrained row is sampled first and checked against its mask (one bit test); only a refused
+token makes the mask be applied to the row and the row sampled again (as llama.cpp's own grammar
+sampler does). Greedy rows pick with numpy's argmax over the logits in place, never copying the row.
+Masks are filled by :class:`~llamapool.worker.constraints.Masks` while the GPU runs the step, and
+only constrained rows pay anything: unconstrained rows in the same batch take the path they take
+without them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from llamapool.protocol.params import SamplingParams
+from llamapool.worker.constraints import Masks
+
+PENALTY_LAST_N = 64
+
+
+@dataclass(eq=False)
+class SeqSampling:
+    """One sequence's sampling: its host chain (None: the slot's greedy chain in the graph samples it),
+    whether its chain runs in the graph, and its grammar matcher (None: unconstrained)."""
+
+    slot: int
+    params: SamplingParams
+    chain: Any
+    in_graph: bool
+    matcher: Any = None
+    masked: bool = False  # its mask for the next token is filled, or being filled
+
+    @property
+    def host_greedy(self) -> bool:
+        return not self.in_graph and self.params.greedy and self.params.repeat_penalty == 1.0
+
+
+class Sampling:
+    """Sampler chains of all slots, their place (graph or host) and the constrained rows' masks.
+
+    Made before the context (the graph's chains go into its parameters: :meth:`context_params`), bound
+    to it after (:meth:`bind`). Only the engine thread calls it.
+    """
+
+    def __init__(self, slots: int, n_vocab: int, gpu: bool):
+        self.gpu = gpu
+        self.n_vocab = n_vocab
+        self._greedy: dict[int, Any] = {i: _greedy_chain() for i in range(slots)} if gpu else {}
+        self._seq_cfg: Any = None
+        self.ctx: Any = None
+        self.masks: Masks | None = None
+        self._slots = slots
+        self.states: dict[int, SeqSampling] = {}  # slot -> the running sequence's sampling
+
+    def context_params(self, cp: Any) -> None:
+        """Attach each slot's greedy chain to the decode graph (GPU sampling)."""
+        if not self.gpu:
+            return
+        self._seq_cfg = (L.llama_sampler_seq_config * len(self._greedy))(
+            *[L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p)) for i, ch in self._greedy.items()])
+        cp.samplers = ctypes.cast(self._seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
+        cp.n_samplers = len(self._greedy)
+
+    def bind(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def in_graph(self, p: SamplingParams) -> bool:
+        """Whether the decode graph samples for ``p``: GPU sampling, and nothing the graph cannot do
+        (llama.cpp has no in-graph penalties sampler; a mask is applied on the host)."""
+        return self.gpu and p.repeat_penalty == 1.0 and not p.constrained
+
+    # ------------------------------------------------------------ a sequence's lifetime
+
+    def admit(self, slot: int, p: SamplingParams, matcher: Any = None) -> SeqSampling:
+        """The sampling of a sequence starting in ``slot`` (llama.cpp may refuse a chain: it raises)."""
+        in_graph = self.in_graph(p)
+        chain = None
+        if not (in_graph and p.greedy):
+            chain = _chain(p, self.n_vocab)
+            if self.gpu:  # a chain the graph cannot run is taken off: the row's logits go to the host
+                try:
+                    self._attach(slot, chain if in_graph else None)
+                except Exception:
+                    L.llama_sampler_free(chain)
+                    raise
+        state = SeqSampling(slot, p, chain, in_graph, matcher)
+        if matcher is not None and self.masks is None:
+            self.masks = Masks(self._slots, self.n_vocab)
+        self.states[slot] = state
+        return state
+
+    def release(self, state: SeqSampling) -> None:
+        """Free the sequence's chain and give its slot the greedy chain back."""
+        self.states.pop(state.slot, None)
+        if state.chain is None:
+            return
+        if self.gpu:
+            L.llama_sampler_free(self._greedy[state.slot])
+            self._greedy[state.slot] = _greedy_chain()
+            self._attach(state.slot, self._greedy[state.slot])
+        L.llama_sampler_free(state.chain)
+
+    def _attach(self, slot: int, chain: Any) -> None:
+        """Put ``chain`` on ``slot`` in the decode graph (None: take it off; the next decode re-plans)."""
+        L.llama_synchronize(self.ctx)  # never change the graph's samplers under a batch in flight
+        if not L.llama_set_sampler(self.ctx, slot, chain):
+            raise RuntimeError(f"llama.cpp refused a sampler for sequence {slot}")
+
+    # ------------------------------------------------------------ one step
+
+    def masks_ready(self, states: list[SeqSampling]) -> None:
+        """Before sampling: the masks started after the last step are done (a new sequence's first
+        mask is filled now)."""
+        if self.masks is None:
+            return
+        self.masks.wait()
+        fresh = [s for s in states if s.matcher is not None and not s.masked]
+        if fresh:
+            self.masks.start([(s.matcher, s.slot) for s in fresh])
+            self.masks.wait()
+            for s in fresh:
+                s.masked = True
+
+    def masks_next(self) -> None:
+        """After sampling: fill the running constrained sequences' next masks in the background."""
+        if self.masks is None:
+            return
+        todo = [s for s in self.states.values() if s.matcher is not None and not s.masked
+                and not s.matcher.is_stopped()]
+        for s in todo:
+            s.masked = True
+        self.masks.start([(s.matcher, s.slot) for s in todo])
+
+    def pick(self, s: SeqSampling, idx: int) -> int:
+        """The sequence's token from output row ``idx`` of the step just decoded."""
+        if s.in_graph:
+            return int(L.llama_get_sampled_token_ith(self.ctx, idx))
+        if s.matcher is None:
+            if s.host_greedy:
+                return int(self._logits(idx).argmax())
+            return int(L.llama_sampler_sample(s.chain, self.ctx, idx))
+        return self._pick_constrained(s, idx)
+
+    def _pick_constrained(self, s: SeqSampling, idx: int) -> int:
+        assert self.masks is not None
+        if s.host_greedy:
+            logits = self._logits(idx)
+            tok = int(logits.argmax())
+            if not self.masks.allows(s.slot, tok):
+                tok = int(np.where(self.masks.allowed(s.slot), logits, -np.inf).argmax())
+        else:
+            tok = int(L.llama_sampler_sample(s.chain, self.ctx, idx))
+            if not self.masks.allows(s.slot, tok):  # mask the row in place and sample again
+                logits = self._logits(idx)
+                logits[~self.masks.allowed(s.slot)] = -np.inf
+                tok = int(L.llama_sampler_sample(s.chain, self.ctx, idx))
+        s.matcher.consume_token(tok)
+        s.masked = False
+        return tok
+
+    def _logits(self, idx: int) -> np.ndarray:
+        ptr = L.llama_get_logits_ith(self.ctx, idx)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def close(self) -> None:
+        if self.masks is not None:
+            self.masks.close()
+        for ch in self._greedy.values():
+            L.llama_sampler_free(ch)
+
+
+def _greedy_chain() -> Any:
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+    return chain
+
+
+def _chain(p: SamplingParams, n_vocab: int) -> Any:
+    """llama.cpp's sampler chain for ``p``."""
+    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+    add = L.llama_sampler_chain_add
+    if p.repeat_penalty != 1.0:
+        # llama.cpp of llama-cpp-python 0.3.36: (n_vocab, last_n, repeat, freq, present)
+        add(chain, L.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty, 0.0, 0.0))
+    if p.greedy:
+        add(chain, L.llama_sampler_init_greedy())
+        return chain
+    if p.top_k > 0:
+        add(chain, L.llama_sampler_init_top_k(p.top_k))
+    if p.top_p < 1.0:
+        add(chain, L.llama_sampler_init_top_p(p.top_p, 1))
+    if p.min_p > 0.0:
+        add(chain, L.llama_sampler_init_min_p(p.min_p, 1))
+    add(chain, L.llama_sampler_init_temp(p.temperature))
+    seed = p.seed if p.seed is not None else random.getrandbits(32)
+    add(chain, L.llama_sampler_init_dist(seed))
+    return chain

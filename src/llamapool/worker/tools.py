@@ -1,0 +1,196 @@
+"""Tool calls: how each chat-template family writes them, the grammar that enforces them, the parser.
+
+A family is recognised from the chat template's source (as llama.cpp's ``common/chat.cpp`` does):
+
+============  ==============================================================  ===================
+family        a call as the model writes it                                   templates
+============  ==============================================================  ===================
+``hermes``    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``  Hermes, Qwen 2.5/3
+``llama3``    ``{"name": ..., "parameters": {...}}``                            Llama 3.1-3.3
+``mistral``   ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``          Mistral, Mixtral
+``generic``   as ``hermes``, taught by a system message                        any other (Gemma 3)
+============  ==============================================================  ===================
+
+A template that takes no ``tools`` (the ``generic`` family) gets them as a system message that shows
+the call format, and earlier calls and results are written into the turns as text.
+
+``tool_choice`` ``required`` and a named function constrain the whole reply to calls; ``auto`` leaves
+prose free and constrains from the moment the model writes the call's opening (a lazy trigger), so
+the arguments always parse and follow the function's ``parameters`` schema.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("hermes", "llama3", "mistral", "generic")
+NAME_OPEN = '{"name": "'
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's call syntax: ``block_open`` + calls joined by ``sep`` + ``block_close``, each call
+    ``call_open`` + ``{"name": NAME, "ARGS_KEY": {...}}`` + ``call_close``."""
+
+    family: str
+    call_open: str = "<tool_call>\n"
+    call_close: str = "\n</tool_call>"
+    sep: str = "\n"
+    args_key: str = "arguments"
+    block_open: str = ""
+    block_close: str = ""
+    native: bool = True  # the template renders ``tools`` itself
+    special: dict[str, int] = field(default_factory=dict)  # marker text -> its control token in the vocab
+
+    @property
+    def trigger(self) -> str:
+        """The text that opens a reply's calls (``auto`` constrains from here on)."""
+        return self.block_open + self.call_open + NAME_OPEN
+
+    def grammar(self, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
+        """An llguidance Lark grammar: calls of the given tools (only the named one for a named choice),
+        after free text for ``auto``."""
+        fns = [t["function"] for t in tools]
+        if isinstance(choice, dict):
+            fns = [f for f in fns if f["name"] == choice["function"]["name"]]
+        close = self._lit("}" + self.call_close)
+        rules = [f'fn_{i}: {self._lit(json.dumps(f["name"])[1:] + ", " + json.dumps(self.args_key) + ": ")} '
+                 f'%json {json.dumps(compact(f.get("parameters") or {"type": "object"}))} {close}'
+                 for i, f in enumerate(fns)]
+        names = " | ".join(f"fn_{i}" for i in range(len(fns)))
+        again = self._lit(self.sep + self.call_open + NAME_OPEN)
+        more = f" ({again} call)*" if parallel else ""
+        end = f" {self._lit(self.block_close)}" if self.block_close else ""
+        head = ["%llguidance {}"]
+        if choice == "auto":
+            head += ["start: TEXT | opening call" + more + end, "opening[lazy]: TEXT " + self._lit(self.trigger),
+                     "TEXT: /(.|\\n)*/"]
+        else:
+            head += [f"start: {self._lit(self.trigger)} call{more}{end}"]
+        return "\n".join([*head, f"call: {names}", *rules]) + "\n"
+
+    def _lit(self, text: str) -> str:
+        """Lark for literal text, a marker that is a control token written as that token."""
+        for marker, tok in self.special.items():
+            if marker in text:
+                a, _, b = text.partition(marker)
+                return " ".join(p for p in (self._lit(a) if a else "", f"<[{tok}]>", self._lit(b) if b else "") if p)
+        return json.dumps(text)
+
+    def parse(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+        """``(content, calls)`` of a reply: each call ``{"id", "name", "arguments"}`` (arguments as JSON
+        text), content the text before the first call. No call found: ``(text, [])``."""
+        names = {t["function"]["name"] for t in tools}
+        decoder = json.JSONDecoder()
+        calls: list[dict[str, Any]] = []
+        first = -1
+        at = text.find("{")
+        while at >= 0:
+            try:
+                obj, end = decoder.raw_decode(text, at)
+            except ValueError:
+                at = text.find("{", at + 1)
+                continue
+            found = [o for o in (obj if isinstance(obj, list) else [obj]) if _is_call(o, names)]
+            if found or _is_call(obj, names):
+                first = at if first < 0 else first
+                calls += [_call(o) for o in found]
+            at = text.find("{", end)
+        if not calls:
+            return text, []
+        content = text[:first]
+        for marker in (self.block_open, self.call_open, "<tool_call>", "[TOOL_CALLS]", "["):
+            marker = marker.strip()
+            if marker and content.rstrip().endswith(marker):
+                content = content.rstrip()[: -len(marker)]
+        return content.strip(), calls
+
+    # ------------------------------------------------------------ prompts for templates without tools
+
+    def messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """Messages as this family's template takes them: for a template that renders tools itself,
+        earlier calls' arguments as objects; for the generic family, tools as a system message and
+        calls and results as text."""
+        if self.native:
+            return [_with_object_arguments(m) for m in messages]
+        out: list[dict[str, Any]] = []
+        if tools:
+            out.append({"role": "system", "content": self._tool_prompt(tools)})
+        for m in messages:
+            if m["role"] == "tool":
+                text = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+                if out and out[-1]["role"] == "user" and out[-1]["content"].endswith("</tool_response>"):
+                    out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + text}
+                else:
+                    out.append({"role": "user", "content": text})
+            elif m.get("tool_calls"):
+                calls = self.sep.join(self.call_open + json.dumps(
+                    {"name": c["function"]["name"], self.args_key: _arguments(c["function"]["arguments"])})
+                    + self.call_close for c in m["tool_calls"])
+                out.append({"role": "assistant", "content": (m.get("content") or "") + calls})
+            elif m["role"] == "system" and out and out[0]["role"] == "system" and len(out) == 1:
+                out[0] = {"role": "system", "content": m["content"] + "\n\n" + out[0]["content"]}
+            else:
+                out.append({"role": m["role"], "content": m.get("content") or ""})
+        return out
+
+    def _tool_prompt(self, tools: list[dict[str, Any]]) -> str:
+        listing = "\n".join(json.dumps(t["function"]) for t in tools)
+        return ("You can call these tools (functions):\n<tools>\n" + listing + "\n</tools>\n"
+                "To call a tool, answer with a JSON object in <tool_call></tool_call> tags:\n"
+                "<tool_call>\n{\"name\": \"<function name>\", \"arguments\": {<its arguments>}}\n</tool_call>")
+
+
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with llguidance's option for compact JSON (no runs of whitespace to wander in)."""
+    return {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+
+
+def _is_call(o: Any, names: set[str]) -> bool:
+    if not isinstance(o, dict) or o.get("name") not in names:
+        return False
+    args = o.get("arguments", o.get("parameters"))
+    return isinstance(args, dict)
+
+
+def _call(o: dict[str, Any]) -> dict[str, Any]:
+    args = o.get("arguments", o.get("parameters"))
+    return {"id": "call_" + uuid.uuid4().hex[:24], "name": o["name"], "arguments": json.dumps(args)}
+
+
+def _arguments(args: Any) -> Any:
+    """Arguments as an object (OpenAI sends them as JSON text; templates index them)."""
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return {}
+    return args
+
+
+def _with_object_arguments(m: dict[str, Any]) -> dict[str, Any]:
+    if not m.get("tool_calls"):
+        return m
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
+             for c in m["tool_calls"]]
+    return {**m, "tool_calls": calls}
+
+
+def detect(source: str, special: Callable[[str], int | None]) -> ToolFormat:
+    """The family of a chat template (its Jinja source); ``special(text)`` is the control token that
+    ``text`` is in the model's vocabulary, if any."""
+    def markers(*texts: str) -> dict[str, int]:
+        return {t: tok for t in texts if (tok := special(t)) is not None}
+
+    if "[TOOL_CALLS]" in source:
+        return ToolFormat("mistral", call_open="", call_close="", sep=", ", block_open="[TOOL_CALLS][",
+                          block_close="]", special=markers("[TOOL_CALLS]"))
+    if "<tool_call>" in source:
+        return ToolFormat("hermes", special=markers("<tool_call>", "</tool_call>"))
+    if "<|python_tag|>" in source or ("tools" in source and "<|start_header_id|>" in source):
+        return ToolFormat("llama3", call_open="", call_close="", sep="\n", args_key="parameters")
+    return ToolFormat("generic", native="tools" in source and "tool_calls" in source)
