@@ -129,3 +129,62 @@ def test_a_childs_unprefixed_library_lines_keep_their_level(capsys) -> None:  # 
         logmod.configure("text", "info")
     levels = [json.loads(ln)["level"] for ln in capsys.readouterr().err.splitlines()]
     assert levels == ["error", "warning", "info"]
+
+
+def test_llama_cpp_pieces_become_lines_at_llamapool_levels(capsys) -> None:  # type: ignore[no-untyped-def]
+    """llama.cpp's callback pieces (a line in several calls, CONT continuing the level) become one JSON
+    line each: errors as errors, warnings only at log.level debug (as warnings), its debug lines never."""
+    from llamapool.worker import llamalog
+
+    assert llamalog.worker_name(["-m", '{"name": "gpu3", "slots": 8}']) == "gpu3"
+    assert llamalog.worker_name(["pytest", "-q"]) == "llama.cpp"
+    rows = []
+    for level in ("info", "debug"):
+        logmod.configure("json", level, env={})
+        try:
+            out = llamalog.LlamaLog(logmod.Logger("cpu7", prefix="llamapool worker cpu7"))
+            out.piece(llamalog.WARN, "load: control-looking token: 212 '</s>'")
+            out.piece(llamalog.CONT, " was not control-type\n")
+            out.piece(llamalog.INFO, "load_tensors: loading")
+            out.piece(llamalog.CONT, "...")
+            out.piece(llamalog.CONT, " done\n")
+            out.piece(llamalog.DEBUG, "create_tensor: loading tensor blk.0.attn_q.weight\n")
+            out.piece(llamalog.ERROR, "llama_model_load: error loading model\nsecond line\n")
+        finally:
+            logmod.configure("text", "info")
+        rows.append([json.loads(ln) for ln in capsys.readouterr().err.splitlines()])
+    assert [(r["level"], r["component"], r["msg"]) for r in rows[0]] == [
+        ("error", "cpu7", "llama.cpp: llama_model_load: error loading model"),
+        ("error", "cpu7", "llama.cpp: second line")]
+    assert [(r["level"], r["msg"]) for r in rows[1]] == [
+        ("warning", "llama.cpp: load: control-looking token: 212 '</s>' was not control-type"),
+        ("debug", "llama.cpp: load_tensors: loading... done"),
+        ("error", "llama.cpp: llama_model_load: error loading model"), ("error", "llama.cpp: second line")]
+
+
+def test_a_default_start_shows_no_llama_cpp_loader_notes_debug_shows_them_per_worker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Gemma 3 270M's loader notes (a control-looking token, the full-size SWA cache) read like faults:
+    not in a default start's log nor in status's log_tail; with log.level debug, warnings of the worker."""
+    from pathlib import Path
+
+    from llamapool import default_model
+    from tests.conftest import launch
+
+    gemma = str(default_model.fetch(Path(__file__).resolve().parent.parent / "models"))
+    model = {"path": gemma, "ctx_per_slot": 256, "max_batch_tokens": 256, "n_ubatch": 256}
+    quiet = launch(tmp_path / "quiet", gemma, model=model, workers={"cpu_workers": 1, "slots": 2})
+    loud = launch(tmp_path / "loud", gemma, model=model, workers={"cpu_workers": 1, "slots": 2},
+                  log={"format": "json", "level": "debug"})
+    try:
+        st = quiet.wait_ready(1)
+        loud.wait_ready(1)
+        loud.wait_log("using full-size SWA cache", timeout=10)
+    finally:
+        assert quiet.stop() == 0 and loud.stop() == 0
+    text = quiet.log.read_text()
+    assert "llama.cpp" not in text and "control-looking" not in text and "SWA" not in text, text
+    assert not any("llama.cpp" in line for w in st["workers"] for line in w["log_tail"]), st["workers"]
+    rows = [json.loads(ln) for ln in loud.log.read_text().splitlines()]
+    notes = [r for r in rows if "control-looking token" in r["msg"] or "full-size SWA cache" in r["msg"]]
+    assert notes and all(r["level"] == "warning" and r["component"] == "cpu0" and r["msg"].startswith("llama.cpp: ")
+                         for r in notes), notes
