@@ -12,10 +12,10 @@ from llamapool.client.errors import (
     WorkerLostError,
 )
 from llamapool.client.sync import Client, Stream
-from llamapool.client.types import Completion, StreamChunk, Usage
+from llamapool.client.types import Completion, StreamChunk, ToolCall, Usage
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
-    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "UnknownModelError", "Usage",
-    "WorkerLostError",
+    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "ToolCall", "UnavailableError",
+    "UnknownModelError", "Usage", "WorkerLostError",
 ]

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: ``arguments`` is JSON text (parse it with ``json.loads``)."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
 class Completion:
     text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "cancelled"
     usage: Usage
     worker: str  # id of the worker that served it
     index: int = 0
     model: str = ""  # the pool's model that served it
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls (``text``: the prose)
+    logprobs: list[Any] | None = None
 
 
 @dataclass(frozen=True)

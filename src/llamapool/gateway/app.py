@@ -202,7 +202,7 @@ class Gateway:
         ct = sum(c.usage.completion_tokens for c in done)
         model = done[0].model or req.model or self.spec.model
         if chat:
-            return JSONResponse(oai.chat_body(req, model, done[0].text, done[0].finish_reason, pt, ct))
+            return JSONResponse(oai.chat_body(req, model, done[0]))
         return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct))
 
     def _check_encoded(self, req: oai.Request) -> None:
@@ -234,6 +234,8 @@ class Gateway:
                     continue
                 pt += item.usage.prompt_tokens
                 ct += item.usage.completion_tokens
+                if item.tool_calls:
+                    yield w.tool_calls(index, item)
                 yield w.end(index, item.finish_reason)
             else:
                 if req.include_usage:

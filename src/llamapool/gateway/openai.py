@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamapool.client.errors import LlamapoolError
-from llamapool.protocol import limits
+from llamapool.client.types import Completion
+from llamapool.protocol import limits, params
 from llamapool.protocol.messages import ErrorCode, Prompt
 
 
@@ -27,9 +28,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
+        self.tokens_delivered: int | None = None  # an error that ends a stream: tokens it had sent
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.tokens_delivered is not None:
+            err["tokens_delivered"] = self.tokens_delivered
+        return {"error": err}
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -72,10 +77,17 @@ def param_name(e: LlamapoolError, chat: bool = False, n_prompts: int = 1) -> str
 
 
 def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1) -> ApiError:
+    """OpenAI's error for a llamapool one; mid-stream, the message says how many tokens had been
+    delivered (also the error's ``tokens_delivered`` field)."""
     status, kind = _STATUS.get(e.code, (500, "server_error"))
     param = param_name(e, chat, n_prompts)
     headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
-    return ApiError(status, e.message, type_=kind, param=param, code=_CODE.get(e.code, e.code), headers=headers)
+    message = e.message
+    if e.tokens_delivered is not None and "delivered" not in message:
+        message += f" ({e.tokens_delivered} tokens had been delivered)"
+    err = ApiError(status, message, type_=kind, param=param, code=_CODE.get(e.code, e.code), headers=headers)
+    err.tokens_delivered = e.tokens_delivered
+    return err
 
 
 @dataclass
@@ -93,12 +105,14 @@ class Request:
 
 _UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
     "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+    "echo": (None, False), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
+# The contract's parameters that HTTP bodies carry under their own names (protocol/params.py checks
+# them); max_tokens and seed have HTTP forms of their own (below).
+_SAME_NAME = tuple(n for n in params.PARAM_NAMES if n not in ("max_tokens", "seed"))
 
 
 def _param(body: dict[str, Any], key: str, name: str | None = None) -> Any:
@@ -128,35 +142,28 @@ def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, b
         if key in body and body[key] not in fine:
             raise ApiError(400, f"'{key}' is not supported by llamapool (got {body[key]!r})",
                            param=key, code="unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported by llamapool",
-                       param="response_format", code="unsupported_parameter")
     max_tokens = _param(body, "max_completion_tokens", "max_tokens")
     if max_tokens is None:
         max_tokens = _param(body, "max_tokens")
-    params: dict[str, Any] = {"max_tokens": max_tokens or default_max_tokens}
-    for key in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty"):
-        v = _param(body, key)
-        if v is not None:
-            params[key] = v
+    sent: dict[str, Any] = {"max_tokens": max_tokens or default_max_tokens}
+    for key in _SAME_NAME:
+        v = body.get(key)
+        if v is None or (key == "stop" and v == []):
+            continue
+        try:
+            params.check(key, v)
+        except params.ParamError as e:
+            raise bad(e.field, e.message) from None
+        sent[key] = v
     seed = body.get("seed")
     if seed is not None:  # OpenAI's seed is any 64-bit integer: llama.cpp takes its low 32 bits
         if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64:
             raise bad("seed", f"'seed' must be a 64-bit integer, got {limits.show(seed)}")
-        params["seed"] = seed & 0xFFFFFFFF
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise bad("stop", "'stop' must be a non-empty string or a list of them")
-        if stops:
-            params["stop"] = stops
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise bad("ignore_eos", "'ignore_eos' must be true or false")
-        params["ignore_eos"] = ignore_eos
+        sent["seed"] = seed & 0xFFFFFFFF
+    try:
+        params.parse(sent)  # the checks across parameters (one constraint; a tool choice in tools)
+    except params.ParamError as e:
+        raise bad(e.field, e.message) from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise bad("stream", "'stream' must be true or false")
@@ -168,12 +175,12 @@ def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, b
         include_usage = opts.get("include_usage", False)
         if not isinstance(include_usage, bool) and include_usage is not None:
             raise bad("stream_options.include_usage", "'stream_options.include_usage' must be true or false")
-    return params, bool(stream), bool(include_usage)
+    return sent, bool(stream), bool(include_usage)
 
 
 def parse_completion(body: Any) -> Request:
     """``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids."""
-    params, stream, include_usage = _common(body, 16)
+    sent, stream, include_usage = _common(body, 16)
     p = body.get("prompt")
     prompts: list[Prompt]
     if isinstance(p, str):
@@ -190,11 +197,11 @@ def parse_completion(body: Any) -> Request:
                             "or a list of lists of token ids (none of them empty)")
     if any(isinstance(x, list) and any(isinstance(t, int) and t < 0 for t in x) for x in prompts):
         raise bad("prompt", "token ids must be >= 0")
-    return Request(prompts, params, stream, include_usage, _model(body))
+    return Request(prompts, sent, stream, include_usage, _model(body))
 
 
-ROLES = ("system", "developer", "user", "assistant")  # "developer" is sent as "system"
-ROLES_TEXT = "system, developer, user, assistant"
+ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer" is sent as "system"
+ROLES_TEXT = "system, developer, user, assistant, tool"
 
 
 def _content(m: dict[str, Any], at: str, role: str) -> str:
@@ -204,7 +211,7 @@ def _content(m: dict[str, Any], at: str, role: str) -> str:
     if isinstance(content, str):
         return content
     if content is None:
-        if role == "assistant":
+        if role == "assistant" or (role == "tool" and "tool_call_id" in m):
             return ""
         raise bad(f"{at}.content", f"{at}.content is required in a {role} message "
                                    f"(a string or a list of text parts)")
@@ -231,26 +238,29 @@ def _content(m: dict[str, Any], at: str, role: str) -> str:
 
 def parse_chat(body: Any) -> Request:
     """``POST /v1/chat/completions``: the messages go to the worker, which renders the model's template."""
-    params, stream, include_usage = _common(body, 1 << 20)  # until end of turn or the context
+    sent, stream, include_usage = _common(body, 1 << 20)  # until end of turn or the context
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(at, f"{at} must be an object with 'role' and 'content'")
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise ApiError(400, f"{at}: '{role}' messages are not supported by llamapool (it has no tool calls); "
-                                f"the roles are {ROLES_TEXT}", param=f"{at}.role", code="unsupported_parameter")
+        if role == "function":
+            raise ApiError(400, f"{at}: 'function' messages (OpenAI's deprecated form) are not supported by "
+                                f"llamapool: send 'tool' messages", param=f"{at}.role", code="unsupported_parameter")
         if role not in ROLES:
             raise bad(f"{at}.role", f"{at}.role must be one of {ROLES_TEXT}, got {role!r:.80}")
-        if m.get("tool_calls"):
-            raise ApiError(400, "tool calls are not supported by llamapool", param=f"{at}.tool_calls",
-                           code="unsupported_parameter")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m, at, role)})
-    return Request([out], params, stream, include_usage, _model(body))  # type: ignore[list-item]
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m, at, role)}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = m["tool_calls"]  # checked by the codec, which names a bad field
+        for key in ("tool_call_id", "name"):
+            if role == "tool" and m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return Request([out], sent, stream, include_usage, _model(body))  # type: ignore[list-item]
 
 
 # ---------------------------------------------------------------- responses
@@ -262,7 +272,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "tool_calls") else "stop"
+
+
+def tool_calls(c: Completion) -> list[dict[str, Any]]:
+    return [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in c.tool_calls]
 
 
 def completion_body(req: Request, model: str, choices: list[tuple[str, str]], pt: int, ct: int) -> dict[str, Any]:
@@ -272,11 +287,14 @@ def completion_body(req: Request, model: str, choices: list[tuple[str, str]], pt
             "usage": usage(pt, ct)}
 
 
-def chat_body(req: Request, model: str, text: str, reason: str, pt: int, ct: int) -> dict[str, Any]:
+def chat_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.tool_calls:
+        message["content"] = c.text or None
+        message["tool_calls"] = tool_calls(c)
     return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": finish(reason)}],
-            "usage": usage(pt, ct)}
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish(c.finish_reason)}],
+            "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens)}
 
 
 class ChunkWriter:
@@ -302,6 +320,19 @@ class ChunkWriter:
         else:
             choice = f'{{"text":{json.dumps(text)},"index":{index},"logprobs":null,"finish_reason":null}}'
         return (self._head + choice + "]}\n\n").encode()
+
+    def tool_calls(self, index: int, c: Completion) -> bytes:
+        """A reply's calls as OpenAI streams them: per call its id and name, then its arguments."""
+        events = []
+        for i, call in enumerate(tool_calls(c)):
+            head = {"index": i, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            args = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
+            for part in (head, args):
+                delta = json.dumps({"tool_calls": [part]})
+                events.append(self._head + f'{{"index":{index},"delta":{delta},"logprobs":null,'
+                              f'"finish_reason":null}}]}}\n\n')
+        return "".join(events).encode()
 
     def end(self, index: int, reason: str) -> bytes:
         r = json.dumps(finish(reason))

@@ -91,6 +91,7 @@ class Sequence:
     last: int = -1  # last sampled token, fed at the next step
     out_idx: int = -1  # batch index of this sequence's logits in the current step
     arrived: int = 0  # the engine step its request arrived at (prompt chunks: scheduler.priority)
+    reused: int = 0  # prompt tokens its KV had from the prefix cache
 
     @property
     def prefilling(self) -> bool:
@@ -373,7 +374,7 @@ class Engine:
             return None
         seq = self.active[seq_id] = Sequence(
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
-            sampling=sampling, text=self._text_stream(p), n_past=reused, arrived=w.arrived,
+            sampling=sampling, text=self._text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
         )
         self.reused_tokens += reused
         return seq
@@ -704,7 +705,7 @@ class Engine:
             content, found = self.chat.tool_format.parse(text, seq.params.tools)
             if found:
                 text, calls, reason = content, found, ("tool_calls" if reason == "stop" else reason)
-        out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls))
+        out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls, seq.reused))
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
