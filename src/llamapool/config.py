@@ -368,7 +368,16 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         raise ConfigError(f"{key}.engine: must be \"llama\" or \"echo\", got {m.engine!r}")
     if not m.path and m.engine == "llama":
         raise ConfigError(f"{key}.path: is required")
-    if base_dir is not None and m.path and not Path(m.path).is_absolute():
+    if m.path.startswith("hf:"):  # a Hugging Face reference: its cached file, else `serve` downloads it (hub.py)
+        from llamapool import hub
+
+        try:
+            ref = hub.parse(m.path)
+        except ValueError as e:
+            raise ConfigError(f"{key}.path: {e}") from None
+        local = hub.cached(ref)
+        m = dataclasses.replace(m, name=m.name or ref.name, path=str(local) if local else str(ref))
+    elif base_dir is not None and m.path and not Path(m.path).is_absolute():
         m = dataclasses.replace(m, path=str((base_dir / m.path).resolve()))
     if not m.name:
         m = dataclasses.replace(m, name=Path(m.path).stem or "llamapool")

@@ -1,0 +1,312 @@
+"""Models by name: ``hf:OWNER/REPO:QUANT`` or ``hf:OWNER/REPO/FILE.gguf``, from the Hugging Face Hub.
+
+A reference is downloaded once, with ``huggingface_hub``, into its shared cache (``HF_HUB_CACHE``, else
+``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``): the library resumes a broken transfer and checks the
+size; a fresh file's sha256 is checked against the Hub's (the etag of a Git LFS file) and its GGUF magic.
+``HF_TOKEN`` opens gated and private repos, ``HF_ENDPOINT`` names a mirror.
+
+- :func:`cached` finds a reference in the cache without the network (config loading uses it, so a
+  SIGHUP reload or a second start needs no network);
+- :func:`fetch` asks the Hub which file a reference names and downloads what the cache lacks; when
+  the Hub cannot be reached it falls back to the cache, else raises :class:`HubError` naming the reference.
+
+:func:`gguf_info` reads a GGUF file's header (architecture, context length, chat template family).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = "hf:"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class HubError(RuntimeError):
+    """A reference that cannot be resolved or downloaded; the message names it."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """``hf:OWNER/REPO:QUANT`` (a quantisation, e.g. ``Q4_K_M``) or ``hf:OWNER/REPO/FILE.gguf``."""
+
+    repo: str
+    file: str = ""
+    quant: str = ""
+    revision: str = "main"
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.repo}" + (f"/{self.file}" if self.file else f":{self.quant}" if self.quant else "")
+
+    @property
+    def name(self) -> str:
+        """The model's default name: the file's stem, else REPO without "-GGUF" and the quant
+        (``hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M`` -> ``Llama-3.2-1B-Instruct-Q4_K_M``)."""
+        if self.file:
+            return _PART.sub("", Path(self.file).name).removesuffix(".gguf")
+        base = re.sub(r"[-_.]?gguf$", "", self.repo.split("/")[1], flags=re.I) or self.repo.split("/")[1]
+        return f"{base}-{self.quant}" if self.quant else base
+
+    def pick(self, files: Iterable[str]) -> list[str]:
+        """The repo files this reference names (all parts of a split GGUF, first part first)."""
+        ggufs = sorted(f for f in files if f.endswith(".gguf"))
+        if self.file:
+            if self.file not in ggufs:
+                raise HubError(f"{self}: the repo has no file {self.file}; its GGUF files: {_few(ggufs)}")
+            chosen = [self.file]
+        else:
+            models = [f for f in ggufs if "mmproj" not in Path(f).name.lower()]
+            if self.quant:
+                pat = re.compile(rf"(^|[^A-Za-z0-9]){re.escape(self.quant)}([^A-Za-z0-9]|$)", re.I)
+                models = [f for f in models if pat.search(Path(f).name)]
+            stems = sorted({_PART.sub("", f) for f in models})
+            if not stems:
+                raise HubError(f"{self}: no GGUF file of the repo matches {self.quant or 'a model'} "
+                               f"(its GGUF files: {_few(ggufs)}); name one: {PREFIX}{self.repo}/FILE.gguf")
+            if len(stems) > 1:
+                raise HubError(f"{self}: {len(stems)} files match ({_few(stems)}); name one: "
+                               f"{PREFIX}{self.repo}/FILE.gguf")
+            chosen = [f for f in models if _PART.sub("", f) == stems[0]]
+        first = _PART.search(chosen[0])
+        if first and len(chosen) == 1:  # a file ref naming one part of a split GGUF: take all its parts
+            chosen = sorted(f for f in ggufs if _PART.sub("", f) == _PART.sub("", chosen[0]))
+        if first and len(chosen) != int(first.group(2)):
+            raise HubError(f"{self}: {int(first.group(2))} parts expected, the repo has {len(chosen)}")
+        return chosen
+
+
+def is_ref(path: str) -> bool:
+    return path.startswith(PREFIX)
+
+
+def parse(text: str) -> HubRef:
+    """``hf:OWNER/REPO:QUANT`` or ``hf:OWNER/REPO/FILE.gguf`` (``hf:OWNER/REPO``: its one GGUF);
+    a ValueError that says what is wrong."""
+    body = text[len(PREFIX):] if is_ref(text) else text
+    quant = ""
+    if ":" in body:
+        body, quant = body.rsplit(":", 1)
+        if not _NAME.fullmatch(quant):
+            raise ValueError(f"{text}: the quantisation after ':' must be like Q4_K_M, got {quant!r}")
+    parts = body.split("/")
+    if len(parts) < 2 or not all(_NAME.fullmatch(p) for p in parts[:2]):
+        raise ValueError(f"{text}: expected hf:OWNER/REPO:QUANT (e.g. hf:bartowski/Llama-3.2-1B-Instruct-GGUF:"
+                         f"Q4_K_M) or hf:OWNER/REPO/FILE.gguf")
+    file = "/".join(parts[2:])
+    if file and (quant or not file.endswith(".gguf") or ".." in parts[2:] or "" in parts[2:]):
+        raise ValueError(f"{text}: a file in the repo must be FILE.gguf, without ':QUANT'")
+    return HubRef("/".join(parts[:2]), file, quant)
+
+
+def endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def cache_dir() -> Path:
+    """huggingface_hub's cache, as it finds it (read at each call: tests and the CLI may set it)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.path.expanduser(os.environ["HF_HUB_CACHE"]))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(os.path.expanduser(home)) / "hub"
+
+
+def _storage(ref: HubRef) -> Path:
+    return cache_dir() / ("models--" + ref.repo.replace("/", "--"))
+
+
+def cached(ref: HubRef) -> Path | None:
+    """The reference's file in the cache (the snapshot of its revision), or None; no network."""
+    storage = _storage(ref)
+    try:
+        commit = (storage / "refs" / ref.revision).read_text().strip()
+    except OSError:
+        return None
+    snap = storage / "snapshots" / commit
+    files = [str(p.relative_to(snap)) for p in snap.rglob("*.gguf") if p.is_file()]
+    try:
+        chosen = ref.pick(files)
+    except HubError:
+        return None
+    return snap / chosen[0]
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a Hub that cannot be reached, for the HTTP client this huggingface_hub uses."""
+    import importlib
+
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for mod, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                       ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        found.extend(getattr(m, n) for n in names if hasattr(m, n))
+    return tuple(found)
+
+
+def _hub_failure(ref: HubRef, e: BaseException) -> HubError | None:
+    """The error to raise for an answer of the Hub (None: the Hub was not reached, try the cache)."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(e, GatedRepoError):
+        return HubError(f"{ref}: {ref.repo} is gated: accept its terms on the Hub and set HF_TOKEN")
+    if isinstance(e, RepositoryNotFoundError):
+        return HubError(f"{ref}: no repo {ref.repo} at {endpoint()} (a private one needs HF_TOKEN)")
+    if isinstance(e, HfHubHTTPError):
+        status = getattr(e.response, "status_code", 0) if getattr(e, "response", None) is not None else 0
+        if status and status < 500 and status not in (408, 429):
+            return HubError(f"{ref}: {endpoint()} answered {status}: {str(e).splitlines()[0]}")
+    return None
+
+
+def fetch(ref: HubRef, say: Callable[[str], None] | None = None, progress: bool | None = None) -> Path:
+    """The local path of ``ref``'s file, downloaded (all parts of a split GGUF) unless the cache has it.
+
+    ``say`` gets one line before and after a download; ``progress`` shows huggingface_hub's progress
+    bars (default: when stderr is a terminal). Raises :class:`HubError`.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    say = say or (lambda _line: None)
+    token = os.environ.get("HF_TOKEN") or None
+    net = (*_network_errors(), OfflineModeIsEnabled)
+    try:
+        info = HfApi(endpoint=endpoint(), token=token).model_info(ref.repo, revision=ref.revision)
+    except Exception as e:
+        failure = None if isinstance(e, net) else _hub_failure(ref, e)
+        if failure is None and isinstance(e, (*net, OSError)):
+            local = cached(ref)
+            if local is not None:
+                say(f"{ref}: {endpoint()} unreachable ({_short(e)}); using the cached {local}")
+                return local
+            failure = HubError(f"{ref}: cannot reach {endpoint()} ({_short(e)}), and the model is not in the "
+                               f"cache {cache_dir()}: connect, set HF_ENDPOINT to a mirror, or copy the cache")
+        if failure is None:
+            raise
+        raise failure from None
+    names = ref.pick(s.rfilename for s in info.siblings or [])
+    sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size}
+    todo = [n for n in names if not (_storage(ref) / "snapshots" / str(info.sha) / n).exists()]
+    if todo:
+        total = sum(sizes.get(n, 0) for n in todo)
+        say(f"{ref}: downloading {', '.join(todo)}" + (f" ({_size(total)})" if total else "") +
+            f" from {endpoint()} into {cache_dir()}")
+    show = sys.stderr.isatty() if progress is None else progress
+    start, paths = time.monotonic(), []
+    for n in names:
+        fresh = n in todo
+        try:
+            path = Path(_download(hf_hub_download, ref, n, token, show))
+        except Exception as e:
+            failure = _hub_failure(ref, e)
+            if failure is None and isinstance(e, (*net, OSError)):
+                failure = HubError(f"{ref}: downloading {n} from {endpoint()} failed: {_short(e)}")
+            if failure is None:
+                raise
+            raise failure from None
+        if fresh:
+            _verify(ref, path)
+        paths.append(path)
+    if todo:
+        say(f"{ref}: downloaded {paths[0]} in {time.monotonic() - start:.1f} s")
+    return paths[0]
+
+
+def _download(download: Any, ref: HubRef, name: str, token: str | None, progress: bool) -> str:
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was = are_progress_bars_disabled()
+    (enable_progress_bars if progress else disable_progress_bars)()
+    try:
+        return str(download(ref.repo, name, revision=ref.revision, cache_dir=str(cache_dir()), endpoint=endpoint(),
+                            token=token))
+    finally:
+        (disable_progress_bars if was else enable_progress_bars)()
+
+
+def _verify(ref: HubRef, path: Path) -> None:
+    """A fresh download: GGUF magic, and the sha256 the Hub gave as its etag (a Git LFS file); a bad
+    file is removed from the cache."""
+    blob = path.resolve()
+    problem = ""
+    with open(blob, "rb") as fh:
+        if path.name.endswith(".gguf") and fh.read(4) != b"GGUF":  # every part of a split GGUF has a header
+            problem = "it is not a GGUF file"
+        if not problem and re.fullmatch(r"[0-9a-f]{64}", blob.name):
+            fh.seek(0)
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+            if digest != blob.name:
+                problem = f"its sha256 {digest[:12]}... is not the Hub's {blob.name[:12]}..."
+    if problem:
+        for p in (path, blob):
+            p.unlink(missing_ok=True)
+        raise HubError(f"{ref}: the downloaded {path.name} was removed: {problem}")
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _few(names: list[str], n: int = 6) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "") if names else "none"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class GgufInfo:
+    """What a GGUF header says about a model (``llamapool models``)."""
+
+    path: str
+    size: int
+    architecture: str
+    context_length: int
+    chat_template: str  # a family name: chatml, llama3, gemma, ...; "none" without a template
+    description: str  # general.name and the size label, where the file has them
+
+
+_FAMILIES = (("<|start_header_id|>", "llama3"), ("<start_of_turn>", "gemma"), ("<|im_start|>", "chatml"),
+             ("<|channel|>", "harmony"), ("[INST]", "mistral"), ("<\uff5cUser\uff5c>", "deepseek"),
+             ("<|user|>", "phi/zephyr"), ("<|turn>", "gemma"), ("<|User|>", "deepseek"))
+
+
+def template_family(template: str) -> str:
+    """The chat template's family, from the tokens it writes ("none" for no template, "other" when unknown)."""
+    if not template:
+        return "none"
+    return next((family for marker, family in _FAMILIES if marker in template), "other")
+
+
+def gguf_info(path: str | os.PathLike[str]) -> GgufInfo:
+    """Read the header of a GGUF file (memory-mapped: no weights are read)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = str(field("general.architecture") or "?")
+    ctx = field(f"{arch}.context_length")
+    desc = " ".join(str(v) for v in (field("general.name"), field("general.size_label")) if v)
+    return GgufInfo(str(path), os.path.getsize(path), arch, int(ctx) if ctx else 0,
+                    template_family(str(field("tokenizer.chat_template") or "")), desc)
