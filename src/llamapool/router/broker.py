@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from typing import Any
 
 import zmq
@@ -42,8 +43,10 @@ from llamapool.protocol.messages import (
     Abort,
     Cancel,
     Chunk,
+    Done,
     Error,
     ErrorCode,
+    Failed,
     Generate,
     Heartbeat,
     Hello,
@@ -74,6 +77,49 @@ def schedule_view(schedule: tuple[str, int, list[float]]) -> dict[str, Any]:
         view["step_cost_ms"] = {"base": round(cost[0] * 1e3, 4), "per_row": round(cost[1] * 1e3, 5),
                                 "per_prompt_token": round(cost[2] * 1e3, 6), "prompt_step": round(cost[3] * 1e3, 4)}
     return view
+
+
+class RequestStatus(StrEnum):
+    """A prompt's life in the router (vLLM v1's ``RequestStatus``): ``waiting`` in its model's queue,
+    ``running`` on a worker, then one finished status. A finished status set while the prompt runs
+    (an abort) waits for the worker to confirm it; :data:`ENDINGS` says what each one answers."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"  # the worker's Done: a Result
+    CANCELLED = "cancelled"  # the client's Cancel: a Result whose finish_reason is "cancelled"
+    DISCONNECTED = "disconnected"  # the client left: no reply
+    TIMED_OUT = "timed_out"  # the request's own timeout passed
+    ABORTED = "aborted"  # the drain timed out (CancelAll)
+    UNAVAILABLE = "unavailable"  # no worker can take it, none became free in time, or the router stops
+    WORKER_LOST = "worker_lost"  # its worker was lost after it had streamed tokens
+    FAILED = "failed"  # the worker's Failed: an error with the worker's code
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Reply(Enum):
+    """The final reply a finished status sends the client."""
+
+    RESULT = "result"
+    ERROR = "error"
+    NONE = "none"
+
+
+# each finished status: its reply, and its outcome (``llamapool_requests_total{outcome}``; an error's code,
+# "" for the worker's own)
+ENDINGS: dict[RequestStatus, tuple[Reply, str]] = {
+    RequestStatus.FINISHED: (Reply.RESULT, "ok"),
+    RequestStatus.CANCELLED: (Reply.RESULT, "cancelled"),
+    RequestStatus.DISCONNECTED: (Reply.NONE, "disconnected"),
+    RequestStatus.TIMED_OUT: (Reply.ERROR, ErrorCode.TIMEOUT),
+    RequestStatus.ABORTED: (Reply.ERROR, ErrorCode.UNAVAILABLE),
+    RequestStatus.UNAVAILABLE: (Reply.ERROR, ErrorCode.UNAVAILABLE),
+    RequestStatus.WORKER_LOST: (Reply.ERROR, ErrorCode.WORKER_LOST),
+    RequestStatus.FAILED: (Reply.ERROR, ""),
+}
 
 
 @dataclass(frozen=True)
@@ -109,7 +155,7 @@ class Job:
     worker: str | None = None
     keys: tuple[int, ...] = ()  # prompt prefix hashes, for KV-cache affinity
     delivered: int = 0  # tokens already streamed to the client
-    ending: str | None = None  # error code to answer with once the worker confirms the abort
+    status: RequestStatus = RequestStatus.WAITING  # finished while running: the abort's answer, once confirmed
     started: float = 0.0  # when a worker first took it (metrics: queue wait)
     last_token: float = 0.0  # when its last chunk came (metrics: inter-token latency)
     log_id: str = ""  # the request id in logs: the client's id (+ "/index" in a micro-batch)
@@ -273,7 +319,7 @@ class Router:
             self.front.send_multipart([client, codec.encode(msg)])
         except zmq.ZMQError:  # EHOSTUNREACH: the client is gone; stop its work
             for job in [j for j in self.jobs.values() if j.client == client]:
-                self._cancel_job(job, None)
+                self._cancel_job(job, RequestStatus.DISCONNECTED)
 
     def _on_client(self, client: bytes, frames: list[bytes]) -> None:
         try:
@@ -286,7 +332,7 @@ class Router:
             self._on_generate(client, msg)
         elif isinstance(msg, Cancel):
             for job in list(self.by_request.get((client, msg.id), ())):
-                self._cancel_job(job, "cancelled")
+                self._cancel_job(job, RequestStatus.CANCELLED)
         elif isinstance(msg, StatusRequest):
             self._reply(client, self._status(msg.id))
         elif isinstance(msg, MetricsRequest):
@@ -337,19 +383,44 @@ class Router:
             LOG.info("access", id=msg.id, model=model or (msg.model if isinstance(msg.model, str) else None),
                      outcome=code, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
 
-    def _finish(self, job: Job, msg: Message) -> None:
-        """Send the one final reply of ``job`` and forget it; one access log line per prompt."""
+    def _end(self, job: Job, status: RequestStatus, reply: Result | Error | None = None, message: str = "") -> None:
+        """Finish ``job`` with ``status`` and forget it. :data:`ENDINGS` decides the rest: its final reply
+        (``reply``, else an empty cancelled Result or an error saying ``message``), its outcome count, and,
+        with a reply, its latency and its access line."""
+        kind, outcome = ENDINGS[status]
+        if job.status is RequestStatus.WAITING:
+            queue = self.queues.get(job.model)
+            if queue is not None and job in queue:
+                queue.remove(job)
+        job.status = status
         self._forget(job)
-        if isinstance(msg, Result):
-            msg.model = job.model
-            self.metrics.outcome("cancelled" if msg.finish_reason == "cancelled" else "ok", 1, job.model)
-        elif isinstance(msg, Error):
-            self.metrics.outcome(msg.code, 1, job.model)
+        if kind is Reply.NONE:
+            self.metrics.outcome(outcome, 1, job.model)
+            return
+        if reply is None and kind is Reply.RESULT:
+            reply = Result(job.id, job.index, "", "cancelled", 0, job.delivered, job.worker or "")
+        elif reply is None:
+            reply = self._error(job, outcome, message or f"request {outcome}")
+        if isinstance(reply, Result):
+            reply.model = job.model
+        self.metrics.outcome(reply.code if isinstance(reply, Error) else outcome, 1, job.model)
         self.metrics.of(job.model).e2e.observe(time.monotonic() - job.queued_at)
-        self._reply(job.client, msg)
-        self._access(job, msg)
+        self._reply(job.client, reply)
+        self._access(job, reply)
 
-    def _access(self, job: Job, msg: Message) -> None:
+    @staticmethod
+    def _result(job: Job, done: Done, worker: str) -> Result:
+        """The client's Result of a worker's Done entry: the one place that converts them."""
+        return Result(job.id, job.index, done.text, done.reason, done.prompt_tokens, done.completion_tokens, worker,
+                      tool_calls=done.tool_calls, cached_tokens=done.cached_tokens, logprobs=done.logprobs)
+
+    def _failure(self, job: Job, failed: Failed) -> Error:
+        """The client's Error of a worker's Failed entry: the one place that converts them."""
+        err = self._error(job, failed.code, failed.message)
+        err.field = failed.field
+        return err
+
+    def _access(self, job: Job, msg: Result | Error) -> None:
         """``access``: id, model, worker, tokens, queue wait, TTFT, duration, outcome (info level)."""
         if not LOG.enabled("info"):
             return
@@ -357,40 +428,25 @@ class Router:
         ms = lambda t: round((t - job.queued_at) * 1000, 1) if t else None  # noqa: E731
         if isinstance(msg, Result):
             outcome, finish, n_prompt, n_gen = "ok", msg.finish_reason, msg.prompt_tokens, msg.completion_tokens
-        elif isinstance(msg, Error):
-            outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         else:
-            return
+            outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         LOG.info("access", id=job.log_id, model=job.model or None, worker=job.last_worker or None,
                  outcome=outcome, finish=finish, prompt_tokens=n_prompt, generated_tokens=n_gen,
                  stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
                  duration_ms=ms(now))
 
-    def _gone(self, job: Job) -> None:
-        """Drop ``job`` whose client went away: no reply."""
-        self.metrics.outcome("disconnected", 1, job.model)
-        self._forget(job)
-
     def _error(self, job: Job, code: str, message: str) -> Error:
         return Error(job.id, code, message, index=job.index,
                      tokens_delivered=job.delivered if job.stream else None)
 
-    def _cancel_job(self, job: Job, code: str | None) -> None:
-        """Stop a job. ``code`` None: the client is gone, no reply; "cancelled": a normal finish."""
-        if job.worker is None:
-            queue = self.queues.get(job.model)
-            if queue is not None and job in queue:
-                queue.remove(job)
-            if code is None:
-                self._gone(job)
-            elif code == "cancelled":
-                self._finish(job, Result(job.id, job.index, "", "cancelled", 0, 0, ""))
-            else:
-                self._finish(job, self._error(job, code, f"request {code}"))
-            return
-        if job.ending is None:
-            job.ending = code or "gone"
-            w = self.workers.get(job.worker)
+    def _cancel_job(self, job: Job, status: RequestStatus) -> None:
+        """Stop a job with a finished ``status``: at once if it waits; if it runs, its worker is told to
+        abort it, and ``status`` answers once the worker confirms (the first abort wins)."""
+        if job.status is RequestStatus.WAITING:
+            self._end(job, status)
+        elif job.status is RequestStatus.RUNNING:
+            job.status = status
+            w = self.workers.get(job.worker or "")
             if w is not None:
                 self._send_worker(w, Abort(job.rid))
 
@@ -459,12 +515,13 @@ class Router:
 
     def _on_step(self, w: WorkerState, step: Step) -> None:
         now = time.monotonic()
-        for rid, text, ntok in step.deltas:  # Delta named tuples
+        for d in step.deltas:
+            rid, text, ntok = d.rid, d.text, d.tokens
             job = w.jobs.get(rid)
             if job is None and rid not in w.orphans:  # a request of a previous router, or one we lost it
                 w.orphans.add(rid)  # with (a partition): its client had its final reply; free the slot
                 self._send_worker(w, Abort(rid))
-            if job is not None and job.ending is None:
+            if job is not None and job.status is RequestStatus.RUNNING:
                 if job.delivered == 0:
                     self.metrics.of(job.model).ttft.observe(now - job.queued_at)
                 elif ntok > job.delivered:
@@ -473,26 +530,25 @@ class Router:
                 job.delivered, job.last_token = ntok, now
                 if not job.first_at:
                     job.first_at = now
-                self._reply(job.client, Chunk(job.id, job.index, text, ntok))
-        for rid, reason, text, n_prompt, n_gen in step.done:
-            self.metrics.tokens(w.name, n_prompt, n_gen, w.model)
-            w.orphans.discard(rid)
-            job = w.jobs.pop(rid, None)
+                self._reply(job.client, Chunk(job.id, job.index, text, ntok, d.logprobs))
+        for entry in step.done:
+            done = Done(*entry)  # a named tuple from the codec (a plain list from a test)
+            self.metrics.tokens(w.name, done.prompt_tokens, done.completion_tokens, w.model)
+            w.orphans.discard(done.rid)
+            job = w.jobs.pop(done.rid, None)
             if job is None:
                 continue
-            if job.ending in (None, "cancelled"):
-                self._finish(job, Result(job.id, job.index, text, reason, n_prompt, n_gen, w.name))
-            elif job.ending == "gone":
-                self._gone(job)
-            else:
-                self._finish(job, self._error(job, job.ending, f"request {job.ending}: stopped "
-                                              f"after {n_gen} tokens"))
-        for rid, code, message, fld in step.failed:
-            job = w.jobs.pop(rid, None)
+            if job.status in (RequestStatus.RUNNING, RequestStatus.CANCELLED):
+                status = RequestStatus.CANCELLED if done.reason == "cancelled" else RequestStatus.FINISHED
+                self._end(job, status, self._result(job, done, w.name))
+            else:  # aborted by the router: its answer, with what the worker had done
+                self._end(job, job.status, message=f"request {ENDINGS[job.status][1]}: stopped after "
+                                                   f"{done.completion_tokens} tokens")
+        for entry in step.failed:
+            failed = Failed(*entry)
+            job = w.jobs.pop(failed.rid, None)
             if job is not None:
-                err = self._error(job, code, message)
-                err.field = fld
-                self._finish(job, err)
+                self._end(job, RequestStatus.FAILED, self._failure(job, failed))
 
     def _lose_worker(self, w: WorkerState, why: str) -> None:
         """Take ``w`` out of routing; retry its unstarted jobs, fail its streaming ones."""
@@ -504,21 +560,14 @@ class Router:
             LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
                         requests=",".join(sorted(j.log_id for j in w.jobs.values())))
         for job in sorted(w.jobs.values(), key=lambda j: j.rid, reverse=True):
-            job.worker = None
-            if job.ending is not None:
-                if job.ending == "gone":
-                    self._gone(job)
-                elif job.ending == "cancelled":
-                    self._finish(job, Result(job.id, job.index, "", "cancelled", 0, job.delivered, w.name))
-                else:
-                    self._finish(job, self._error(job, job.ending, f"request {job.ending}"))
+            if job.status.finished:  # aborted: the worker will never confirm it
+                self._end(job, job.status)
             elif job.delivered == 0:
+                job.worker, job.status = None, RequestStatus.WAITING
                 self._queue(job.model).appendleft(job)  # invisible retry on another worker
             else:
-                self._finish(job, self._error(
-                    job, ErrorCode.WORKER_LOST,
-                    f"worker {w.name} was lost ({why}) after {job.delivered} tokens were delivered",
-                ))
+                self._end(job, RequestStatus.WORKER_LOST, message=f"worker {w.name} was lost ({why}) after "
+                                                                  f"{job.delivered} tokens were delivered")
         w.jobs.clear()
         if w.hello.node and w.name not in self.workers:
             if why != "it shut down":
@@ -578,7 +627,7 @@ class Router:
                 job.started = time.monotonic()
                 self.metrics.of(job.model).queue_wait.observe(job.started - job.queued_at)
             job.worker = job.last_worker = w.name
-            job.dispatched_at = time.monotonic()
+            job.status, job.dispatched_at = RequestStatus.RUNNING, time.monotonic()
             w.jobs[job.rid] = job
             remember(w, job.keys)
             if LOG.enabled("debug"):
@@ -618,23 +667,20 @@ class Router:
                 self._send_worker(w, Heartbeat())
         unservable = {m: self._unservable(m) for m, q in self.queues.items() if q}
         for job in list(self.jobs.values()):
-            if job.worker is None and unservable.get(job.model):
-                self.queues[job.model].remove(job)
-                self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, unservable[job.model]))
-            elif job.worker is None and now - job.queued_at > self.cfg.queue_timeout:
-                self.queues[job.model].remove(job)
+            waiting = job.status is RequestStatus.WAITING
+            if waiting and unservable.get(job.model):
+                self._end(job, RequestStatus.UNAVAILABLE, message=unservable[job.model])
+            elif waiting and now - job.queued_at > self.cfg.queue_timeout:
                 ready = sum(1 for w in self.workers.values() if w.model == job.model and w.routable)
                 local = any(i.get("model", self.models[0]) == job.model for i in self.supervisor_view.values())
                 why = "" if ready or local else (
                     f": model {job.model!r} has no local worker and no node's worker has joined "
                     f"(devices = \"remote\": is a `llamapool node` running and is its key in authorized_keys?)")
-                self._finish(job, self._error(
-                    job, ErrorCode.UNAVAILABLE,
+                self._end(job, RequestStatus.UNAVAILABLE, message=(
                     f"no worker slot of model {job.model!r} became free within server.queue_timeout="
-                    f"{self.cfg.queue_timeout:g}s ({ready} workers ready){why}",
-                ))
+                    f"{self.cfg.queue_timeout:g}s ({ready} workers ready){why}"))
             elif job.deadline is not None and now > job.deadline:
-                self._cancel_job(job, ErrorCode.TIMEOUT)
+                self._cancel_job(job, RequestStatus.TIMED_OUT)
         for w in list(self.workers.values()):
             if w.closing and not self.queues.get(w.model):
                 self._retire(w)
@@ -673,7 +719,7 @@ class Router:
             self.draining = True
         elif isinstance(cmd, CancelAll):
             for job in list(self.jobs.values()):
-                self._cancel_job(job, ErrorCode.UNAVAILABLE)
+                self._cancel_job(job, RequestStatus.ABORTED)
         elif isinstance(cmd, StopRouter):
             self.running = False
 
@@ -719,8 +765,10 @@ class Router:
         return StatusReply(rid, rows, self.queued, running, self.draining, self.gpus, models)
 
     def _close(self) -> None:
+        for queue in self.queues.values():
+            queue.clear()
         for job in list(self.jobs.values()):
-            self._finish(job, self._error(job, ErrorCode.UNAVAILABLE, "llamapool stopped"))
+            self._end(job, RequestStatus.UNAVAILABLE, message="llamapool stopped")
         for w in self.workers.values():
             if w.hello.node:  # a node's workers outlive this router: they reconnect to the next one
                 continue
