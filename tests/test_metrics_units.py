@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llamapool.config import ConfigError, from_dict
 from llamapool.protocol import codec
 from llamapool.protocol.messages import Heartbeat
+from llamapool.router.fleet import Fleet
 from llamapool.router.metrics import RESTART_REASONS, Histogram, RouterMetrics
 from llamapool.supervisor import gpus
 from llamapool.supervisor.lifecycle import restart_reason
@@ -66,9 +67,8 @@ def test_gpu_figures_in_the_exposition() -> None:
     rows = gpus.health(nv, found)
     for row in rows:
         row["xid_errors"] = 3 if row["index"] == 1 else 0
-    router = SimpleNamespace(supervisor_view={"gpu1": {"device": found[1].uuid, "state": "ready"}}, workers={},
-                             models=["m"], queued=0, gpus=rows)
-    text = RouterMetrics("m").render(router).decode()  # type: ignore[arg-type]
+    fleet = Fleet.build(["m"], {"gpu1": {"device": found[1].uuid, "state": "ready"}}, [], {}, gpus=rows)
+    text = RouterMetrics("m").render(fleet).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
 
     def sample(fam: str, name: str | None = None, **labels: str) -> float:

@@ -62,21 +62,12 @@ from llamapool.protocol.messages import (
     StatusRequest,
     Step,
 )
+from llamapool.router.fleet import Fleet, LiveWorker
 from llamapool.router.metrics import RouterMetrics
 from llamapool.router.policy import pick_worker, prefix_keys, remember
 
 TICK = 0.1  # seconds between housekeeping passes
 LOG = logmod.Logger("router", prefix="llamapool: router")
-
-
-def schedule_view(schedule: tuple[str, int, list[float]]) -> dict[str, Any]:
-    """A worker's step scheduling for ``status``: its target, last budget and fitted step cost (ms)."""
-    target, budget, cost = schedule
-    view: dict[str, Any] = {"step_target": target, "step_budget": budget}
-    if len(cost) == 4:
-        view["step_cost_ms"] = {"base": round(cost[0] * 1e3, 4), "per_row": round(cost[1] * 1e3, 5),
-                                "per_prompt_token": round(cost[2] * 1e3, 6), "prompt_step": round(cost[3] * 1e3, 4)}
-    return view
 
 
 class RequestStatus(StrEnum):
@@ -195,6 +186,13 @@ class WorkerState:
     @property
     def routable(self) -> bool:
         return self.state == "ready"
+
+    def live(self) -> LiveWorker:
+        """Its row in the fleet view (router/fleet.py)."""
+        h = self.hello
+        return LiveWorker(self.name, h.pid, h.device, self.state, h.slots, len(self.jobs), self.model, h.model,
+                          h.visible_devices, h.n_vocab, h.ctx_per_slot, h.node, self.steps, self.decode_s, self.step_s,
+                          self.reused_tokens, self.kv_used, self.kv_total, self.schedule)
 
 
 class Router:
@@ -336,7 +334,7 @@ class Router:
         elif isinstance(msg, StatusRequest):
             self._reply(client, self._status(msg.id))
         elif isinstance(msg, MetricsRequest):
-            self._reply(client, MetricsReply(msg.id, self.metrics.render(self).decode()))
+            self._reply(client, MetricsReply(msg.id, self.metrics.render(self.fleet()).decode()))
 
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         key = (client, msg.id)
@@ -733,36 +731,13 @@ class Router:
             self._last_ready = n
             self.on_event(ReadyCount(n, self.queued))
 
+    def fleet(self) -> Fleet:
+        """Every worker as ``status`` and ``/metrics`` show it (router/fleet.py)."""
+        return Fleet.build(self.models, self.supervisor_view, [w.live() for w in self.workers.values()],
+                           self.remote_lost, {m: len(q) for m, q in self.queues.items()}, self.draining, self.gpus)
+
     def _status(self, rid: str) -> StatusReply:
-        rows = []
-        names = sorted(set(self.supervisor_view) | set(self.workers) | set(self.remote_lost))
-        for name in names:
-            info = dict(self.supervisor_view.get(name, {}))
-            w = self.workers.get(name)
-            if w is not None:
-                info.update(
-                    id=name, pid=w.hello.pid, device=w.hello.device, state=w.state,
-                    slots=w.hello.slots, active=len(w.jobs), model=w.model, model_desc=w.hello.model,
-                    visible_devices=w.hello.visible_devices, steps=w.steps,
-                    n_vocab=w.hello.n_vocab, ctx_per_slot=w.hello.ctx_per_slot,
-                    decode_s=round(w.decode_s, 3), step_s=round(w.step_s, 3),
-                    reused_tokens=w.reused_tokens, node=w.hello.node, **schedule_view(w.schedule),
-                )
-            elif name in self.remote_lost:
-                info.update(self.remote_lost[name])
-            else:
-                info.setdefault("state", "starting")
-                info.update(id=name, active=0)
-                info.setdefault("slots", 0)
-            info.setdefault("node", "")
-            rows.append(info)
-        running = sum(len(w.jobs) for w in self.workers.values())
-        models = [{"name": m, "workers": [r["id"] for r in rows if r.get("model", self.models[0]) == m
-                                          and r.get("state") not in ("lost", "stopped")],
-                   "queued": len(self.queues.get(m, ())),
-                   "running": sum(len(w.jobs) for w in self.workers.values() if w.model == m)}
-                  for m in self.models]
-        return StatusReply(rid, rows, self.queued, running, self.draining, self.gpus, models)
+        return self.fleet().status(rid)
 
     def _close(self) -> None:
         for queue in self.queues.values():

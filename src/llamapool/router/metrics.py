@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -24,8 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-if TYPE_CHECKING:
-    from llamapool.router.broker import Router
+from llamapool.router.fleet import Fleet, FleetWorker
 
 # the classic text format, which every Prometheus reads (generate_latest writes it)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -111,44 +110,44 @@ class RouterMetrics:
         for k, v in figures.items():
             base[k] += v
 
-    def render(self, router: Router) -> bytes:
+    def render(self, fleet: Fleet) -> bytes:
+        """The exposition text of these counters and of ``fleet`` (router/fleet.py)."""
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Snapshot(self, router))
+        registry.register(_Snapshot(self, fleet))
         return generate_latest(registry)
 
 
 class _Snapshot(Collector):
-    def __init__(self, m: RouterMetrics, router: Router):
-        self.m, self.r = m, router
+    def __init__(self, m: RouterMetrics, fleet: Fleet):
+        self.m, self.fleet = m, fleet
+        # the fleet, and the workers known only from their counters (retired by a reload: their model removed)
+        self.rows = {w.name: w for w in fleet.workers}
+        for name in set(m.generated_tokens) - set(self.rows):
+            self.rows[name] = FleetWorker(name, "", "", "stopped", 0, 0)
+        self.names = sorted(self.rows)
 
     def collect(self) -> Iterator[Metric]:
-        m, r = self.m, self.r
-        self.gone: dict[str, dict[str, Any]] = getattr(r, "remote_lost", {})  # nodes' workers that left
-        self.names = sorted(set(r.supervisor_view) | set(r.workers) | set(self.gone) | set(m.generated_tokens))
+        fleet = self.fleet
         yield self._requests()
         yield from self._tokens()
         yield from self._engine_counters()
         yield from self._latencies()
         yield GaugeMetricFamily("llamapool_queue_depth", "Prompts waiting in the router's queues (all models)",
-                                value=r.queued)
-        yield GaugeMetricFamily("llamapool_requests_running", "Prompts running on workers",
-                                value=sum(len(w.jobs) for w in r.workers.values()))
+                                value=fleet.queued_total)
+        yield GaugeMetricFamily("llamapool_requests_running", "Prompts running on workers", value=fleet.running())
         yield from self._workers()
-        yield from _gpu_families(r.gpus, {uuid: n for n, i in r.supervisor_view.items()
-                                          for uuid in str(i.get("device")).split(",")})
+        yield from _gpu_families(fleet.gpus, fleet.gpu_workers())
 
     def _model_of(self, worker: str) -> str:
-        live = self.r.workers.get(worker)
-        if live is not None:
-            return live.model
-        return str(self.r.supervisor_view.get(worker, {}).get("model") or self.gone.get(worker, {}).get("model")
-                   or self.m.worker_model.get(worker) or self.r.models[0])
+        row = self.rows[worker]
+        return row.model if row.live is not None else (row.model or self.m.worker_model.get(worker)
+                                                       or self.fleet.models[0])
 
     def _requests(self) -> Metric:
         m = self.m
         req = CounterMetricFamily("llamapool_requests", "Prompts answered, by outcome: ok, cancelled, "
                                   "disconnected (the client left) or the error code", labels=["model", "outcome"])
-        for name in self.r.models:
+        for name in self.fleet.models:
             m.outcomes.setdefault((name, "ok"), 0)
         for (name, outcome), n in sorted(m.outcomes.items()):
             req.add_metric([name, outcome], n)
@@ -176,7 +175,7 @@ class _Snapshot(Collector):
         ):
             fam = CounterMetricFamily(metric, help_text, labels=["model", "worker", "node"])
             for name in self.names:
-                live = self.r.workers.get(name)
+                live = self.rows[name].live
                 value = self.m.engine_base[name][field] + (float(getattr(live, field)) if live else 0.0)
                 fam.add_metric([self._model_of(name), name, node_of(name)], value)
             yield fam
@@ -194,13 +193,12 @@ class _Snapshot(Collector):
              "before a worker took it"),
         ):
             fam_h = HistogramMetricFamily(metric, help_text, labels=["model"])
-            for name in sorted(set(self.r.models) | set(m.latencies)):
+            for name in sorted(set(self.fleet.models) | set(m.latencies)):
                 hist: Histogram = getattr(m.of(name), attr)
                 fam_h.add_metric([name], hist.buckets(), hist.sum)
             yield fam_h
 
     def _workers(self) -> Iterator[Metric]:
-        r = self.r
         busy = GaugeMetricFamily("llamapool_worker_slots_busy", "Sequence slots in use",
                                  labels=["worker", "device", "node"])
         total = GaugeMetricFamily("llamapool_worker_slots", "Sequence slots (workers.slots)",
@@ -217,23 +215,16 @@ class _Snapshot(Collector):
                                        "by reason (the supervisor restarts it, or marks it failed)",
                                        labels=["worker", "node", "reason"])
         for name in self.names:
-            info = r.supervisor_view.get(name) or self.gone.get(name, {})
-            w = r.workers.get(name)
-            device = str(w.hello.device if w else info.get("device", ""))
-            slots = w.hello.slots if w else 0
-            nd = node_of(name)
-            busy.add_metric([name, device, nd], len(w.jobs) if w else 0)
-            total.add_metric([name, device, nd], slots)
+            row = self.rows[name]
+            w, device, nd = row.live, row.device, node_of(name)
+            busy.add_metric([name, device, nd], row.active)
+            total.add_metric([name, device, nd], row.slots)
             kv_used.add_metric([name, device, nd], w.kv_used if w else 0)
             kv_total.add_metric([name, device, nd], w.kv_total if w else 0)
             kv_ratio.add_metric([name, device, nd], (w.kv_used / w.kv_total) if w and w.kv_total else 0.0)
-            # a name known only from its counters: a worker retired by a reload (its model removed)
-            now = str(info.get("state") or (w.state if w else "stopped"))
-            if w is not None and w.state == "retiring":
-                now = "retiring"
             for s in WORKER_STATES:
-                state.add_metric([name, device, nd, s], 1.0 if s == now else 0.0)
-            counts: dict[str, int] = info.get("exits", {})
+                state.add_metric([name, device, nd, s], 1.0 if s == row.state else 0.0)
+            counts = row.exits
             for reason in RESTART_REASONS:
                 restarts.add_metric([name, nd, reason], counts.get(reason, 0))
         yield from (busy, total, kv_used, kv_total, kv_ratio, state, restarts)
@@ -247,7 +238,7 @@ class _Snapshot(Collector):
                                  "(base), per sequence in the step (per_row), per prompt token (per_prompt_token), "
                                  "and per step with prompt work (prompt_step)", labels=["worker", "node", "term"])
         for name in self.names:
-            w = self.r.workers.get(name)
+            w = self.rows[name].live
             if w is None or not w.schedule[0]:
                 continue
             target, tokens, fitted = w.schedule
