@@ -41,7 +41,7 @@ def spec_of(p: SamplingParams, tool_format: ToolFormat | None) -> Spec | None:
 
     rf = p.response_format
     if rf is not None and rf["type"] == "json_object":
-        return Spec(llguidance.grammar_from("json_schema", json.dumps({"type": "object"})), "response_format")
+        return Spec(_json({"type": "object"}, "response_format"), "response_format")
     if rf is not None and rf["type"] == "json_schema":
         return Spec(_json(rf["json_schema"]["schema"], "response_format.json_schema.schema"),
                     "response_format.json_schema.schema")

@@ -114,7 +114,7 @@ class Waiting:
     @property
     def ready(self) -> bool:
         """Its constraint (if any) is compiled: it may take a slot."""
-        return self.grammar is None or self.grammar.done()
+        return self.grammar is None or (self.grammar.done() and self.grammar.exception() is None)
 
 
 class _Batch:
@@ -219,7 +219,7 @@ class Engine:
             else cfg.backend_sampling
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling)
+        self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot)
         self.sampling.context_params(cp)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -323,6 +323,7 @@ class Engine:
             if run.params.tools and not chat:
                 raise ParamError("tools", "'tools' need a chat prompt (messages), not a text or token prompt")
             spec = spec_of(run.params, self.chat.tool_format)
+            self.sampling.check(run.params)
             tokens = self._prompt_tokens(run.prompt, run.params.tools)
         except ParamError as e:
             out.failed.append(Failed(run.rid, ErrorCode.INVALID_REQUEST, e.message, e.field))
