@@ -1,36 +1,32 @@
-"""The supervisor: the daemon's main process and the whole worker lifecycle in one class.
+"""The supervisor: the daemon's main process, as gunicorn's arbiter: one class whose lifecycle reads
+top to bottom.
 
-It finds GPUs with NVML, spawns one worker process per device (a GPU, a group of GPUs, or a CPU
-share) of each model of the pool with an environment it builds,
-runs the router in a thread, watches its children, restarts the dead with backoff, and turns
-signals into drain (TERM/INT), fast stop (QUIT) and rolling reload (HUP). It never imports
-llama_cpp, so it never creates a CUDA context.
-
-The lifecycle of each worker and gateway (:class:`WorkerSlot.state`) is the table of
-``supervisor/lifecycle.py``: every change of state is checked against it.
+It plans one worker per device (a GPU, a group of GPUs, or a CPU share) of each model of the pool,
+runs the router in a thread, spawns its workers and HTTP gateways (one way for both: spawn, read
+reports, reap, restart with backoff), and turns signals into drain (TERM/INT), fast stop (QUIT) and
+rolling reload (HUP). It never imports llama_cpp, so it never creates a CUDA context. CURVE set-up
+(``curve.py``), NVML polling (``gpuwatch.py``) and the child processes (``children.py``) are modules of
+their own; every change of a child's state is checked against ``lifecycle.py``'s table.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from llamapool import lifeline, security
+from llamapool import lifeline
 from llamapool import log as logmod
-from llamapool.config import Config, ConfigError, ModelConfig, load_config, needs_curve, step_budget
+from llamapool.config import Config, ConfigError, load_config, step_budget
 from llamapool.protocol import codec, control
 from llamapool.protocol.control import (
     CancelAll,
@@ -50,65 +46,30 @@ from llamapool.protocol.control import (
 from llamapool.router import Router, RouterConfig
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor import lifecycle
+from llamapool.supervisor.children import (
+    KILL_GRACE,
+    Launch,
+    WorkerSlot,
+    exit_text,
+    kill,
+    read_line,
+    signal_all,
+    spawn,
+    stop,
+    until_reaped,
+)
+from llamapool.supervisor.curve import Curve
 from llamapool.supervisor.env import cpu_threads, worker_env
+from llamapool.supervisor.gpuwatch import GpuWatch
 from llamapool.supervisor.lifecycle import State
 from llamapool.supervisor.runlock import RunLock
 from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
 
-LOG_LINES = 40
 EXIT_ALL_FAILED = EXIT_PERMANENT  # 78 (EX_CONFIG): every worker failed for good before any was ready
 LOG = logmod.Logger("supervisor")
-KILL_GRACE = 2.0  # seconds between SIGABRT and SIGKILL for a hung worker
 
-
-@dataclass(eq=False)
-class WorkerSlot:
-    """One device (a GPU, a group of GPUs, or a CPU share) of one model, and the succession of worker
-    processes that serve it."""
-
-    name: str
-    gpus: tuple[gpumod.Gpu, ...] = ()
-    model: ModelConfig | None = None  # None for a gateway process
-    state: State = State.STARTING  # every change goes through lifecycle.move (see __setattr__)
-    proc: asyncio.subprocess.Process | None = None
-    started_at: float = 0.0
-    ready_at: float = 0.0
-    restarts: int = 0
-    streak: int = 0  # deaths in a row, for the backoff
-    deaths: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=64))
-    last_exit: str | None = None
-    reason: str | None = None
-    kill_reason: str | None = None
-    log: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LOG_LINES))
-    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
-    exits: dict[str, int] = field(default_factory=dict)  # unexpected exits by reason (metrics)
-    live_at: float = 0.0  # a node's worker: when its last liveness line came (llamapool node)
-    busy_for: float = 0.0  # ... and how long its running engine step had taken then
-
-    def __setattr__(self, key: str, value: object) -> None:
-        if key == "state":  # the one transition check (supervisor/lifecycle.py)
-            value = lifecycle.move(self.name, self.__dict__.get("state"), str(value))
-        object.__setattr__(self, key, value)
-
-    @property
-    def gpu(self) -> gpumod.Gpu | None:
-        """The (first) GPU, None for a CPU worker."""
-        return self.gpus[0] if self.gpus else None
-
-    @property
-    def device(self) -> str:
-        """"cpu", or the GPUs' UUIDs joined by "," (the worker's CUDA_VISIBLE_DEVICES)."""
-        return ",".join(g.uuid for g in self.gpus) if self.gpus else "cpu"
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "id": self.name, "pid": self.proc.pid if self.proc else None, "device": self.device,
-            "state": self.state.value, "restarts": self.restarts, "last_exit": self.last_exit,
-            "reason": self.reason, "log_tail": list(self.log)[-10:],
-            "gpu_index": self.gpu.index if self.gpu else None, "exits": dict(self.exits),
-            "gpu_indices": [g.index for g in self.gpus], "model": self.model.name if self.model else None,
-        }
+__all__ = ["KILL_GRACE", "Supervisor", "WorkerSlot", "serve"]
 
 
 class Supervisor:
@@ -118,12 +79,13 @@ class Supervisor:
 
     def __init__(self, config: Config, nvml: Any | None = None, use_nvml: bool = True):
         self.cfg = config
-        self.nvml = nvml if nvml is not None else (gpumod.load_nvml() if use_nvml else None)
-        self.gpus = gpumod.discover(self.nvml)
-        self.xids = gpumod.XidWatch(self.nvml, self.gpus)
+        nvml = nvml if nvml is not None else (gpumod.load_nvml() if use_nvml else None)
+        self.gpus = gpumod.discover(nvml)
+        self.gpu_watch = GpuWatch(nvml, self.gpus)
+        self.curve = Curve(config)  # a bad key file is a start-up error (exit 2) naming it
         self.metrics_server: Any = None  # the [metrics] listener (read at start; a reload keeps it)
         self.notify = Notifier.from_env()
-        self.slots: list[WorkerSlot] = []
+        self.slots: list[WorkerSlot] = []  # the workers
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
         self.zctx = zmq.Context()
         self.stopping = False
@@ -140,19 +102,11 @@ class Supervisor:
         self._queued = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reload_lock = asyncio.Lock()  # one SIGHUP at a time: a second one waits for the first
-        # CURVE (docs/security.md): the router's key and allow-list, read now so that a bad key file
-        # is a start-up error (exit 2) naming it; the internal key is made in the runtime dir in run()
-        self.curve_key: security.KeyPair | None = None
-        self.allow: security.AllowList | None = None
-        self.internal_key_file = ""
-        self.auth: Any = None
-        if config.curve:
-            self.curve_key = security.load_key_file(config.security.server_key, secret=True)
-            self.allow = security.AllowList(config.security.authorized_keys)
 
-    # ------------------------------------------------------------ top level
+    # ------------------------------------------------------------ the lifecycle
 
     async def run(self) -> int:
+        """Plan, start the router, spawn the children, serve until a signal, then stop in order."""
         self.loop = asyncio.get_running_loop()
         logmod.configure(self.cfg.log.format, self.cfg.log.level)
         self.slots = self._plan(self.cfg)  # a GPU given to two models is a ConfigError (exit 2)
@@ -181,51 +135,11 @@ class Supervisor:
             await self._shutdown_workers()
             await self._stop_router()
         self.zctx.term()
-        if self.nvml is not None:
-            with contextlib.suppress(Exception):
-                self.nvml.nvmlShutdown()
+        self.gpu_watch.shutdown()
         self._log("stopped")
         return self.exit_code
 
-    def _start_router(self) -> bool:
-        """CURVE, the ``[metrics]`` listener and the router thread (``llamapool node`` has none of them)."""
-        self._start_security()
-        if self.cfg.metrics is not None:
-            from llamapool.supervisor.metrics_http import serve_metrics
-
-            try:
-                curve = self._curve_for(self.cfg.frontend)  # its client uses the internal key on tcp://
-                keys = {"server_public_key": curve["server_key"].encode(), "client_key": curve["key_file"]} \
-                    if curve else None
-                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
-            except OSError as e:
-                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}", "error")
-                return False
-            self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
-        self.control = self.zctx.socket(zmq.PAIR)
-        self.control.bind("inproc://llamapool-control")
-        local = security.load_key_file(self.internal_key_file, secret=False).public if self.internal_key_file else b""
-        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve_key, local_key=local,
-                                                 boot_id=self.boot_id),
-                             self.zctx, "inproc://llamapool-control", on_event=self._from_router_thread)
-        self.router.bind()
-        self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
-        self.router_thread.start()
-        self._log(f"frontend {self.cfg.frontend}; models " + ", ".join(
-            f"{m.name} ({m.path})" for m in self.cfg.models))
-        return True
-
-    async def _stop_router(self) -> None:
-        self._command(StopRouter())
-        self._router_stopping = True  # nothing reads the control socket any more: send nothing
-        await asyncio.to_thread(self.router_thread.join, 10)
-        self.control.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
-
-    def _loop_alive(self, now: float, wd: float) -> bool:
-        """Whether the watchdog may be fed: the router's loop made progress lately."""
-        return now - self.router.loop_progress < max(1.0, wd)
+    # ------------------------------------------------------------ start-up: the plan and the router
 
     def _plan(self, cfg: Config) -> list[WorkerSlot]:
         """Each model's slots: one per GPU or group of GPUs, or ``cpu_workers`` CPU slots when it has
@@ -253,28 +167,32 @@ class Supervisor:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(d, 0o700)
 
-    def _start_security(self) -> None:
-        """CURVE on network sockets: the ZAP handler, and a key for the local workers and gateways."""
-        security.log_to_stderr()
-        plain = [e for e in (self.cfg.frontend, self.cfg.backend) if needs_curve(e)]
-        if self.allow is None:
-            if plain:
-                self._log(f"WARNING: security.insecure_tcp = true: {', '.join(plain)} use(s) no CURVE: no "
-                          f"encryption, and anyone who can connect can use the pool (see docs/security.md)", "warning")
-            return
-        key, _ = security.write_key_pair(self.cfg.runtime_dir, "internal", force=True)
-        internal = security.load_key_file(key, secret=True)
-        self.internal_key_file = str(key)
-        self.allow.extra[internal.public] = "(the supervisor's internal key)"
-        self.auth = security.start_authenticator(self.zctx, self.allow)
-        self._log(f"CURVE on {', '.join(plain)}: router key {self.curve_key.fingerprint if self.curve_key else '?'}, "
-                  f"{len(self.allow.keys)} authorized key(s) in {self.allow.directory}")
+    def _start_router(self) -> bool:
+        """CURVE, the ``[metrics]`` listener and the router thread (``llamapool node`` has none of them)."""
+        self.curve.start(self.zctx, self.cfg)
+        if self.cfg.metrics is not None:
+            from llamapool.supervisor.metrics_http import serve_metrics
 
-    def _curve_for(self, endpoint: str) -> dict[str, str]:
-        """The spec fields a local worker or gateway needs to connect to ``endpoint`` with CURVE."""
-        if self.curve_key is None or not needs_curve(endpoint):
-            return {}
-        return {"server_key": self.curve_key.public.decode(), "key_file": self.internal_key_file}
+            try:
+                curve = self.curve.child_fields(self.cfg.frontend)  # its client uses the internal key on tcp://
+                keys = {"server_public_key": curve["server_key"].encode(), "client_key": curve["key_file"]} \
+                    if curve else None
+                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
+            except OSError as e:
+                self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}", "error")
+                return False
+            self._log(f"metrics: http://{self.cfg.metrics.listen}/metrics")
+        self.control = self.zctx.socket(zmq.PAIR)
+        self.control.bind("inproc://llamapool-control")
+        self.router = Router(dataclasses.replace(self._router_config(self.cfg), curve=self.curve.key,
+                                                 local_key=self.curve.local_public(), boot_id=self.boot_id),
+                             self.zctx, "inproc://llamapool-control", on_event=self._from_router_thread)
+        self.router.bind()
+        self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
+        self.router_thread.start()
+        self._log(f"frontend {self.cfg.frontend}; models " + ", ".join(
+            f"{m.name} ({m.path})" for m in self.cfg.models))
+        return True
 
     @staticmethod
     def _router_config(cfg: Config) -> RouterConfig:
@@ -286,7 +204,57 @@ class Supervisor:
             step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
         )
 
-    # ------------------------------------------------------------ spawning and reaping
+    def _start_gateways(self) -> None:
+        if self.cfg.http is None:
+            return
+        self._log(f"HTTP gateway: http://{self.cfg.http.listen} ({self.cfg.http.processes} process(es))")
+        self.gateways = [WorkerSlot(f"http{i}") for i in range(self.cfg.http.processes)]
+        for gw in self.gateways:
+            self._start(gw)
+
+    # ------------------------------------------------------------ children: spawn, read, reap
+
+    def _start(self, slot: WorkerSlot) -> None:
+        """Spawn a process for ``slot``, a worker or a gateway: the one way a child starts."""
+        if not slot.is_worker and self.cfg.http is None:  # a reload removed [http]
+            return
+        slot.state, slot.kill_reason = State.STARTING, None
+        slot.live_at = slot.busy_for = 0.0
+        slot.ready_event.clear()
+        self._spawn_task(self._run_child(slot))
+
+    async def _run_child(self, slot: WorkerSlot) -> None:
+        """One child process from spawn to reap: its output line by line (reports handled, log lines
+        relayed), then its exit."""
+        proc = await spawn(self._launch(slot))
+        slot.proc, slot.started_at = proc, time.monotonic()
+        self._publish(slot)
+        self._log(f"{slot.name}: started pid {proc.pid}" + (f" on {slot.device}" if slot.is_worker else ""))
+        assert proc.stdout is not None
+        async for raw in proc.stdout:
+            self._child_line(slot, raw)
+        self._reap(slot, proc, await proc.wait())
+
+    def _launch(self, slot: WorkerSlot) -> Launch:
+        """What a worker (``llamapool.worker``) or a gateway (``llamapool.gateway``) process runs."""
+        log_env = self._worker_log_env() if slot.is_worker else logmod.child_env(self.cfg.log.format,
+                                                                                 self.cfg.log.level)
+        if slot.is_worker:
+            spec = self._spec(slot)
+            env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads)
+            return Launch("llamapool.worker", spec.to_json(), {**env, **log_env, **lifeline.parent_env()})
+        from llamapool.gateway import GatewaySpec
+
+        http = self.cfg.http
+        assert http is not None
+        host, port = http.host_port
+        spec_gw = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
+                              model=self.cfg.model_name, api_keys_file=http.api_keys_file,
+                              drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
+                              max_message_bytes=self.cfg.server.max_message_bytes,
+                              **self.curve.child_fields(self.cfg.frontend))
+        return Launch("llamapool.gateway", spec_gw.to_json(),
+                      {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})
 
     def _spec(self, slot: WorkerSlot) -> WorkerSpec:
         m, w = slot.model or self.cfg.model, self.cfg.workers
@@ -303,223 +271,111 @@ class Supervisor:
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine, target_step=m.target_step,
             chat_template=m.chat_template, model_name=m.name, tensor_split=list(m.tensor_split),
             boot_id=self.boot_id,
-            **self._curve_for(self.cfg.backend),
+            **self.curve.child_fields(self.cfg.backend),
         )
 
     def _worker_log_env(self) -> dict[str, str]:
         return logmod.child_env(self.cfg.log.format, self.cfg.log.level)
 
-    def _start(self, slot: WorkerSlot) -> None:
-        slot.state, slot.kill_reason = State.STARTING, None
-        slot.live_at = slot.busy_for = 0.0
-        slot.ready_event.clear()
-        self._spawn_task(self._run_worker(slot))
+    def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
+        """One line of a child's output: a report is handled (never logged), a log line re-emitted at
+        its level; returns the line's message ("" for a report)."""
+        line = read_line(slot, raw, self.cfg.log.format == "json")
+        if isinstance(line, str):
+            return line
+        self._on_report(slot, line)
+        return ""
 
-    async def _run_worker(self, slot: WorkerSlot) -> None:
-        spec = self._spec(slot)
-        env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads)
-        env.update(self._worker_log_env())
-        env.update(lifeline.parent_env())  # it dies with this process, even when frozen
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "llamapool.worker", spec.to_json(),
-            env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-        )
-        slot.proc, slot.started_at = proc, time.monotonic()
-        self._publish(slot)
-        self._log(f"{slot.name}: started pid {proc.pid} on {slot.device}")
-        assert proc.stdout is not None
-        async for raw in proc.stdout:
-            self._child_line(slot, raw)
-        code = await proc.wait()
-        self._reaped(slot, proc, code)
+    def _on_report(self, slot: WorkerSlot, report: control.ChildReport) -> None:
+        """A child's report: a gateway that listens is ready (a worker is ready at its hello)."""
+        if report.event == "listening" and slot.state == State.STARTING:
+            slot.state, slot.ready_at = State.READY, time.monotonic()
 
-    def _reaped(self, slot: WorkerSlot, proc: asyncio.subprocess.Process, code: int) -> None:
-        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        if slot.kill_reason:
-            how += f" (killed: {slot.kill_reason})"
+    def _reap(self, slot: WorkerSlot, proc: asyncio.subprocess.Process, code: int) -> None:
+        """A child exited: the router hears of a worker's exit; a child that was to stop is stopped,
+        any other goes through :meth:`_after_death`."""
+        how = exit_text(code, slot.kill_reason)
         slot.last_exit, slot.proc = how, None
-        self._command(WorkerExited(slot.name, proc.pid, how))
+        if slot.is_worker:
+            self._command(WorkerExited(slot.name, proc.pid, how))
         if slot.state in (State.RETIRING, State.STOPPED) or self.stopping:
             self._log(f"{slot.name}: pid {proc.pid} exited ({how})")
             if slot.state == State.RETIRING:
                 slot.state = State.STOPPED
             self._publish(slot)
             return
-        self._after_death(slot, proc.pid, code, how, self._start)
+        self._after_death(slot, proc.pid, code, how)
         self._publish(slot)
         self._check_all_failed()
 
-    def _after_death(self, slot: WorkerSlot, pid: int, code: int, how: str,
-                     restart: Callable[[WorkerSlot], None]) -> None:
+    def _after_death(self, slot: WorkerSlot, pid: int, code: int, how: str) -> None:
         """An unexpected exit of a worker or a gateway: FAILED for good (a permanent error, or flapping),
-        else BACKOFF and ``restart`` after a delay that doubles with each death in a row."""
+        else BACKOFF and a restart after a delay that doubles with each death in a row."""
         now = time.monotonic()
         reason = lifecycle.restart_reason(code, slot.kill_reason)
         slot.exits[reason] = slot.exits.get(reason, 0) + 1
         slot.deaths.append(now)
+        w = self.cfg.workers
         if code == EXIT_PERMANENT:
             fatal = [ln for ln in slot.log if "FATAL" in ln]
             slot.state, slot.reason = State.FAILED, (fatal[-1] if fatal else how)
-        elif sum(1 for t in slot.deaths if now - t < self.cfg.workers.flap_window) > \
-                self.cfg.workers.flap_limit:
+        elif sum(1 for t in slot.deaths if now - t < w.flap_window) > w.flap_limit:
             slot.state = State.FAILED
-            slot.reason = (f"flapping: died more than {self.cfg.workers.flap_limit} times in "
-                           f"{self.cfg.workers.flap_window:g}s; last: {how}")
+            slot.reason = f"flapping: died more than {w.flap_limit} times in {w.flap_window:g}s; last: {how}"
         else:
-            if slot.ready_at and now - slot.ready_at > self.cfg.workers.restart_backoff_max:
+            if slot.ready_at and now - slot.ready_at > w.restart_backoff_max:
                 slot.streak = 0
-            delay = min(self.cfg.workers.restart_backoff * 2**slot.streak,
-                        self.cfg.workers.restart_backoff_max)
+            delay = min(w.restart_backoff * 2**slot.streak, w.restart_backoff_max)
             slot.streak += 1
             slot.state = State.BACKOFF
             self._log(f"{slot.name}: pid {pid} died ({how}); restarting in {delay:g}s", "warning")
-            self._spawn_task(self._restart_later(slot, delay, restart))
+            self._spawn_task(self._restart_later(slot, delay))
             return
         self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
 
-    async def _restart_later(self, slot: WorkerSlot, delay: float, restart: Callable[[WorkerSlot], None]) -> None:
+    async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)
         if slot.state == State.BACKOFF and not self.stopping:
             slot.restarts += 1
-            restart(slot)
+            self._start(slot)
 
-    async def _kill(self, slot: WorkerSlot, pid: int, why: str) -> None:
-        """SIGABRT (a core and a stack for the evidence), then SIGKILL."""
-        proc = slot.proc
-        if proc is None or proc.pid != pid or proc.returncode is not None:
+    def _check_all_failed(self) -> None:
+        """Every worker failed for good before any became ready: exit EX_CONFIG (78), do not idle.
+
+        Only at start-up: once a worker has served, a pool that loses every worker (GPUs lost, a
+        model file removed) keeps running and answers ``unavailable``, so that ``llamapool status``
+        can say why; a restart by systemd would not bring a lost GPU back.
+        """
+        if (self._ever_ready and not self.exit_when_all_failed) or self.stopping or not self.slots or \
+                not all(s.state == State.FAILED for s in self.slots):
             return
-        slot.kill_reason = why
-        self._log(f"{slot.name}: killing pid {pid}: {why}", "warning")
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGABRT)
-            proc.send_signal(signal.SIGCONT)
-        try:
-            await asyncio.wait_for(proc.wait(), KILL_GRACE)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
+        when = "after joining" if self._ever_ready else "at start-up"
+        why = f"every worker failed {when}, exiting with status {EXIT_ALL_FAILED}: {reasons}"
+        self._log(why, "error")
+        self.notify.status(why)
+        self.stopping = True
+        self.exit_code = EXIT_ALL_FAILED
+        self._stop.set()
 
-    # ------------------------------------------------------------ the HTTP gateway
-
-    def _start_gateways(self) -> None:
-        if self.cfg.http is None:
-            return
-        self._log(f"HTTP gateway: http://{self.cfg.http.listen} ({self.cfg.http.processes} process(es))")
-        self.gateways = [WorkerSlot(f"http{i}") for i in range(self.cfg.http.processes)]
-        for gw in self.gateways:
-            self._spawn_task(self._run_gateway(gw))
-
-    async def _run_gateway(self, slot: WorkerSlot) -> None:
-        """One gateway process; restarted with backoff when it dies, like a worker."""
-        from llamapool.gateway import GatewaySpec
-
-        http = self.cfg.http
-        if http is None or slot.state == State.STOPPED:  # a reload removed [http] or retired this one
-            return
-        host, port = http.host_port
-        spec = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
-                           model=self.cfg.model_name, api_keys_file=http.api_keys_file,
-                           drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
-                           max_message_bytes=self.cfg.server.max_message_bytes, **self._curve_for(self.cfg.frontend))
-        slot.state = State.STARTING
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "llamapool.gateway", spec.to_json(), stdin=asyncio.subprocess.DEVNULL,
-            env={**scrub_env(os.environ), **logmod.child_env(self.cfg.log.format, self.cfg.log.level),
-                 **lifeline.parent_env()},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-        )
-        slot.proc, slot.started_at = proc, time.monotonic()
-        self._log(f"{slot.name}: started pid {proc.pid}")
-        assert proc.stdout is not None
-        async for raw in proc.stdout:
-            self._child_line(slot, raw)
-        code = await proc.wait()
-        slot.proc = None
-        slot.last_exit = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        if self.stopping or slot.state == State.STOPPED:
-            self._log(f"{slot.name}: pid {proc.pid} exited ({slot.last_exit})")
-            return
-        self._after_death(slot, proc.pid, code, slot.last_exit,  # the workers' reaper rules
-                          lambda gw: self._spawn_task(self._run_gateway(gw)))
-
-    async def _reload_gateways(self) -> None:
-        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones (they share the
-        port), then let the old ones drain. If the new ones do not listen, the old ones keep serving."""
-        old = self.gateways
-        self._start_gateways()
-        new = [gw for gw in self.gateways if gw not in old]
-        self.gateways = new + old  # a stop during the switch reaches them all
-        end = time.monotonic() + 15
-        while time.monotonic() < end and not self.stopping and any(gw.state != State.READY for gw in new) \
-                and not any(gw.state == State.FAILED for gw in new):
-            await asyncio.sleep(0.05)
-        if self.stopping:
-            return
-        ok = all(gw.state == State.READY for gw in new)
-        if not ok:
-            self._log("reload: the new HTTP gateway processes did not start listening; the old ones keep serving")
-        retired = old if ok else new
-        for gw in retired:
-            gw.state = State.STOPPED
-            if gw.proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    gw.proc.terminate()
-        await self._reap_by(retired, time.monotonic() + self.cfg.server.drain_timeout + 5)
-        self.gateways = [gw for gw in self.gateways if gw not in retired]
-
-    def _signal_gateways(self, sig: signal.Signals) -> None:
-        for gw in self.gateways:
-            if gw.proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    gw.proc.send_signal(sig)
-
-    async def _stop_gateways(self, grace: float) -> None:
-        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL."""
-        for gw in self.gateways:
-            gw.state = State.STOPPED
-        self._signal_gateways(signal.SIGTERM)
-        await self._reap_by(self.gateways, time.monotonic() + grace)
-
-    @staticmethod
-    async def _reap_by(slots: list[WorkerSlot], deadline: float) -> None:
-        """Wait for the slots' processes to exit until ``deadline``; SIGKILL those that do not."""
-        for slot in slots:
-            proc = slot.proc
-            if proc is None:
-                continue
-            try:
-                await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-
-    # ------------------------------------------------------------ router events
+    # ------------------------------------------------------------ the router's events: readiness
 
     def _from_router_thread(self, event: control.Event) -> None:
         self.loop.call_soon_threadsafe(self._on_router, event)
-
-    def _spawn_task_of(self, handler: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        self._spawn_task(handler())
 
     def _on_router(self, event: control.Event) -> None:
         """One event of the router thread (protocol/control.py), in the event loop."""
         if isinstance(event, WorkerJoined):
             slot = self._slot(event.name)
             if slot is not None and slot.state == State.STARTING:
-                self._ever_ready = True
-                slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
-                slot.ready_event.set()
-                self._publish(slot)
+                self._ready(slot)
         elif isinstance(event, KillWorker):
             slot = self._slot(event.name)
             if slot is not None:
-                self._spawn_task(self._kill(slot, event.pid, event.why))
+                self._spawn_task(kill(slot, event.pid, event.why))
         elif isinstance(event, ReadyCount):
             self._ready_workers, self._queued = event.ready, event.queued
-            if not self._announced_ready and self._ready_workers >= min(
-                    self.cfg.server.min_ready_workers, len(self.slots)):
+            if not self._announced_ready and self._ready_workers >= self._ready_needed:
                 self._announced_ready = True
                 self._log(f"ready (READY=1): {self._ready_workers} of {len(self.slots)} local worker(s) ready "
                           f"(server.min_ready_workers = {self.cfg.server.min_ready_workers})")
@@ -528,10 +384,67 @@ class Supervisor:
         elif isinstance(event, Drained):
             self._drained.set()
 
+    @property
+    def _ready_needed(self) -> int:
+        """Ready workers for READY=1 (``server.min_ready_workers``, at most all of them)."""
+        return min(self.cfg.server.min_ready_workers, len(self.slots))
+
+    def _ready(self, slot: WorkerSlot) -> None:
+        """A worker is ready (the router accepted its hello; a node's worker joined)."""
+        self._ever_ready = True
+        slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
+        slot.ready_event.set()
+        self._publish(slot)
+
     def _slot(self, name: str) -> WorkerSlot | None:
         return next((s for s in self.slots if s.name == name), None)
 
-    # ------------------------------------------------------------ signals
+    # ------------------------------------------------------------ timers
+
+    async def _timers(self) -> None:
+        """Start timeouts, EXTEND_TIMEOUT while loading, the watchdog and GPU health."""
+        wd = self.notify.watchdog_interval
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for slot in self.slots:
+                if slot.state == State.STARTING and slot.proc is not None and \
+                        now - slot.started_at > self.cfg.workers.start_timeout:
+                    self._spawn_task(kill(slot, slot.proc.pid, "no hello within "
+                                          f"workers.start_timeout={self.cfg.workers.start_timeout:g}s"))
+            if all(slot.state == State.FAILED for slot in self.slots):
+                self.notify.status("every worker failed: " + "; ".join(sorted({str(s.reason) for s in self.slots})))
+            elif not self._announced_ready:
+                self.notify.extend_timeout(10)
+            if wd is not None and self._loop_alive(now, wd):
+                self.notify.watchdog()
+            if self.gpu_watch.due(now):
+                self._on_gpus(self.gpu_watch.poll())
+            await asyncio.sleep(min(1.0, wd) if wd else 1.0)
+
+    def _loop_alive(self, now: float, wd: float) -> bool:
+        """Whether the watchdog may be fed: the router's loop made progress lately."""
+        return now - self.router.loop_progress < max(1.0, wd)
+
+    def _on_gpus(self, rows: list[dict[str, Any]]) -> None:
+        """NVML's reading, to the router; a worker whose GPU NVML lost is failed for good and killed."""
+        self._command(GpuRows(rows))
+        for row in rows:
+            lost = next((s for s in self.slots if any(g.uuid == row["uuid"] for g in s.gpus)), None)
+            if row.get("lost") and lost is not None and lost.state != State.FAILED:
+                lost.state, lost.reason = State.FAILED, f"GPU lost: {row.get('error')}"
+                if lost.proc is not None:
+                    self._spawn_task(kill(lost, lost.proc.pid, lost.reason))
+                self._publish(lost)
+
+    # ------------------------------------------------------------ signals: drain and fast stop
+
+    def _spawn_task_of(self, handler: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._spawn_task(handler())
+
+    async def stop_signal(self) -> None:
+        """SIGTERM/SIGINT: the first drains; a second one during the drain stops at once (as gunicorn
+        and uvicorn do)."""
+        await (self.fast_stop() if self.draining else self.drain())
 
     def _begin_drain(self) -> bool:
         """Start a graceful stop once (False when one is under way): tell systemd, log it."""
@@ -546,16 +459,11 @@ class Supervisor:
                   f"with an error")
         return True
 
-    async def stop_signal(self) -> None:
-        """SIGTERM/SIGINT: the first drains; a second one during the drain stops at once (as gunicorn
-        and uvicorn do)."""
-        await (self.fast_stop() if self.draining else self.drain())
-
     async def drain(self) -> None:
         """Refuse new work, let in-flight finish within drain_timeout, exit 0."""
         if not self._begin_drain():
             return
-        self._signal_gateways(signal.SIGTERM)  # they stop accepting and finish their streams
+        signal_all(self.gateways, signal.SIGTERM)  # they stop accepting and finish their streams
         self._command(StartDrain())
         try:
             await asyncio.wait_for(self._drained.wait(), self.cfg.server.drain_timeout)
@@ -575,11 +483,10 @@ class Supervisor:
         self.stopping = self.fast = True
         self.notify.stopping()
         self._log("stopping now: requests in flight end with an error")
-        for slot in self.slots:
-            if slot.proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    slot.proc.kill()
+        signal_all(self.slots, signal.SIGKILL)
         self._stop.set()
+
+    # ------------------------------------------------------------ SIGHUP: reload
 
     async def reload(self) -> None:
         """SIGHUP: re-read the config and apply its models list: new models' workers start, removed
@@ -594,14 +501,11 @@ class Supervisor:
         try:
             new = load_config(self.cfg.source)
             plan = self._plan(new)
-            allowed = (security.load_authorized_keys(new.security.authorized_keys)
-                       if self.allow is not None and new.security.authorized_keys else None)
+            allowed = self.curve.read_allowed(new)
         except ConfigError as e:
             self._log(f"reload refused, keeping the running config: {e}", "error")
             return
-        if self.allow is not None and allowed is not None:  # the allow-list applies to new connections now
-            self.allow.directory, self.allow.keys = new.security.authorized_keys, allowed
-            self._log(f"authorized_keys: {len(allowed)} key(s) in {self.allow.directory}")
+        self.curve.apply_allowed(new, allowed)  # the allow-list applies to new connections now
         self.notify.reloading()
         old = {s.name: s for s in self.slots}
         planned = {s.name: s for s in plan}
@@ -645,27 +549,30 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(slot.ready_event.wait(), self.cfg.workers.start_timeout)
 
+    async def _let_go(self, slot: WorkerSlot, grace: float) -> None:
+        """End the slot's process: a ready worker is told to finish what it runs (RetireWorker) and has
+        ``grace`` seconds before SIGKILL; one not ready yet is killed now. Returns once it is reaped."""
+        proc = slot.proc
+        if proc is None:
+            return
+        if slot.state == State.READY:
+            slot.state = State.RETIRING
+            self._publish(slot)
+            self._command(RetireWorker(slot.name))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), grace)
+        else:
+            slot.state = State.STOPPED
+        with contextlib.suppress(ProcessLookupError):
+            if proc.returncode is None:
+                proc.kill()
+        await proc.wait()
+        await until_reaped(slot)
+
     async def _retire(self, slot: WorkerSlot) -> None:
         """A worker that leaves the pool: it finishes its requests (and, when its model left, what is
         queued for that model), then exits; then it is forgotten."""
-        proc = slot.proc
-        ready = slot.state == State.READY
-        slot.state = State.RETIRING
-        self._publish(slot)
-        if proc is not None and ready:
-            self._command(RetireWorker(slot.name))
-            try:
-                await asyncio.wait_for(proc.wait(), self.cfg.server.drain_timeout + self.cfg.server.queue_timeout)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        elif proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        while slot.proc is not None:  # let the reaper run
-            await asyncio.sleep(0.05)
+        await self._let_go(slot, self.cfg.server.drain_timeout + self.cfg.server.queue_timeout)
         slot.state = State.STOPPED
         if slot in self.slots:
             self.slots.remove(slot)
@@ -673,79 +580,54 @@ class Supervisor:
         self._log(f"{slot.name}: retired")
 
     async def _replace(self, slot: WorkerSlot) -> None:
-        old = slot.proc
-        if old is not None and slot.state == State.READY:
-            slot.state = State.RETIRING
-            self._publish(slot)
-            self._command(RetireWorker(slot.name))
-            try:
-                await asyncio.wait_for(old.wait(), self.cfg.server.drain_timeout)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    old.kill()
-                await old.wait()
-            while slot.proc is not None:  # let the reaper run
-                await asyncio.sleep(0.05)
-        elif old is not None:
-            slot.state = State.STOPPED
-            with contextlib.suppress(ProcessLookupError):
-                old.kill()
-            await old.wait()
-            while slot.proc is not None:
-                await asyncio.sleep(0.05)
+        """A worker of a model that stays: its process finishes what it runs and exits, then a new
+        one starts on the same device with the model's new settings."""
+        await self._let_go(slot, self.cfg.server.drain_timeout)
         slot.streak, slot.reason = 0, None
         slot.deaths.clear()
         self._start(slot)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(slot.ready_event.wait(), self.cfg.workers.start_timeout)
 
+    async def _reload_gateways(self) -> None:
+        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones (they share the
+        port), then let the old ones drain. If the new ones do not listen, the old ones keep serving."""
+        old = self.gateways
+        self._start_gateways()
+        new = [gw for gw in self.gateways if gw not in old]
+        self.gateways = new + old  # a stop during the switch reaches them all
+        end = time.monotonic() + 15
+        while time.monotonic() < end and not self.stopping and any(gw.state != State.READY for gw in new) \
+                and not any(gw.state == State.FAILED for gw in new):
+            await asyncio.sleep(0.05)
+        if self.stopping:
+            return
+        ok = all(gw.state == State.READY for gw in new)
+        if not ok:
+            self._log("reload: the new HTTP gateway processes did not start listening; the old ones keep serving")
+        retired = old if ok else new
+        await stop(retired, self.cfg.server.drain_timeout + 5)
+        self.gateways = [gw for gw in self.gateways if gw not in retired]
+
+    # ------------------------------------------------------------ stopping
+
+    async def _stop_gateways(self, grace: float) -> None:
+        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL."""
+        await stop(self.gateways, grace)
+
     async def _shutdown_workers(self) -> None:
-        live = [s for s in self.slots if s.proc is not None]
-        for slot in live:
-            slot.state = State.STOPPED
-            assert slot.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                slot.proc.terminate()  # the worker finishes what it has (nothing now) and exits
-        await self._reap_by(live, time.monotonic() + 10)
+        await stop([s for s in self.slots if s.proc is not None], 10)  # they finish what they have: nothing now
         for task in list(self._tasks):
             if not task.done():
                 with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                     await asyncio.wait_for(asyncio.shield(task), 2)
 
-    # ------------------------------------------------------------ timers
-
-    async def _timers(self) -> None:
-        """Start timeouts, EXTEND_TIMEOUT while loading, the watchdog and GPU health."""
-        wd = self.notify.watchdog_interval
-        last_gpu = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            for slot in self.slots:
-                if slot.state == State.STARTING and slot.proc is not None and \
-                        now - slot.started_at > self.cfg.workers.start_timeout:
-                    self._spawn_task(self._kill(slot, slot.proc.pid, "no hello within "
-                                                f"workers.start_timeout={self.cfg.workers.start_timeout:g}s"))
-            if all(slot.state == State.FAILED for slot in self.slots):
-                self.notify.status("every worker failed: " + "; ".join(sorted({str(s.reason) for s in self.slots})))
-            elif not self._announced_ready:
-                self.notify.extend_timeout(10)
-            if wd is not None and self._loop_alive(now, wd):
-                self.notify.watchdog()
-            if self.nvml is not None and now - last_gpu > 5:
-                last_gpu = now
-                rows = gpumod.health(self.nvml, self.gpus)
-                xids = self.xids.poll()
-                for row in rows:
-                    row["xid_errors"] = xids.get(row["uuid"], 0)
-                self._command(GpuRows(rows))
-                for row in rows:
-                    lost = next((s for s in self.slots if any(g.uuid == row["uuid"] for g in s.gpus)), None)
-                    if row.get("lost") and lost is not None and lost.state != State.FAILED:
-                        lost.state, lost.reason = State.FAILED, f"GPU lost: {row.get('error')}"
-                        if lost.proc is not None:
-                            self._spawn_task(self._kill(lost, lost.proc.pid, lost.reason))
-                        self._publish(lost)
-            await asyncio.sleep(min(1.0, wd) if wd else 1.0)
+    async def _stop_router(self) -> None:
+        self._command(StopRouter())
+        self._router_stopping = True  # nothing reads the control socket any more: send nothing
+        await asyncio.to_thread(self.router_thread.join, 10)
+        self.control.close(linger=0)
+        self.curve.stop()
 
     # ------------------------------------------------------------ helpers
 
@@ -755,72 +637,18 @@ class Supervisor:
         self.control.send(codec.encode(cmd))
 
     def _publish(self, slot: WorkerSlot) -> None:
-        self._command(WorkerInfo(slot.name, slot.info()))
+        """A worker's row to the router's ``status`` (a gateway has none)."""
+        if slot.is_worker:
+            self._command(WorkerInfo(slot.name, slot.info()))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    @property
-    def _json(self) -> bool:
-        return self.cfg.log.format == "json"
-
     @staticmethod
     def _log(msg: str, level: str = "info", **fields: Any) -> None:
         LOG.log(logmod.LEVELS[level], msg, **fields)
-
-    def _child_line(self, slot: WorkerSlot, raw: bytes) -> str:
-        """Re-emit one line of a worker's or gateway's output at its level; returns its message. A
-        report line (protocol/control.py ChildReport) is handled, not logged."""
-        report = codec.read_report(raw)
-        if report is not None:
-            self._on_report(slot, report)
-            return ""
-        line = raw.decode(errors="replace").rstrip()
-        # a line without the <N> prefix: a library's own (uvicorn's "ERROR: ...", llama.cpp, a traceback)
-        if "FATAL" in line or "Traceback" in line or line.startswith(("ERROR:", "CRITICAL:")):
-            unprefixed = logmod.LEVELS["error"]
-        elif line.startswith("WARNING:"):
-            unprefixed = logmod.LEVELS["warning"]
-        else:
-            unprefixed = logmod.LEVELS["info"]
-        level, body = logmod.split_priority(line, unprefixed)
-        if self._json:
-            obj = logmod.parse_json_line(body)
-            if obj is None:  # native output (llama.cpp, a Python traceback): wrap it
-                msg, out = body, logmod.format_line(level, slot.name, "", body, {})
-            else:
-                msg, out = str(obj.get("msg", body)), body
-        else:
-            msg, out = body, f"[{slot.name}] {body}"
-        slot.log.append(msg)
-        logmod.emit(level, out)
-        return msg
-
-    def _on_report(self, slot: WorkerSlot, report: control.ChildReport) -> None:
-        """A child's report: a gateway that listens is ready (a worker is ready at its hello)."""
-        if report.event == "listening" and slot.state == State.STARTING:
-            slot.state, slot.ready_at = State.READY, time.monotonic()
-
-    def _check_all_failed(self) -> None:
-        """Every worker failed for good before any became ready: exit EX_CONFIG (78), do not idle.
-
-        Only at start-up: once a worker has served, a pool that loses every worker (GPUs lost, a
-        model file removed) keeps running and answers ``unavailable``, so that ``llamapool status``
-        can say why; a restart by systemd would not bring a lost GPU back.
-        """
-        if (self._ever_ready and not self.exit_when_all_failed) or self.stopping or not self.slots or \
-                not all(s.state == State.FAILED for s in self.slots):
-            return
-        reasons = "; ".join(sorted({str(s.reason) for s in self.slots}))
-        when = "after joining" if self._ever_ready else "at start-up"
-        why = f"every worker failed {when}, exiting with status {EXIT_ALL_FAILED}: {reasons}"
-        self._log(why, "error")
-        self.notify.status(why)
-        self.stopping = True
-        self.exit_code = EXIT_ALL_FAILED
-        self._stop.set()
 
 
 def serve(config: Config) -> int:

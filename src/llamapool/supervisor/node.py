@@ -33,6 +33,7 @@ from llamapool.config import Config, ConfigError
 from llamapool.protocol import control
 from llamapool.protocol.control import ReadyCount, RetireWorker, WorkerInfo
 from llamapool.supervisor.arbiter import Supervisor, WorkerSlot
+from llamapool.supervisor.children import kill, stop
 from llamapool.supervisor.lifecycle import State
 from llamapool.worker.server import WorkerSpec
 
@@ -94,11 +95,11 @@ class NodeSupervisor(Supervisor):
                     continue
                 since = now - slot.live_at
                 if since > silent_after:
-                    self._spawn_task(self._kill(slot, proc.pid, f"no liveness line for {since:.1f}s (workers."
-                                                f"heartbeat_interval x heartbeat_liveness = {silent_after:g}s)"))
+                    self._spawn_task(kill(slot, proc.pid, f"no liveness line for {since:.1f}s (workers."
+                                          f"heartbeat_interval x heartbeat_liveness = {silent_after:g}s)"))
                 elif slot.busy_for > w.step_timeout:
-                    self._spawn_task(self._kill(slot, proc.pid, f"engine step running for {slot.busy_for:.1f}s "
-                                                f"> workers.step_timeout={w.step_timeout:g}s"))
+                    self._spawn_task(kill(slot, proc.pid, f"engine step running for {slot.busy_for:.1f}s "
+                                          f"> workers.step_timeout={w.step_timeout:g}s"))
             await asyncio.sleep(min(0.5, w.heartbeat_interval / 2))
 
     def _start_gateways(self) -> None:
@@ -134,19 +135,12 @@ class NodeSupervisor(Supervisor):
         elif slot.proc is None:
             return
         elif report.event == "joined" and slot.state in (State.STARTING, State.JOINING):
-            self._joined(slot)
+            self._ready(slot)
         elif report.event == "joining" and slot.state == State.STARTING:
             slot.state = State.JOINING  # loaded: no start_timeout now, it waits for the router to accept it
             self._publish(slot)
         elif report.event == "key_refused":
             self._refused_hint()
-
-    def _joined(self, slot: WorkerSlot) -> None:
-        """The router accepted the worker: it is ready (the base class's ``hello``)."""
-        self._ever_ready = True
-        slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
-        slot.ready_event.set()
-        self._publish(slot)
 
     def _refused_hint(self) -> None:
         """What to do about a node key the router refuses: once, then every 30 s."""
@@ -188,13 +182,7 @@ class NodeSupervisor(Supervisor):
         ``server.drain_timeout``) and leaves; then the node exits 0."""
         if not self._begin_drain():
             return
-        live = [s for s in self.slots if s.proc is not None]
-        for slot in live:
-            slot.state = State.STOPPED
-            assert slot.proc is not None
-            with contextlib.suppress(ProcessLookupError):
-                slot.proc.terminate()
-        await self._reap_by(live, time.monotonic() + self.cfg.server.drain_timeout)
+        await stop([s for s in self.slots if s.proc is not None], self.cfg.server.drain_timeout)
         self._stop.set()
 
     async def reload(self) -> None:
