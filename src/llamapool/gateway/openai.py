@@ -106,8 +106,7 @@ class Request:
 _UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
     "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
     "echo": (None, False), "suffix": (None, ""),
-    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 # The contract's parameters that HTTP bodies carry under their own names (protocol/params.py checks

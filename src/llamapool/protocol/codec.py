@@ -101,6 +101,9 @@ def encode_generate(rid: str, prompts: list[Any], batch: bool, stream: bool, tim
                     params: dict[str, Any], model: str | None) -> bytes:
     """A client's ``generate`` request, with ``params`` as the caller gave them (the router checks them
     and names a bad one), so that a client sends exactly what it was asked to."""
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):  # token ids as text: msgpack map keys are text on the wire (as in JSON)
+        params = {**params, "logit_bias": {str(k) if type(k) is int else k: b for k, b in bias.items()}}
     d: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": Generate.TYPE, "id": rid, "stream": stream,
                          "params": params}
     if batch:

@@ -13,6 +13,8 @@ from typing import Any
 MAX_SEED = 2**32 - 1
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
+MAX_LOGIT_BIAS = 1024  # token ids per logit_bias map
+MAX_TOKEN_ID = 2**31 - 1  # a logit_bias key (the worker also checks it against the model's vocab)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ PARAMS: dict[str, Limit] = {
     "min_p": Limit(0, 1),
     "repeat_penalty": Limit(0, 10, lo_open=True),
     "seed": Limit(0, MAX_SEED, integer=True),
+    "presence_penalty": Limit(-2, 2),  # OpenAI's ranges and semantics (over the generated tokens)
+    "frequency_penalty": Limit(-2, 2),
+    "logit_bias": Limit(-100, 100),  # each bias of the map
 }
 
 

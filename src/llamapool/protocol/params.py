@@ -62,6 +62,28 @@ def stop_strings(name: str, v: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def check_logit_bias(name: str, v: Any) -> dict[str, float]:
+    """OpenAI's: token id -> bias from -100 to 100 added to the token's logit; the ids are integers or
+    their decimal text (JSON has only string keys), kept as text (msgpack's map keys are text on the wire)."""
+    if not isinstance(v, dict) or len(v) > limits.MAX_LOGIT_BIAS:
+        raise ParamError(name, f"'{name}' must be a map of token ids to biases (at most {limits.MAX_LOGIT_BIAS} "
+                               f"entries), got {limits.show(v)[:80]}")
+    out: dict[str, float] = {}
+    for k, b in v.items():
+        tok = k if isinstance(k, int) and not isinstance(k, bool) else None
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10:
+            tok = int(k)
+        if tok is None or not 0 <= tok <= limits.MAX_TOKEN_ID:
+            raise ParamError(name, f"'{name}' keys must be token ids (integers from 0, or their decimal text), "
+                                   f"got {limits.show(k)[:80]}")
+        lim = limits.PARAMS[name]
+        if not limits.is_number(b, False) or not lim.ok(b):
+            raise ParamError(name, f"'{name}' values must be numbers from {limits.show(lim.lo)} to "
+                                   f"{limits.show(lim.hi)}, got {limits.show(b)[:80]} for token {tok}")
+        out[str(tok)] = float(b)
+    return out
+
+
 def _text(name: str, v: Any) -> str:
     if not isinstance(v, str) or not v.strip():
         raise ParamError(name, f"'{name}' must be a non-empty string, got {limits.show(v)[:80]}")
@@ -162,6 +184,12 @@ class SamplingParams:
         number, "drop tokens below min_p times the likeliest one's probability"))
     repeat_penalty: float = field(default=1.0, metadata=_meta(
         number, "llama.cpp's repetition penalty over the last 64 tokens; 1: off"))
+    presence_penalty: float = field(default=0.0, metadata=_meta(
+        number, "-2 to 2: subtracted from the logit of every token already generated (OpenAI's)"))
+    frequency_penalty: float = field(default=0.0, metadata=_meta(
+        number, "-2 to 2: subtracted from a token's logit once per time it was generated (OpenAI's)"))
+    logit_bias: dict[str, float] | None = field(default=None, metadata=_meta(
+        check_logit_bias, "token id -> -100 to 100, added to the token's logit (-100 bans it, 100 forces it)"))
     seed: int | None = field(default=None, metadata=_meta(number, "a seed for reproducible sampling (0 to 2^32-1)"))
     stop: tuple[str, ...] = field(default=(), metadata=_meta(
         stop_strings, "up to 16 strings that end the text (not included)"))
@@ -182,6 +210,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or biases change the logits before the sampler picks (sampled on the host)."""
+        return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def constrained(self) -> bool:

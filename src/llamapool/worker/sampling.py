@@ -5,8 +5,9 @@ runs, and its grammar matcher. Where it runs:
 
 - **in the decode graph** (GPU sampling): every slot has a greedy chain attached to the graph, and a
   request with other parameters attaches its own chain; only the sampled token comes back;
-- **on the host**, from the row's logits, for what the graph cannot do: llama.cpp's repetition
-  penalty, and grammar constraints.
+- **on the host**, from the row's logits, for what the graph cannot do: penalties (llama.cpp's
+  repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, and grammar
+  constraints.
 
 A constrained row is sampled first and checked against its mask (one bit test); only a refused
 token makes the mask be applied to the row and the row sampled again (as llama.cpp's own grammar
@@ -26,10 +27,10 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
-from llamapool.protocol.params import SamplingParams
+from llamapool.protocol.params import ParamError, SamplingParams
 from llamapool.worker.constraints import Masks
 
-PENALTY_LAST_N = 64
+PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
 
 
 @dataclass(eq=False)
@@ -46,7 +47,8 @@ class SeqSampling:
 
     @property
     def host_greedy(self) -> bool:
-        return not self.in_graph and self.params.greedy and self.params.repeat_penalty == 1.0
+        """Picked by argmax over the raw logits: nothing (penalty, bias) changes them first."""
+        return not self.in_graph and self.params.greedy and not self.params.adjusts_logits
 
 
 class Sampling:
@@ -56,9 +58,10 @@ class Sampling:
     to it after (:meth:`bind`). Only the engine thread calls it.
     """
 
-    def __init__(self, slots: int, n_vocab: int, gpu: bool):
+    def __init__(self, slots: int, n_vocab: int, gpu: bool, window: int = 1 << 16):
         self.gpu = gpu
         self.n_vocab = n_vocab
+        self.window = window  # the most tokens a sequence generates (presence/frequency penalties see all)
         self._greedy: dict[int, Any] = {i: _greedy_chain() for i in range(slots)} if gpu else {}
         self._seq_cfg: Any = None
         self.ctx: Any = None
@@ -80,8 +83,16 @@ class Sampling:
 
     def in_graph(self, p: SamplingParams) -> bool:
         """Whether the decode graph samples for ``p``: GPU sampling, and nothing the graph cannot do
-        (llama.cpp has no in-graph penalties sampler; a mask is applied on the host)."""
-        return self.gpu and p.repeat_penalty == 1.0 and not p.constrained
+        (penalties and biases, and masks, are applied on the host: llama.cpp's in-graph samplers are
+        its greedy, top-k/p, min-p, temperature and dist ones)."""
+        return self.gpu and not p.adjusts_logits and not p.constrained
+
+    def check(self, p: SamplingParams) -> None:
+        """What only the model can check: ``logit_bias`` names tokens of its vocabulary."""
+        bad = [t for t in p.logit_bias or () if int(t) >= self.n_vocab]
+        if bad:
+            raise ParamError("logit_bias", f"'logit_bias' names token {bad[0]}, outside the model's vocabulary "
+                                           f"(token ids 0 to {self.n_vocab - 1})")
 
     # ------------------------------------------------------------ a sequence's lifetime
 
@@ -90,7 +101,7 @@ class Sampling:
         in_graph = self.in_graph(p)
         chain = None
         if not (in_graph and p.greedy):
-            chain = _chain(p, self.n_vocab)
+            chain = _chain(p, self.n_vocab, self.window)
             if self.gpu:  # a chain the graph cannot run is taken off: the row's logits go to the host
                 try:
                     self._attach(slot, chain if in_graph else None)
@@ -162,6 +173,10 @@ class Sampling:
             tok = int(logits.argmax())
             if not self.masks.allows(s.slot, tok):
                 tok = int(np.where(self.masks.allowed(s.slot), logits, -np.inf).argmax())
+        elif s.params.adjusts_logits:  # mask first: penalties must count only the token kept
+            logits = self._logits(idx)
+            logits[~self.masks.allowed(s.slot)] = -np.inf
+            tok = int(L.llama_sampler_sample(s.chain, self.ctx, idx))
         else:
             tok = int(L.llama_sampler_sample(s.chain, self.ctx, idx))
             if not self.masks.allows(s.slot, tok):  # mask the row in place and sample again
@@ -189,13 +204,23 @@ def _greedy_chain() -> Any:
     return chain
 
 
-def _chain(p: SamplingParams, n_vocab: int) -> Any:
-    """llama.cpp's sampler chain for ``p``."""
+def _chain(p: SamplingParams, n_vocab: int, window: int = 1 << 16) -> Any:
+    """llama.cpp's sampler chain for ``p``: biases, penalties, then the pick (greedy, or the filters,
+    temperature and a seeded draw). Penalties see only the tokens the chain accepted, the generated
+    ones (OpenAI's semantics): the prompt is never fed to it."""
     chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
     add = L.llama_sampler_chain_add
+    if p.logit_bias:  # llama.cpp copies the array
+        biases = (L.llama_logit_bias * len(p.logit_bias))(
+            *[L.llama_logit_bias(int(t), b) for t, b in p.logit_bias.items()])
+        add(chain, L.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
+    # llama.cpp of llama-cpp-python 0.3.36: (n_vocab, last_n, repeat, freq, present); its penalty is
+    # OpenAI's: logit -= count * freq + (count > 0) * present
     if p.repeat_penalty != 1.0:
-        # llama.cpp of llama-cpp-python 0.3.36: (n_vocab, last_n, repeat, freq, present)
         add(chain, L.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty, 0.0, 0.0))
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:  # over every generated token
+        last_n = max(1, min(p.max_tokens, window))
+        add(chain, L.llama_sampler_init_penalties(n_vocab, last_n, 1.0, p.frequency_penalty, p.presence_penalty))
     if p.greedy:
         add(chain, L.llama_sampler_init_greedy())
         return chain
