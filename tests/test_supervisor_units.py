@@ -155,3 +155,28 @@ def test_remembered_prefixes_are_bounded() -> None:
     for i in range(policy.MAX_REMEMBERED + 10):
         remember(w, (i,))
     assert len(w.prefixes) == policy.MAX_REMEMBERED and 0 not in w.prefixes
+
+
+def test_each_workers_readiness_is_logged_as_it_comes(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Issue 23 item 5: ``ready: 1 of 3 local workers`` before READY=1 is due, the READY=1 line itself,
+    then ``ready: 3 of 3 local workers`` for the one after it."""
+    from llamapool import log as logmod
+    from llamapool.config import from_dict
+    from llamapool.protocol.control import ReadyCount, WorkerJoined
+    from llamapool.supervisor.arbiter import Supervisor
+
+    cfg = from_dict({"model": {"path": "/m.gguf", "devices": "cpu", "cpu_workers": 3},
+                     "server": {"runtime_dir": str(tmp_path), "min_ready_workers": 2}})
+    sup = Supervisor(cfg, use_nvml=False)
+    sup.slots = sup._plan(cfg)
+    sup._router_stopping = True  # no router thread here: commands go nowhere
+    logmod.configure("text", "info", env={})
+    for n, name in enumerate(("cpu0", "cpu1", "cpu2"), 1):
+        sup._on_router(WorkerJoined(name, 100 + n))
+        sup._on_router(ReadyCount(n, 0))
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "ready" in ln]
+    assert [ln.removeprefix("llamapool: ") for ln in lines] == [
+        "ready: 1 of 3 local workers",
+        "ready (READY=1): 2 of 3 local worker(s) ready (server.min_ready_workers = 2)",
+        "ready: 3 of 3 local workers",
+    ], lines

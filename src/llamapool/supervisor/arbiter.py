@@ -390,10 +390,14 @@ class Supervisor:
         return min(self.cfg.server.min_ready_workers, len(self.slots))
 
     def _ready(self, slot: WorkerSlot) -> None:
-        """A worker is ready (the router accepted its hello; a node's worker joined)."""
+        """A worker is ready (the router accepted its hello; a node's worker joined): said in the log as
+        it comes, except the one that the READY=1 line is about to announce."""
         self._ever_ready = True
         slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
         slot.ready_event.set()
+        n = sum(1 for s in self.slots if s.state == State.READY)
+        if self._announced_ready or n < self._ready_needed:
+            self._log(f"ready: {n} of {len(self.slots)} local workers")
         self._publish(slot)
 
     def _slot(self, name: str) -> WorkerSlot | None:
