@@ -542,8 +542,8 @@ class Router:
             else:  # aborted by the router: its answer, with what the worker had done
                 self._end(job, job.status, message=f"request {ENDINGS[job.status][1]}: stopped after "
                                                    f"{done.completion_tokens} tokens")
-        for entry in step.failed:
-            failed = Failed(*entry)
+        for item in step.failed:
+            failed = Failed(*item)
             job = w.jobs.pop(failed.rid, None)
             if job is not None:
                 self._end(job, RequestStatus.FAILED, self._failure(job, failed))
