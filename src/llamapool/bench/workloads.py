@@ -10,6 +10,7 @@ ignores EOS, so each request must return exactly ``max_tokens`` tokens.
 | ``rag`` | 1,024 | 128 |
 | ``long`` | 4,096 | 256 |
 | ``mixed`` | log-normal, median 512, sigma 0.8 | log-normal, median 128, sigma 0.6 |
+| ``json`` | 128 | 128, each request constrained by :data:`BENCH_SCHEMA` |
 
 ``mixed`` draws each request's output length first, then its prompt length, both from log-normal
 distributions (``exp(N(ln median, sigma))``, rounded), and clips them so that every request fits the
@@ -24,9 +25,16 @@ import math
 import random
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 # (prompt tokens, output tokens) of the fixed-length workloads
-FIXED: dict[str, tuple[int, int]] = {"short": (128, 128), "rag": (1024, 128), "long": (4096, 256)}
+FIXED: dict[str, tuple[int, int]] = {"short": (128, 128), "rag": (1024, 128), "long": (4096, 256),
+                                     "json": (128, 128)}
+# The ``json`` workload's schema: a free string first, then a list of strings, then an integer, so that
+# the grammar stays open for the whole reply (a request may still end early when it completes).
+BENCH_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
+    "text": {"type": "string"}, "list": {"type": "array", "items": {"type": "string"}}, "n": {"type": "integer"}},
+    "required": ["text", "list", "n"], "additionalProperties": False}
 NAMES = (*FIXED, "mixed")
 # the mixed workload's log-normal parameters: median and sigma (of the log) for prompt and output
 MIXED_PROMPT_MEDIAN = 512
@@ -42,6 +50,7 @@ FIRST_ID = 3  # prompt token ids are drawn from [FIRST_ID, n_vocab): above <unk>
 class Request:
     prompt: tuple[int, ...]
     max_tokens: int
+    json_schema: dict[str, Any] | None = None  # the output's constraint (the ``json`` workload)
 
 
 @dataclass(frozen=True)
@@ -107,5 +116,6 @@ def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = 
             g = min(max(_lognormal(rng, gm, MIXED_GEN_SIGMA), MIN_TOKENS), ctx - MIN_TOKENS)
             p = min(max(_lognormal(rng, pm, MIXED_PROMPT_SIGMA), MIN_TOKENS), ctx - g)
             lengths.append((p, g))
-    reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g) for p, g in lengths)
+    schema = BENCH_SCHEMA if name == "json" else None
+    reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g, schema) for p, g in lengths)
     return Workload(name, reqs, seed, ctx)
