@@ -70,7 +70,7 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
     ok = _ask(d.endpoint, "req-text-1", "Hello", stream=False)
     assert isinstance(ok, Result)
     too_long = _ask(d.endpoint, "req-text-2", [1] * 600)  # > ctx_per_slot=512: the worker refuses it
-    assert isinstance(too_long, Error) and too_long.code == "invalid_request"
+    assert isinstance(too_long, Error) and too_long.code == "context_length_exceeded"
     text = d.wait_log("id=req-text-2", timeout=10.0)
     from llamapool.client.errors import UnknownModelError
 
@@ -86,7 +86,7 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
     assert lines and all(ln[:1] == "<" and ln[2:3] == ">" for ln in lines), text
     assert any(ln.startswith("<6>llamapool: router: access id=req-text-1 model=tiny worker=cpu")
                and "outcome=ok finish=length" in ln and "ttft_ms=" not in ln for ln in lines), text
-    assert any(ln.startswith("<6>llamapool: router: access id=req-text-2") and "outcome=invalid_request" in ln
+    assert any(ln.startswith("<6>llamapool: router: access id=req-text-2") and "outcome=context_length_exceeded" in ln
                for ln in lines), text
     assert any(ln.startswith("<4>[cpu") and "request failed: prompt has 600 tokens" in ln
                and "id=req-text-2" in ln for ln in lines), text

@@ -64,6 +64,7 @@ _BY_CODE: dict[str, type[LlamapoolError]] = {
     ErrorCode.WORKER_LOST: WorkerLostError,
     ErrorCode.NO_CHAT_TEMPLATE: BadRequestError,
     ErrorCode.UNKNOWN_MODEL: UnknownModelError,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: BadRequestError,
 }
 
 

@@ -110,6 +110,7 @@ class Gateway:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
         ], exception_handlers={HTTPException: http_error, Exception: server_error})
@@ -149,19 +150,37 @@ class Gateway:
             return Response(f"# llamapool unavailable: {e.message}\n", status_code=503, media_type="text/plain")
         return Response(text, media_type=CONTENT_TYPE)
 
+    async def _models(self) -> list[dict[str, Any]]:
+        """The pool's models in OpenAI's shape, each with its worker ids ("workers": not OpenAI's,
+        clients ignore it)."""
+        try:  # the router's list is the current one (a reload may have changed it)
+            models = (await self.client.status(timeout=2.0)).get("models") or []
+        except LlamapoolError:
+            models = []
+        return [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"]}
+                for m in models or [{"name": self.spec.model, "workers": []}]]
+
     async def models(self, request: Request) -> Response:
         try:
             self._authorised(request)
         except oai.ApiError as e:
             return error_response(e)
-        try:  # the router's list is the current one (a reload may have changed it)
-            models = (await self.client.status(timeout=2.0)).get("models") or []
-        except LlamapoolError:
-            models = []
-        # each model's worker ids ride along ("workers": not OpenAI's, clients ignore it)
-        return JSONResponse({"object": "list", "data": [
-            {"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"]}
-            for m in models or [{"name": self.spec.model, "workers": []}]]})
+        return JSONResponse({"object": "list", "data": await self._models()})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: one model, or a 404 ``model_not_found``."""
+        try:
+            self._authorised(request)
+        except oai.ApiError as e:
+            return error_response(e)
+        name = request.path_params["model_id"]
+        models = await self._models()
+        for m in models:
+            if m["id"] == name:
+                return JSONResponse(m)
+        known = ", ".join(m["id"] for m in models)
+        return error_response(oai.ApiError(404, f"The model {name!r} does not exist (the pool's models: {known})",
+                                           param="model", code="model_not_found"))
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)

@@ -47,6 +47,7 @@ _STATUS = {
     ErrorCode.MALFORMED: (400, "invalid_request_error"),
     ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
     ErrorCode.DUPLICATE_ID: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     "no_chat_template": (400, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
     ErrorCode.UNAVAILABLE: (503, "service_unavailable"),

@@ -34,6 +34,7 @@ class ErrorCode:
     INTERNAL = "internal"
     NO_CHAT_TEMPLATE = "no_chat_template"  # chat messages sent to a model without a chat template
     UNKNOWN_MODEL = "unknown_model"  # the request's ``model`` is not in the pool
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt has more tokens than a slot's context
 
 
 # ---------------------------------------------------------------- client -> router

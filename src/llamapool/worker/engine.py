@@ -98,6 +98,12 @@ class Sequence:
         return self.n_past < len(self.tokens)
 
 
+class ContextLengthExceeded(ValueError):
+    """A prompt longer than a slot's context (the message gives the count and the limit)."""
+
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+
+
 @dataclass(eq=False)
 class Waiting:
     """A run waiting for a slot, its prompt tokenized on arrival."""
@@ -425,7 +431,7 @@ class Engine:
             if isinstance(content, str):
                 text_bytes += len(content.encode())
         if self._surely_too_long(text_bytes):
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"prompt is {text_bytes} bytes of text, at least {text_bytes // self.max_piece} tokens; the limit is "
                 f"{self.cfg.ctx_per_slot - 1} (model.ctx_per_slot)"
             )
@@ -441,7 +447,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range (vocab has {self.n_vocab})")
         if len(tokens) >= self.cfg.ctx_per_slot:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"prompt has {len(tokens)} tokens; the limit is {self.cfg.ctx_per_slot - 1} "
                 f"(model.ctx_per_slot)"
             )
