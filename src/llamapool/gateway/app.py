@@ -219,10 +219,12 @@ class Gateway:
             return error_response(oai.ApiError(400, str(e)))
         pt = sum(c.usage.prompt_tokens for c in done)
         ct = sum(c.usage.completion_tokens for c in done)
+        cached = sum(c.usage.cached_tokens for c in done)
         model = done[0].model or req.model or self.spec.model
         if chat:
             return JSONResponse(oai.chat_body(req, model, done[0]))
-        return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct))
+        return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct,
+                                                cached))
 
     def _check_encoded(self, req: oai.Request) -> None:
         """A body near the limit: refuse it here (413) if its message to the router would pass
@@ -239,7 +241,7 @@ class Gateway:
                    first: list[Any]) -> AsyncIterator[bytes]:
         """The event stream; leaving it (the client went away) cancels every request still running."""
         w = oai.ChunkWriter(req, req.model or self.spec.model, chat)
-        pt = ct = 0
+        pt = ct = cached = 0
         try:
             if chat:
                 yield w.first(0)
@@ -253,12 +255,13 @@ class Gateway:
                     continue
                 pt += item.usage.prompt_tokens
                 ct += item.usage.completion_tokens
+                cached += item.usage.cached_tokens
                 if item.tool_calls:
                     yield w.tool_calls(index, item)
                 yield w.end(index, item.finish_reason)
             else:
                 if req.include_usage:
-                    yield w.usage(pt, ct)
+                    yield w.usage(pt, ct, cached)
             yield w.DONE
         finally:
             # Starlette cancels this generator when the client goes away; the shield lets the

@@ -266,9 +266,11 @@ def parse_chat(body: Any) -> Request:
 # ---------------------------------------------------------------- responses
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish(reason: str) -> str:
@@ -280,11 +282,12 @@ def tool_calls(c: Completion) -> list[dict[str, Any]]:
             for t in c.tool_calls]
 
 
-def completion_body(req: Request, model: str, choices: list[tuple[str, str]], pt: int, ct: int) -> dict[str, Any]:
+def completion_body(req: Request, model: str, choices: list[tuple[str, str]], pt: int, ct: int,
+                    cached: int = 0) -> dict[str, Any]:
     return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": model,
             "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish(reason)}
                         for i, (text, reason) in enumerate(choices)],
-            "usage": usage(pt, ct)}
+            "usage": usage(pt, ct, cached)}
 
 
 def chat_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
@@ -294,7 +297,7 @@ def chat_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
         message["tool_calls"] = tool_calls(c)
     return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish(c.finish_reason)}],
-            "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens)}
+            "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens)}
 
 
 class ChunkWriter:
@@ -342,8 +345,8 @@ class ChunkWriter:
             choice = f'{{"text":"","index":{index},"logprobs":null,"finish_reason":{r}}}'
         return (self._head + choice + "]}\n\n").encode()
 
-    def usage(self, pt: int, ct: int) -> bytes:
-        return (self._head + f'],"usage":{json.dumps(usage(pt, ct))}}}\n\n').encode()
+    def usage(self, pt: int, ct: int, cached: int = 0) -> bytes:
+        return (self._head + f'],"usage":{json.dumps(usage(pt, ct, cached))}}}\n\n').encode()
 
     @staticmethod
     def error(e: ApiError) -> bytes:
