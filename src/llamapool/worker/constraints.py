@@ -77,6 +77,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self._pool.submit(self.tokenizer)  # built at start (seconds for a large vocabulary), not at the first request
 
     def tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built once (about a second for 262k tokens)."""
