@@ -12,7 +12,9 @@ family        a call as the model writes it                                   te
 ============  ==============================================================  ===================
 
 A template that takes no ``tools`` (the ``generic`` family) gets them as a system message that shows
-the call format, and earlier calls and results are written into the turns as text.
+the call format, and earlier calls and results are written into the turns as text. Mistral's
+templates take only call ids of 9 letters and digits: any other id (OpenAI's ``call_...``) is given
+to the template as 9 hex digits of its hash, the same in the call and in its result.
 
 ``tool_choice`` ``required`` and a named function constrain the whole reply to calls; ``auto`` leaves
 prose free and constrains from the moment the model writes the call's opening (a lazy trigger), so
@@ -21,6 +23,7 @@ the arguments always parse and follow the function's ``parameters`` schema.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Callable
@@ -45,6 +48,7 @@ class ToolFormat:
     block_close: str = ""
     native: bool = True  # the template renders ``tools`` itself
     special: dict[str, int] = field(default_factory=dict)  # marker text -> its control token in the vocab
+    call_id_len: int = 0  # the template takes only call ids of this many letters and digits (Mistral: 9)
 
     @property
     def trigger(self) -> str:
@@ -116,7 +120,7 @@ class ToolFormat:
         earlier calls' arguments as objects; for the generic family, tools as a system message and
         calls and results as text."""
         if self.native:
-            return [_with_object_arguments(m) for m in messages]
+            return [_with_call_ids(_with_object_arguments(m), self.call_id_len) for m in messages]
         out: list[dict[str, Any]] = []
         if tools:
             out.append({"role": "system", "content": self._tool_prompt(tools)})
@@ -180,6 +184,25 @@ def _with_object_arguments(m: dict[str, Any]) -> dict[str, Any]:
     return {**m, "tool_calls": calls}
 
 
+def _call_id(cid: Any, n: int) -> Any:
+    """A call id as a template that takes only ``n`` letters and digits wants it: one that fits is kept,
+    any other becomes ``n`` hex digits of its hash (the same for a call and its result)."""
+    if not n or (isinstance(cid, str) and len(cid) == n and cid.isascii() and cid.isalnum()):
+        return cid
+    return hashlib.sha256(str(cid).encode()).hexdigest()[:n]
+
+
+def _with_call_ids(m: dict[str, Any], n: int) -> dict[str, Any]:
+    """The message with its call ids (``tool_calls[].id``, ``tool_call_id``) as the template takes them."""
+    if not n:
+        return m
+    if m.get("tool_calls"):
+        m = {**m, "tool_calls": [{**c, "id": _call_id(c.get("id", ""), n)} for c in m["tool_calls"]]}
+    if m["role"] == "tool" and "tool_call_id" in m:
+        m = {**m, "tool_call_id": _call_id(m["tool_call_id"], n)}
+    return m
+
+
 def detect(source: str, special: Callable[[str], int | None]) -> ToolFormat:
     """The family of a chat template (its Jinja source); ``special(text)`` is the control token that
     ``text`` is in the model's vocabulary, if any."""
@@ -188,7 +211,7 @@ def detect(source: str, special: Callable[[str], int | None]) -> ToolFormat:
 
     if "[TOOL_CALLS]" in source:
         return ToolFormat("mistral", call_open="", call_close="", sep=", ", block_open="[TOOL_CALLS][",
-                          block_close="]", special=markers("[TOOL_CALLS]"))
+                          block_close="]", special=markers("[TOOL_CALLS]"), call_id_len=9)
     if "<tool_call>" in source:
         return ToolFormat("hermes", special=markers("<tool_call>", "</tool_call>"))
     if "<|python_tag|>" in source or ("tools" in source and "<|start_header_id|>" in source):
