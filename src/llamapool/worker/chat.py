@@ -181,7 +181,7 @@ class ChatFormatter:
                                f"compile ({e}); set {CONFIG_KEY} in the config to a Jinja2 template file")
         def special(marker: str) -> int | None:  # the control token that is ``marker``, if one is
             toks = tokenize(marker)
-            attr = L.llama_token_get_attr(vocab, toks[0]) if len(toks) == 1 else 0
+            attr = L.llama_vocab_get_attr(vocab, toks[0]) if len(toks) == 1 else 0
             return toks[0] if attr & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED) else None
 
         tool_format = detect(template.source, special) if template is not None else None
