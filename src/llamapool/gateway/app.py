@@ -26,6 +26,7 @@ from llamapool.client.calls import generate_frame, new_id
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion
 from llamapool.gateway import GatewaySpec
+from llamapool.gateway import anthropic as anth
 from llamapool.gateway import openai as oai
 from llamapool.router.metrics import CONTENT_TYPE
 
@@ -49,6 +50,18 @@ class ClientGone(Exception):
 
 def error_response(e: oai.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def anthropic_error(e: oai.ApiError) -> JSONResponse:
+    """The error in Anthropic's shape (``/v1/messages``)."""
+    return JSONResponse(anth.error_body(e), status_code=e.status, headers=e.headers)
+
+
+def json_body(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise oai.ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 LIMIT_KEY = "server.max_message_bytes"
@@ -113,6 +126,7 @@ class Gateway:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
         ], exception_handlers={HTTPException: http_error, Exception: server_error})
 
     def _authorised(self, request: Request) -> None:
@@ -120,12 +134,14 @@ class Gateway:
             return
         auth = request.headers.get("authorization", "")
         given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        if not given:  # Anthropic's clients send theirs as x-api-key
+            given = request.headers.get("x-api-key", "").strip().encode()
         ok = False
         for key in self.keys:  # constant time for each key, and every key is compared
             ok |= hmac.compare_digest(given, key)
         if not ok:
-            raise oai.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
-                               code="invalid_api_key")
+            raise oai.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                    "(or 'x-api-key: KEY')", code="invalid_api_key")
 
     async def health(self, request: Request) -> Response:
         try:
@@ -193,11 +209,7 @@ class Gateway:
         try:
             self._authorised(request)
             raw = await read_body(request, self.spec.max_message_bytes)
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-                raise oai.ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-            req = (oai.parse_chat if chat else oai.parse_completion)(body)
+            req = (oai.parse_chat if chat else oai.parse_completion)(json_body(raw))
             n_prompts = len(req.prompts)
             if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
                 self._check_encoded(req)
@@ -225,6 +237,51 @@ class Gateway:
             return JSONResponse(oai.chat_body(req, model, done[0]))
         return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct,
                                                 cached))
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (gateway/anthropic.py translates it), errors in its shape."""
+        try:
+            self._authorised(request)
+            raw = await read_body(request, self.spec.max_message_bytes)
+            req = anth.parse_messages(json_body(raw))
+            if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
+                self._check_encoded(req)
+            if req.stream:
+                stream = self.client.stream(req.prompts[0], timeout=self.spec.request_timeout, model=req.model,
+                                            **req.params)
+                first = await _unless_gone(request, _start([stream]))  # errors before the first token: HTTP errors
+                return StreamingResponse(self._message_events(req, stream, first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            done = cast(list[Completion], await _unless_gone(request, self.client.generate_many(
+                req.prompts, timeout=self.spec.request_timeout, model=req.model, **req.params)))
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)
+        except oai.ApiError as e:
+            return anthropic_error(e)
+        except LlamapoolError as e:
+            return anthropic_error(oai.from_llamapool(e, chat=True))
+        except TypeError as e:  # a parameter the SDK refuses
+            return anthropic_error(oai.ApiError(400, str(e)))
+        c = done[0]
+        return JSONResponse(anth.message_body(req, c.model or req.model or self.spec.model, c))
+
+    async def _message_events(self, req: oai.Request, stream: AsyncStream, first: list[Any]) -> AsyncIterator[bytes]:
+        """Anthropic's event stream; leaving it (the client went away) cancels the request."""
+        w = anth.EventWriter(req, req.model or self.spec.model)
+        try:
+            yield w.start()
+            async for _, item in _merge([stream], first):
+                if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
+                    yield w.error(oai.from_llamapool(item, chat=True))
+                    break
+                if isinstance(item, str):
+                    if item:
+                        yield w.text(item)
+                    continue
+                yield w.end(item)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
 
     def _check_encoded(self, req: oai.Request) -> None:
         """A body near the limit: refuse it here (413) if its message to the router would pass

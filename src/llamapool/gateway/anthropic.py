@@ -1,0 +1,309 @@
+"""Anthropic's Messages API (``POST /v1/messages``): request bodies -> llamapool requests, results ->
+messages and stream events. Pure functions, no I/O, like :mod:`llamapool.gateway.openai`, whose
+:class:`~llamapool.gateway.openai.Request` and :class:`~llamapool.gateway.openai.ApiError` they share:
+a bad request raises ``ApiError`` naming the field, and :func:`error_body` gives it Anthropic's shape.
+
+The translation: ``system`` becomes the first (system) message; a user message's ``tool_result``
+blocks become ``tool`` messages (in order, before the user's text), an assistant's ``tool_use`` blocks
+its ``tool_calls``; Anthropic's tools (``name``, ``description``, ``input_schema``) become the contract's
+function tools and ``tool_choice`` auto / any / tool / none becomes auto / required / the named function
+/ none, so the worker's template, constraint and parser do the rest as for OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llamapool.client.types import Completion
+from llamapool.gateway.openai import ApiError, Request, _model, bad
+from llamapool.protocol import limits, params
+
+# HTTP status -> Anthropic's error type
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+# tool fields as the contract names them -> as Anthropic's request does
+_TOOL_FIELDS = ((".function.parameters", ".input_schema"), (".function.description", ".description"),
+                (".function.name", ".name"), (".function", ""), (".type", ""))
+_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
+
+
+def _check(name: str, value: Any, public: str | None = None) -> Any:
+    """The contract's check of ``name``, its messages naming Anthropic's field ``public``."""
+    try:
+        return params.check(name, value)
+    except params.ParamError as e:
+        field, message = e.field, e.message
+        if public is not None:
+            field, message = public, message.replace(f"'{name}'", f"'{public}'")
+        raise bad(field, message) from None
+
+
+def _texts(content: Any, at: str, kinds: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
+    """A content string or list of blocks, as blocks; a block of another type is a 400 naming it."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad(at, f"'{at}' must be a string or a list of content blocks, got {limits.show(content)[:80]}")
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in kinds:
+            raise ApiError(400, f"'{at}[{j}].type': content blocks of type {kind!r:.80} are not supported by "
+                                f"llamapool here (only {', '.join(kinds)})", param=f"{at}[{j}].type",
+                           code="unsupported_parameter")
+        if kind == "text" and not isinstance(block.get("text"), str):
+            raise bad(f"{at}[{j}].text", f"'{at}[{j}].text' must be a string")
+    return content
+
+
+def _joined(blocks: list[dict[str, Any]]) -> str:
+    return "".join(b["text"] for b in blocks if b.get("type") == "text")
+
+
+def _user(content: Any, at: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages, then its text as a user message."""
+    out: list[dict[str, Any]] = []
+    texts: list[dict[str, Any]] = []
+    for j, block in enumerate(_texts(content, at, ("text", "tool_result", "image", "document"))):
+        if block["type"] == "text":
+            texts.append(block)
+            continue
+        if block["type"] != "tool_result":
+            raise ApiError(400, f"'{at}[{j}].type': {block['type']} blocks are not supported by llamapool "
+                                f"(text models only)", param=f"{at}[{j}].type", code="unsupported_parameter")
+        use_id = block.get("tool_use_id")
+        if not isinstance(use_id, str) or not use_id:
+            raise bad(f"{at}[{j}].tool_use_id", f"'{at}[{j}].tool_use_id' must be the id of a tool_use block")
+        result = block.get("content", "")
+        text = _joined(_texts(result, f"{at}[{j}].content")) if result else ""
+        if block.get("is_error") is True:
+            text = f"Error: {text}"
+        out.append({"role": "tool", "tool_call_id": use_id, "content": text})
+    if texts or not out:
+        out.append({"role": "user", "content": _joined(texts)})
+    return out
+
+
+def _assistant(content: Any, at: str) -> dict[str, Any]:
+    """An assistant turn: its text, and its ``tool_use`` blocks as ``tool_calls``."""
+    msg: dict[str, Any] = {"role": "assistant", "content": ""}
+    blocks = _texts(content, at, ("text", "tool_use", "thinking", "redacted_thinking"))
+    msg["content"] = _joined(blocks)
+    calls = []
+    for j, block in enumerate(blocks):
+        if block["type"] != "tool_use":
+            continue  # thinking blocks of another model are not shown to this one
+        name, args = block.get("name"), block.get("input", {})
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise bad(f"{at}[{j}]", f"'{at}[{j}]' must be a tool_use block with a 'name' and an 'input' object")
+        calls.append({"id": str(block.get("id", "")), "type": "function",
+                      "function": {"name": name, "arguments": args}})
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _joined(_texts(system, "system"))})
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        at = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise bad(f"{at}.role", f"'{at}.role' must be 'user' or 'assistant', got {role!r:.80}")
+        if "content" not in m:
+            raise bad(f"{at}.content", f"'{at}.content' is required")
+        if role == "user":
+            out.extend(_user(m["content"], f"{at}.content"))
+        else:
+            out.append(_assistant(m["content"], f"{at}.content"))
+    return out
+
+
+def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
+    """``tools`` and ``tool_choice`` as the contract's (OpenAI-shaped) ones, into ``sent``."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad("tools", "'tools' must be a list of tools")
+        fns = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise ApiError(400, f"'tools[{i}]': tools of type {kind!r:.80} are not supported by llamapool "
+                                    f"(only client tools with 'name' and 'input_schema')",
+                               param=f"tools[{i}].type", code="unsupported_parameter")
+            fn = {"name": t.get("name"), "description": t.get("description", ""),
+                  "parameters": t.get("input_schema", {"type": "object"})}
+            fns.append({"type": "function", "function": fn})
+        try:
+            sent["tools"] = params.check("tools", fns) if fns else None
+        except params.ParamError as e:
+            field = e.field
+            for ours, theirs in _TOOL_FIELDS:
+                field = field.replace(ours, theirs)
+            raise bad(field, e.message.replace(e.field, field)) from None
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise bad("tool_choice.name", "'tool_choice.name' must name one of 'tools'")
+        sent["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind in _CHOICES:
+        sent["tool_choice"] = _CHOICES[kind]
+    else:
+        raise bad("tool_choice.type", f"'tool_choice.type' must be one of auto, any, tool, none, got {kind!r:.80}")
+    if choice.get("disable_parallel_tool_use") is not None:
+        sent["parallel_tool_calls"] = not _check("parallel_tool_calls", choice["disable_parallel_tool_use"],
+                                                 "tool_choice.disable_parallel_tool_use")
+
+
+def parse_messages(body: Any) -> Request:
+    """``POST /v1/messages``: Anthropic's request as the chat request the worker takes."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body.get("max_tokens") is None:
+        raise bad("max_tokens", "'max_tokens' is required")
+    sent: dict[str, Any] = {"max_tokens": _check("max_tokens", body["max_tokens"])}
+    for key in ("temperature", "top_p", "top_k"):
+        if body.get(key) is not None:
+            sent[key] = _check(key, body[key])
+    if body.get("stop_sequences"):
+        sent["stop"] = list(_check("stop", body["stop_sequences"], "stop_sequences"))
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
+        raise ApiError(400, "'thinking' is not supported by llamapool", param="thinking",
+                       code="unsupported_parameter")
+    _tools(body, sent)
+    sent = {k: v for k, v in sent.items() if v is not None}
+    try:
+        params.parse(sent)  # the checks across parameters (a tool choice names one of the tools)
+    except params.ParamError as e:
+        raise bad(e.field.replace("parallel_tool_calls", "tool_choice"), e.message) from None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise bad("stream", "'stream' must be true or false")
+    messages = _messages(body)
+    return Request([messages], sent, bool(stream), False, _model(body))  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- responses
+
+
+def stop_reason(c: Completion) -> str:
+    """``tool_use``, ``max_tokens`` or ``end_turn`` (a stop sequence also ends a turn: the worker does
+    not yet say which of the two ended it)."""
+    if c.tool_calls:
+        return "tool_use"
+    return "max_tokens" if c.finish_reason == "length" else "end_turn"
+
+
+def usage(c: Completion) -> dict[str, int]:
+    """Anthropic counts prompt tokens read from the cache apart from the others."""
+    cached = c.usage.cached_tokens
+    return {"input_tokens": c.usage.prompt_tokens - cached, "output_tokens": c.usage.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _input(arguments: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def content(c: Completion) -> list[dict[str, Any]]:
+    """The reply's blocks: its text (when it has some, or nothing else), then its tool calls."""
+    blocks: list[dict[str, Any]] = []
+    text = c.text
+    calls = []
+    for t in c.tool_calls:
+        args = _input(t.arguments)
+        if args is None:  # not a JSON object: shown as text rather than lost
+            text += t.arguments
+        else:
+            calls.append({"type": "tool_use", "id": t.id, "name": t.name, "input": args})
+    if text or not calls:
+        blocks.append({"type": "text", "text": text})
+    return blocks + calls
+
+
+def message_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
+    return {"id": f"msg_{req.id}", "type": "message", "role": "assistant", "model": model, "content": content(c),
+            "stop_reason": stop_reason(c), "stop_sequence": None, "usage": usage(c)}
+
+
+def event(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+class EventWriter:
+    """The server-sent events of one streamed message: ``message_start``, a text block (opened at the
+    first text), a ``tool_use`` block per call (its input as one ``input_json_delta``), ``message_delta``
+    (stop reason and usage) and ``message_stop``."""
+
+    def __init__(self, req: Request, model: str):
+        self.req, self.model = req, model
+        self.index = 0  # the open or next block
+        self.text_open = False
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": f"msg_{self.req.id}", "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+        return event("message_start", {"message": message}) + event("ping", {})
+
+    def text(self, text: str) -> bytes:
+        head = b""
+        if not self.text_open:
+            self.text_open = True
+            head = event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+        return head + event("content_block_delta", {"index": self.index,
+                                                    "delta": {"type": "text_delta", "text": text}})
+
+    def _close_text(self) -> bytes:
+        if not self.text_open:
+            return b""
+        self.text_open = False
+        self.index += 1
+        return event("content_block_stop", {"index": self.index - 1})
+
+    def end(self, c: Completion) -> bytes:
+        """The rest: the text block closed, the tool calls, the stop reason and usage."""
+        blocks = content(c)
+        out = []
+        if blocks[0]["type"] == "text":  # a reply without text still has its (empty) text block
+            rest = blocks[0]["text"][len(c.text) if self.text_open else 0:]  # arguments that were not JSON
+            if rest or not self.text_open:
+                out.append(self.text(rest))
+        out.append(self._close_text())
+        for b in blocks:
+            if b["type"] != "tool_use":
+                continue
+            out.append(event("content_block_start", {"index": self.index, "content_block": {**b, "input": {}}}))
+            out.append(event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(b["input"])}}))
+            out.append(event("content_block_stop", {"index": self.index}))
+            self.index += 1
+        out.append(event("message_delta", {"delta": {"stop_reason": stop_reason(c), "stop_sequence": None},
+                                           "usage": usage(c)}))
+        out.append(event("message_stop", {}))
+        return b"".join(out)
+
+    @staticmethod
+    def error(e: ApiError) -> bytes:
+        return event("error", {"error": error_body(e)["error"]})
