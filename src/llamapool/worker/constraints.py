@@ -12,7 +12,6 @@ The tokenizer comes straight from llama.cpp's vocabulary (``llguidance.llamacpp`
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
