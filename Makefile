@@ -10,11 +10,23 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
 .PHONY: install run test test-systemd test-netns lint bench-cpu clean
 
+# llama-cpp-python as pinned in pyproject.toml: the one long step, shown with pip's progress
+LLAMA_CPP_VERSION := $(shell sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
+
+# The first run says what it builds and shows the long step's progress; later runs print nothing.
 $(BIN)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $@
+	@test -x $(BIN)/python || { echo "make: creating the virtual environment $(VENV) (the CLI will be $(BIN)/llamapool)"; \
+		$(PYTHON) -m venv $(VENV); }
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import importlib.metadata as m; assert m.version('llama-cpp-python') == '$(LLAMA_CPP_VERSION)'" \
+		2>/dev/null || { \
+		echo "make: building llama-cpp-python $(LLAMA_CPP_VERSION) from source: it compiles llama.cpp, about 9 minutes" \
+		     "on 2 cores (this machine has $$(nproc); less with more cores, or when pip has the wheel cached)"; \
+		$(BIN)/python -m pip install 'llama-cpp-python==$(LLAMA_CPP_VERSION)'; }
+	@echo "make: installing llamapool and its other dependencies into $(VENV) (about 300 MB of downloads the first time)"
+	@$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $@
+	@echo "make: done; the CLI is $(BIN)/llamapool (\`. $(BIN)/activate\` puts it on your PATH)"
 
 install: $(BIN)/.installed
 
