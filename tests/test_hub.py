@@ -91,7 +91,8 @@ class FakeHub:
                 if self.path.split("?")[0] == f"/api/models/{REPO}/revision/main":
                     fake.seen.append(("GET", self.path, ""))
                     siblings = [FILE, "tiny-Q8_0-extra.bin", "mmproj-tiny-F32.gguf", "README.md"]
-                    body = json.dumps({"id": REPO, "sha": SHA, "siblings": [{"rfilename": f} for f in siblings]})
+                    body = json.dumps({"id": REPO, "sha": SHA, "siblings": [
+                        {"rfilename": f, **({"size": len(fake.data)} if f == FILE else {})} for f in siblings]})
                     raw = body.encode()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
@@ -155,7 +156,7 @@ def test_download_once_then_from_the_cache_with_the_endpoint_gone(fake_hub: Fake
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.strip())
     assert path.read_bytes() == fake_hub.data and str(tmp_path / "hf" / "hub") in str(path)
-    assert f"downloading {FILE}" in r.stderr, r.stderr
+    assert f"downloading {FILE} (571 kB) from {fake_hub.url}" in r.stderr, r.stderr
     assert [p for m, p, _ in fake_hub.seen if m == "GET" and "/resolve/" in p], fake_hub.seen
     # a config naming the reference resolves to the cached file without the network; `models` reads it
     cfg = write_config(tmp_path / "c.toml", REF, tmp_path / "run")

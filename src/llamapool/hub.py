@@ -183,7 +183,7 @@ def fetch(ref: HubRef, say: Callable[[str], None] | None = None, progress: bool 
     token = os.environ.get("HF_TOKEN") or None
     net = (*_network_errors(), OfflineModeIsEnabled)
     try:
-        info = HfApi(endpoint=endpoint(), token=token).model_info(ref.repo, revision=ref.revision)
+        info = HfApi(endpoint=endpoint(), token=token).model_info(ref.repo, revision=ref.revision, files_metadata=True)
     except Exception as e:
         failure = None if isinstance(e, net) else _hub_failure(ref, e)
         if failure is None and isinstance(e, (*net, OSError)):
