@@ -76,7 +76,9 @@ class Grammars:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
-        self._pool.submit(self.tokenizer)  # built at start (seconds for a large vocabulary), not at the first request
+        # built before the worker says it is ready (a second or more for a large vocabulary), so that the
+        # first constrained requests do not wait for it
+        self.tokenizer()
 
     def tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built once (about a second for 262k tokens)."""

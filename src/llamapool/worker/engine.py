@@ -659,7 +659,7 @@ class Engine:
     def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
         """Every output row's token (its mask ready first, if constrained); then the next masks are
         filled in the background while the engine goes on."""
-        self.sampling.masks_ready([seq.sampling for seq in order])
+        self.sampling.prepare([(seq.sampling, seq.out_idx) for seq in order])
         ready = []
         for seq in order:
             tok = self._take(seq, out)

@@ -68,6 +68,8 @@ class Sampling:
         self.masks: Masks | None = None
         self._slots = slots
         self.states: dict[int, SeqSampling] = {}  # slot -> the running sequence's sampling
+        self._row = ctypes.c_float * n_vocab  # one row of logits, viewed in place
+        self._best: dict[int, int] = {}  # output row -> its argmax, taken for the step's greedy host rows
 
     def context_params(self, cp: Any) -> None:
         """Attach each slot's greedy chain to the decode graph (GPU sampling)."""
@@ -133,6 +135,26 @@ class Sampling:
 
     # ------------------------------------------------------------ one step
 
+    def prepare(self, rows: list[tuple[SeqSampling, int]]) -> None:
+        """Before sampling a step's output ``rows`` (``(sampling, output row)``): the constrained rows'
+        masks are ready, and the greedy host rows' argmaxes are taken in one numpy call."""
+        self.masks_ready([s for s, _ in rows])
+        greedy = [idx for s, idx in rows if s.host_greedy]
+        self._best = dict(zip(greedy, self._argmax(greedy), strict=True)) if len(greedy) > 1 else {}
+
+    def _argmax(self, idxs: list[int]) -> list[int]:
+        """The argmax of each output row: one call over them when their logits lie one after another
+        (llama.cpp writes the host rows of a step in batch order), else row by row."""
+        addrs = [self._address(i) for i in idxs]
+        lo, stride = min(addrs), 4 * self.n_vocab
+        span = [(a - lo) // stride for a in addrs]
+        if sorted(span) == list(range(len(addrs))) and all((a - lo) % stride == 0 for a in addrs):
+            block = np.frombuffer(memoryview((ctypes.c_float * (self.n_vocab * len(addrs))).from_address(lo)),
+                                  np.float32)
+            best = block.reshape(len(addrs), self.n_vocab).argmax(axis=1)
+            return [int(best[k]) for k in span]
+        return [int(self._logits(i).argmax()) for i in idxs]
+
     def masks_ready(self, states: list[SeqSampling]) -> None:
         """Before sampling: the masks started after the last step are done (a new sequence's first
         mask is filled now)."""
@@ -162,17 +184,17 @@ class Sampling:
             return int(L.llama_get_sampled_token_ith(self.ctx, idx))
         if s.matcher is None:
             if s.host_greedy:
-                return int(self._logits(idx).argmax())
+                return self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
             return int(L.llama_sampler_sample(s.chain, self.ctx, idx))
         return self._pick_constrained(s, idx)
 
     def _pick_constrained(self, s: SeqSampling, idx: int) -> int:
         assert self.masks is not None
         if s.host_greedy:
-            logits = self._logits(idx)
-            tok = int(logits.argmax())
-            if not self.masks.allows(s.slot, tok):
-                tok = int(np.where(self.masks.allowed(s.slot), logits, -np.inf).argmax())
+            tok = self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
+            if not self.masks.allows(s.slot, tok):  # the likeliest allowed token
+                ids = np.flatnonzero(self.masks.allowed(s.slot))
+                tok = int(ids[self._logits(idx)[ids].argmax()]) if ids.size else tok
         elif s.params.adjusts_logits:  # mask first: penalties must count only the token kept
             logits = self._logits(idx)
             logits[~self.masks.allowed(s.slot)] = -np.inf
@@ -187,9 +209,12 @@ class Sampling:
         s.masked = False
         return tok
 
+    def _address(self, idx: int) -> int:
+        return ctypes.cast(L.llama_get_logits_ith(self.ctx, idx), ctypes.c_void_p).value or 0
+
     def _logits(self, idx: int) -> np.ndarray:
-        ptr = L.llama_get_logits_ith(self.ctx, idx)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        """Output row ``idx``'s logits, in place (writable: a mask is applied to them)."""
+        return np.frombuffer(memoryview(self._row.from_address(self._address(idx))), np.float32)
 
     def close(self) -> None:
         if self.masks is not None:
