@@ -10,35 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llamapool.protocol.endpoints import default_frontend as default_frontend
+from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
+from llamapool.protocol.endpoints import ipc_path as ipc_path
+from llamapool.protocol.endpoints import needs_curve as needs_curve
+
 
 class ConfigError(ValueError):
     """A configuration file that cannot be used; the message names the key."""
-
-
-def default_runtime_dir() -> Path:
-    """systemd's RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/llamapool, else /tmp/llamapool-<uid>."""
-    if os.environ.get("RUNTIME_DIRECTORY"):
-        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "llamapool"
-    return Path(f"/tmp/llamapool-{os.getuid()}")
-
-
-def ipc_path(endpoint: str) -> str | None:
-    """The socket file of an ``ipc://`` endpoint (None for other transports and abstract sockets)."""
-    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-        return endpoint[len("ipc://"):]
-    return None
-
-
-def needs_curve(endpoint: str) -> bool:
-    """Whether an endpoint is reachable beyond filesystem permissions (anything but ipc:// and inproc://):
-    such a socket uses CURVE unless ``security.insecure_tcp``."""
-    return not endpoint.startswith(("ipc://", "inproc://"))
-
-
-def default_frontend() -> str:
-    return f"ipc://{default_runtime_dir() / 'frontend.sock'}"
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Any
 
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
 from llamapool.client.types import Completion, StreamChunk, Usage
-from llamapool.config import ipc_path, needs_curve
 from llamapool.protocol import codec
+from llamapool.protocol.endpoints import ipc_path, needs_curve
 from llamapool.protocol.messages import Chunk, Error, ErrorCode, Message, MetricsReply, Prompt, Result, StatusReply
 
 DEFAULT_TIMEOUT = 300.0
