@@ -31,7 +31,8 @@ class Completion:
     index: int = 0
     model: str = ""  # the pool's model that served it
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls (``text``: the prose)
-    logprobs: list[Any] | None = None
+    logprobs: list[Any] | None = None  # with logprobs=True: per generated token [text, logprob, bytes, top]
+    # (``top``: [text, logprob, bytes] of the likeliest tokens); a stream's are in its chunks
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,4 @@ class StreamChunk:
     text: str
     tokens: int  # tokens generated so far
     index: int = 0
+    logprobs: list[Any] | None = None  # with logprobs=True: the entries of the tokens since the last chunk

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from llamapool.client.aio import AsyncClient, AsyncStream
 from llamapool.client.calls import generate_frame, new_id
 from llamapool.client.errors import LlamapoolError
-from llamapool.client.types import Completion
+from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
 from llamapool.gateway import anthropic as anth
 from llamapool.gateway import openai as oai
@@ -235,8 +235,7 @@ class Gateway:
         model = done[0].model or req.model or self.spec.model
         if chat:
             return JSONResponse(oai.chat_body(req, model, done[0]))
-        return JSONResponse(oai.completion_body(req, model, [(c.text, c.finish_reason) for c in done], pt, ct,
-                                                cached))
+        return JSONResponse(oai.completion_body(req, model, done, pt, ct, cached))
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (gateway/anthropic.py translates it), errors in its shape."""
@@ -274,9 +273,9 @@ class Gateway:
                 if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
                     yield w.error(oai.from_llamapool(item, chat=True))
                     break
-                if isinstance(item, str):
-                    if item:
-                        yield w.text(item)
+                if isinstance(item, StreamChunk):
+                    if item.text:
+                        yield w.text(item.text)
                     continue
                 yield w.end(item)
         finally:
@@ -306,9 +305,9 @@ class Gateway:
                 if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
                     yield w.error(oai.from_llamapool(item, chat, len(req.prompts)))
                     break
-                if isinstance(item, str):
-                    if item:
-                        yield w.text(index, item)
+                if isinstance(item, StreamChunk):
+                    if item.text or item.logprobs:
+                        yield w.text(index, item.text, item.logprobs)
                     continue
                 pt += item.usage.prompt_tokens
                 ct += item.usage.completion_tokens
@@ -374,10 +373,10 @@ async def _merge(streams: list[AsyncStream], first: list[Any]) -> AsyncIterator[
     if len(streams) == 1:  # the common case, without tasks
         s = streams[0]
         if first[0] is not None:
-            yield 0, first[0].text
+            yield 0, first[0]
         try:
             async for chunk in s:
-                yield 0, chunk.text
+                yield 0, chunk
         except LlamapoolError as e:
             yield 0, e
             return
@@ -389,9 +388,9 @@ async def _merge(streams: list[AsyncStream], first: list[Any]) -> AsyncIterator[
     async def pump(i: int, s: AsyncStream) -> None:
         try:
             if first[i] is not None:
-                queue.put_nowait((i, first[i].text))
+                queue.put_nowait((i, first[i]))
             async for chunk in s:
-                queue.put_nowait((i, chunk.text))
+                queue.put_nowait((i, chunk))
             queue.put_nowait((i, s.completion))
         except LlamapoolError as e:
             queue.put_nowait((i, e))
@@ -401,7 +400,7 @@ async def _merge(streams: list[AsyncStream], first: list[Any]) -> AsyncIterator[
         ended = 0
         while ended < len(streams):
             i, item = await queue.get()
-            if not isinstance(item, str):
+            if not isinstance(item, StreamChunk):
                 ended += 1
             yield i, item
             if isinstance(item, LlamapoolError):

@@ -105,8 +105,7 @@ class Request:
 
 
 _UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None, ""),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
@@ -135,9 +134,22 @@ def _model(body: dict[str, Any]) -> str | None:
     return named
 
 
-def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool]:
+def _completion_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """Completions' ``logprobs`` is a count (0 to 5) of alternatives: the contract's ``logprobs`` and
+    ``top_logprobs``."""
+    v = body.get("logprobs")
+    if v is None:
+        return body
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 5:
+        raise bad("logprobs", f"'logprobs' must be an integer from 0 to 5, got {limits.show(v)}")
+    return {**body, "logprobs": True, "top_logprobs": v}
+
+
+def _common(body: Any, default_max_tokens: int, chat: bool) -> tuple[dict[str, Any], bool, bool]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if not chat:
+        body = _completion_logprobs(body)
     for key, fine in _UNSUPPORTED.items():
         if key in body and body[key] not in fine:
             raise ApiError(400, f"'{key}' is not supported by llamapool (got {body[key]!r})",
@@ -180,7 +192,7 @@ def _common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, b
 
 def parse_completion(body: Any) -> Request:
     """``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids."""
-    sent, stream, include_usage = _common(body, 16)
+    sent, stream, include_usage = _common(body, 16, chat=False)
     p = body.get("prompt")
     prompts: list[Prompt]
     if isinstance(p, str):
@@ -238,7 +250,7 @@ def _content(m: dict[str, Any], at: str, role: str) -> str:
 
 def parse_chat(body: Any) -> Request:
     """``POST /v1/chat/completions``: the messages go to the worker, which renders the model's template."""
-    sent, stream, include_usage = _common(body, 1 << 20)  # until end of turn or the context
+    sent, stream, include_usage = _common(body, 1 << 20, chat=True)  # until end of turn or the context
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -277,16 +289,40 @@ def finish(reason: str) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
+def chat_logprobs(entries: list[Any] | None) -> dict[str, Any] | None:
+    """Chat's ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
+    if entries is None:
+        return None
+
+    def one(e: list[Any]) -> dict[str, Any]:
+        return {"token": e[0], "logprob": e[1], "bytes": e[2]}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e[3]]} for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[Any] | None, offset: int = 0) -> dict[str, Any] | None:
+    """Completions' ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob maps)
+    and ``text_offset`` (each token's offset in the text, from ``offset``)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e[0])
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [{t[0]: t[1] for t in e[3]} for e in entries], "text_offset": offsets}
+
+
 def tool_calls(c: Completion) -> list[dict[str, Any]]:
     return [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
             for t in c.tool_calls]
 
 
-def completion_body(req: Request, model: str, choices: list[tuple[str, str]], pt: int, ct: int,
+def completion_body(req: Request, model: str, done: list[Completion], pt: int, ct: int,
                     cached: int = 0) -> dict[str, Any]:
     return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": model,
-            "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish(reason)}
-                        for i, (text, reason) in enumerate(choices)],
+            "choices": [{"text": c.text, "index": i, "logprobs": completion_logprobs(c.logprobs),
+                         "finish_reason": finish(c.finish_reason)} for i, c in enumerate(done)],
             "usage": usage(pt, ct, cached)}
 
 
@@ -296,7 +332,8 @@ def chat_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
         message["content"] = c.text or None
         message["tool_calls"] = tool_calls(c)
     return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish(c.finish_reason)}],
+            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(c.logprobs),
+                         "finish_reason": finish(c.finish_reason)}],
             "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens)}
 
 
@@ -306,6 +343,7 @@ class ChunkWriter:
 
     def __init__(self, req: Request, model: str, chat: bool):
         self.chat = chat
+        self._offsets: dict[int, int] = {}  # a completion's text offset so far, per choice
         obj = "chat.completion.chunk" if chat else "text_completion"
         ident = f"chatcmpl-{req.id}" if chat else f"cmpl-{req.id}"
         self._head = (f'data: {{"id":"{ident}","object":"{obj}","created":{req.created},'
@@ -316,12 +354,17 @@ class ChunkWriter:
         return (self._head + f'{{"index":{index},"delta":{{"role":"assistant","content":""}},'
                 f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
 
-    def text(self, index: int, text: str) -> bytes:
+    def text(self, index: int, text: str, logprobs: list[Any] | None = None) -> bytes:
         if self.chat:
-            choice = (f'{{"index":{index},"delta":{{"content":{json.dumps(text)}}},'
-                      '"logprobs":null,"finish_reason":null}')
+            lp = "null" if logprobs is None else json.dumps(chat_logprobs(logprobs))
+            choice = (f'{{"index":{index},"delta":{{"content":{json.dumps(text)}}},"logprobs":{lp},'
+                      '"finish_reason":null}')
         else:
-            choice = f'{{"text":{json.dumps(text)},"index":{index},"logprobs":null,"finish_reason":null}}'
+            lp = "null"
+            if logprobs is not None:
+                lp = json.dumps(completion_logprobs(logprobs, self._offsets.get(index, 0)))
+                self._offsets[index] = self._offsets.get(index, 0) + sum(len(e[0]) for e in logprobs)
+            choice = f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{lp},"finish_reason":null}}'
         return (self._head + choice + "]}\n\n").encode()
 
     def tool_calls(self, index: int, c: Completion) -> bytes:

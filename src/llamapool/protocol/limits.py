@@ -47,6 +47,8 @@ PARAMS: dict[str, Limit] = {
     "presence_penalty": Limit(-2, 2),  # OpenAI's ranges and semantics (over the generated tokens)
     "frequency_penalty": Limit(-2, 2),
     "logit_bias": Limit(-100, 100),  # each bias of the map
+    "top_logprobs": Limit(0, 20, integer=True),  # OpenAI chat's range (its completions take 0 to 5)
+    "n": Limit(1, 128, integer=True),  # choices per prompt (a worker also refuses more than its slots)
 }
 
 

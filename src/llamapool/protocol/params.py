@@ -206,6 +206,12 @@ class SamplingParams:
     tool_choice: str | dict[str, Any] | None = field(default=None, metadata=_meta(
         check_tool_choice, 'none | auto (the default with tools) | required | {"type": "function", ...}'))
     parallel_tool_calls: bool = field(default=True, metadata=_meta(boolean, "whether a reply may call several tools"))
+    logprobs: bool = field(default=False, metadata=_meta(
+        boolean, "each generated token's log-probability under the model (the raw distribution: docs/sdk.md)"))
+    top_logprobs: int = field(default=0, metadata=_meta(
+        number, "with logprobs: the likeliest tokens at each position and theirs, 0 to 20"))
+    n: int = field(default=1, metadata=_meta(
+        number, "choices per prompt: the prompt is computed once and its KV copied (seed + i each, if seeded)"))
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp as L
@@ -92,6 +92,7 @@ class Sequence:
     out_idx: int = -1  # batch index of this sequence's logits in the current step
     arrived: int = 0  # the engine step its request arrived at (prompt chunks: scheduler.priority)
     reused: int = 0  # prompt tokens its KV had from the prefix cache
+    logprobs: list[list[Any]] = field(default_factory=list)  # entries not yet sent (with ``logprobs``)
 
     @property
     def prefilling(self) -> bool:
@@ -676,6 +677,8 @@ class Engine:
         if (not p.ignore_eos or matcher is not None) and tok in self._eog:
             self._finish(seq, "stop", out)
             return None
+        if p.logprobs:
+            seq.logprobs.append(self._logprob_entry(seq, tok))
         seq.generated += 1
         seq.last = tok
         if tok in self.chat.tool_format.special.values() and p.tools:
@@ -694,7 +697,26 @@ class Engine:
         if seq.text.stopped:
             self._finish(seq, "stop", out, delta)
         elif delta and seq.stream:
-            out.deltas.append(Delta(seq.rid, delta, seq.generated))
+            out.deltas.append(Delta(seq.rid, delta, seq.generated, self._sent_logprobs(seq)))
+
+    def _logprob_entry(self, seq: Sequence, tok: int) -> list[Any]:
+        """A token's logprob entry as the wire carries it: ``[text, logprob, bytes, top]``, ``top`` a list
+        of ``[text, logprob, bytes]`` (protocol.md, 5.1)."""
+        lp, top = self.sampling.logprobs(seq.out_idx, tok, seq.params.top_logprobs)
+
+        def described(t: int, v: float) -> list[Any]:
+            piece = self._piece_of(t)
+            return [piece.decode(errors="replace"), round(v, 6), list(piece)]
+
+        return [*described(tok, lp), [described(t, v) for t, v in top]]
+
+    @staticmethod
+    def _sent_logprobs(seq: Sequence) -> list[list[Any]] | None:
+        """The entries not sent yet (None without logprobs), now taken."""
+        if not seq.logprobs:
+            return None
+        sent, seq.logprobs = seq.logprobs, []
+        return sent
 
     def _piece_of(self, tok: int) -> bytes:
         piece = self._pieces.get(tok)
@@ -706,13 +728,14 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
         delta += seq.text.finish()
         if delta and seq.stream:
-            out.deltas.append(Delta(seq.rid, delta, seq.generated))
+            out.deltas.append(Delta(seq.rid, delta, seq.generated, self._sent_logprobs(seq)))
         text, calls = seq.text.text, None
         if seq.params.tools and seq.params.tool_choice != "none" and reason != "cancelled":
             content, found = self.chat.tool_format.parse(text, seq.params.tools)
             if found:
                 text, calls, reason = content, found, ("tool_calls" if reason == "stop" else reason)
-        out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls, seq.reused))
+        out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls, seq.reused,
+                             self._sent_logprobs(seq)))
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

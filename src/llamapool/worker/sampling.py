@@ -87,7 +87,7 @@ class Sampling:
         """Whether the decode graph samples for ``p``: GPU sampling, and nothing the graph cannot do
         (penalties and biases, and masks, are applied on the host: llama.cpp's in-graph samplers are
         its greedy, top-k/p, min-p, temperature and dist ones)."""
-        return self.gpu and not p.adjusts_logits and not p.constrained
+        return self.gpu and not p.adjusts_logits and not p.constrained and not p.logprobs
 
     def check(self, p: SamplingParams) -> None:
         """What only the model can check: ``logit_bias`` names tokens of its vocabulary."""
@@ -208,6 +208,19 @@ class Sampling:
         s.matcher.consume_token(tok)
         s.masked = False
         return tok
+
+    def logprobs(self, idx: int, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+        """``tok``'s log-probability in output row ``idx`` and the ``top`` likeliest tokens with theirs:
+        the log-softmax of the model's logits as the sampler saw them (before temperature, top-k/p,
+        penalties; after a grammar's mask when one was applied to the row)."""
+        row = self._logits(idx)
+        m = float(row.max())
+        lse = m + float(np.log(np.exp(row - m, dtype=np.float32).sum(dtype=np.float64)))
+        best: list[tuple[int, float]] = []
+        if top:
+            ids = np.argpartition(row, -top)[-top:]
+            best = sorted(((int(i), float(row[i]) - lse) for i in ids), key=lambda e: -e[1])
+        return float(row[tok]) - lse, best
 
     def _address(self, idx: int) -> int:
         return ctypes.cast(L.llama_get_logits_ith(self.ctx, idx), ctypes.c_void_p).value or 0
