@@ -1,9 +1,15 @@
-"""asyncio client: the same calls as :class:`llamapool.Client`, as coroutines."""
+"""asyncio client: the same calls as :class:`llamapool.Client`, as coroutines.
+
+Lifetime as for the blocking client: the process's one ZeroMQ context (an asyncio shadow of
+:func:`llamapool.client.sync.shared_context`), never terminated; a client closes its own socket.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import weakref
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -27,11 +33,108 @@ from llamapool.client.calls import (
     send_timeout_ms,
     status_of,
 )
-from llamapool.client.errors import LlamapoolError, RequestTimeoutError
+from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
+from llamapool.client.sync import CLOSE_LINGER_MS, closed_error, shared_async_context
 from llamapool.client.types import Completion, StreamChunk
-from llamapool.config import default_frontend
 from llamapool.protocol import codec
-from llamapool.protocol.messages import Cancel, Message, MetricsRequest, Prompt, StatusRequest
+from llamapool.protocol.endpoints import default_frontend
+from llamapool.protocol.messages import Cancel, Error, Message, MetricsRequest, Prompt, StatusRequest
+
+_CLOSED = Error(None, "closed", "")  # put in the queue of each waiting request by close(): raises closed_error
+
+
+async def _read(sock: zmq.asyncio.Socket, waiting: dict[str, asyncio.Queue[Message]]) -> None:
+    """Hand each reply to the queue of the request that waits for it (ends when the socket closes)."""
+    while True:
+        msg = decode_reply(await sock.recv_multipart())
+        q = waiting.get(getattr(msg, "id", None) or "")
+        if q is not None:
+            q.put_nowait(msg)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a cancel that could not be sent (not connected): nothing runs there to cancel
+
+
+class _Link:
+    """An AsyncClient's socket, its reader task and its requests' queues. It holds no reference to the
+    client (nor does the reader task), so a client dropped unclosed is freed, and its finaliser closes
+    this: from the loop's thread at once, from another thread through the loop, never waiting."""
+
+    def __init__(self, endpoint: str, keys: tuple[bytes, bytes, bytes] | None):
+        self.pid = os.getpid()
+        self.closed = False
+        self.sock: zmq.asyncio.Socket = shared_async_context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        if keys is not None:
+            self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = keys
+        self.sock.connect(endpoint)
+        self.waiting: dict[str, asyncio.Queue[Message]] = {}
+        self.inflight: set[str] = set()  # generate requests sent and not finished: close() cancels them
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.reader: asyncio.Task[None] | None = None
+
+    def start(self) -> zmq.asyncio.Socket:
+        """The socket, with its reader running in this loop; a closed client raises."""
+        if self.pid != os.getpid():
+            raise UnavailableError("closed", "this AsyncClient was made before a fork(), in the parent process: "
+                                   "its socket and event loop cannot be used in the child; make a new one here")
+        if self.closed:
+            raise closed_error("AsyncClient")
+        if self.reader is None or self.reader.done():
+            self.loop = asyncio.get_running_loop()
+            self.reader = self.loop.create_task(_read(self.sock, self.waiting))
+        return self.sock
+
+    def cancel(self, rid: str) -> None:
+        """Ask the daemon to stop ``rid`` if it has not finished; never waits."""
+        self.waiting.pop(rid, None)
+        if rid in self.inflight:
+            self.inflight.discard(rid)
+            if not self.sock.closed and self.pid == os.getpid():
+                self.sock.send(codec.encode(Cancel(rid)), zmq.NOBLOCK).add_done_callback(  # type: ignore[attr-defined]
+                    _retrieve)
+
+    def close(self) -> None:
+        """Stop the reader, close the socket and end the calls waiting on it. Idempotent; from any thread;
+        never waits."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.pid != os.getpid():
+            return
+        loop = self.loop
+        if loop is None or loop.is_closed() or loop is _running_loop():
+            self._close_here()
+            return
+        try:
+            loop.call_soon_threadsafe(self._close_here)
+        except RuntimeError:  # the loop closed meanwhile: nothing of it runs any more
+            self._close_here()
+
+    def _close_here(self) -> None:
+        """In the loop's thread, or anywhere once the loop is gone (each step may find it closed)."""
+        with contextlib.suppress(Exception):
+            if self.reader is not None:
+                self.reader.cancel()
+            for q in self.waiting.values():
+                q.put_nowait(_CLOSED)
+        if self.inflight and not self.sock.closed:
+            plain: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)  # sends without the event loop
+            for rid in self.inflight:
+                with contextlib.suppress(zmq.ZMQError):
+                    plain.send(codec.encode(Cancel(rid)), zmq.NOBLOCK)
+        self.inflight.clear()
+        with contextlib.suppress(Exception):
+            self.sock.close()  # LINGER lets the cancels leave; nothing waits for them
 
 
 class AsyncStream:
@@ -70,7 +173,9 @@ class AsyncStream:
 class AsyncClient:
     """One DEALER socket; a reader task hands each reply to the request that waits for it.
 
-    ``model``, ``server_public_key`` and ``client_key``: as for :class:`llamapool.Client`.
+    ``model``, ``server_public_key`` and ``client_key``: as for :class:`llamapool.Client`. ``await close()``
+    (or ``async with``) closes the socket and ends the calls waiting on it; a client dropped unclosed
+    closes it when it is freed. It cannot be used in a process forked after it was made.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
@@ -79,34 +184,33 @@ class AsyncClient:
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
         self.model = model
-        keys = curve_keys(self.endpoint, server_public_key, client_key)
-        self._zctx = zmq.asyncio.Context()
-        self._sock = self._zctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if keys is not None:
-            self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
-        self._sock.connect(self.endpoint)
-        self._waiting: dict[str, asyncio.Queue[Message]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._link = _Link(self.endpoint, curve_keys(self.endpoint, server_public_key, client_key))
+        weakref.finalize(self, self._link.close).atexit = False
 
-    async def _read(self) -> None:
-        while True:
-            msg = decode_reply(await self._sock.recv_multipart())
-            q = self._waiting.get(getattr(msg, "id", None) or "")
-            if q is not None:
-                q.put_nowait(msg)
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
 
-    async def _open(self, frame: bytes, rid: str, timeout: float | None = None) -> asyncio.Queue[Message]:
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.create_task(self._read())
+    async def _open(self, frame: bytes, rid: str, timeout: float | None = None,
+                    generate: bool = False) -> asyncio.Queue[Message]:
+        link = self._link
+        sock = link.start()
         q: asyncio.Queue[Message] = asyncio.Queue()
-        self._waiting[rid] = q
-        self._sock.sndtimeo = send_timeout_ms(timeout)
+        link.waiting[rid] = q
+        sock.sndtimeo = send_timeout_ms(timeout)
         try:
-            await self._sock.send(frame)
+            await sock.send(frame)
         except zmq.Again:
-            self._waiting.pop(rid, None)
+            link.waiting.pop(rid, None)
             raise not_connected(self.endpoint) from None
+        except asyncio.CancelledError:  # close() cancels the socket's futures: not this task's cancellation
+            link.waiting.pop(rid, None)
+            task = asyncio.current_task()
+            if link.closed and task is not None and not task.cancelling():
+                raise closed_error("AsyncClient") from None
+            raise
+        if generate:
+            link.inflight.add(rid)
         return q
 
     def _budget(self, timeout: float | None) -> tuple[float | None, float | None]:
@@ -116,16 +220,19 @@ class AsyncClient:
 
     async def _next(self, q: asyncio.Queue[Message], wait: float | None) -> Message:
         try:
-            return await asyncio.wait_for(q.get(), wait)
+            msg = await asyncio.wait_for(q.get(), wait)
         except TimeoutError:
             raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline") from None
+        if msg is _CLOSED:
+            raise closed_error("AsyncClient")
+        return msg
 
     async def _run(self, prompts: list[Prompt], batch: bool, timeout: float | None,
                    params: dict[str, Any], model: str | None) -> Pending:
         rid = new_id()
         t, wait = self._budget(timeout)
         frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model)
-        q = await self._open(frame, rid, t)
+        q = await self._open(frame, rid, t, generate=True)
         pending = Pending(len(prompts))
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
@@ -133,16 +240,16 @@ class AsyncClient:
             while not pending.done:
                 pending.feed(await self._next(q, None if end is None else end - loop.time()))
         except BaseException:
-            await self._cancel(rid)
+            self._cancel(rid)
             raise
         finally:
-            self._waiting.pop(rid, None)
+            self._link.waiting.pop(rid, None)
+        self._link.inflight.discard(rid)
         return pending
 
-    async def _cancel(self, rid: str) -> None:
-        self._waiting.pop(rid, None)
-        with contextlib.suppress(zmq.Again):  # not connected: nothing to cancel there
-            await self._sock.send(codec.encode(Cancel(rid)))
+    def _cancel(self, rid: str) -> None:
+        """Ask the daemon to stop ``rid``; never waits."""
+        self._link.cancel(rid)
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
                        **params: Any) -> Completion:
@@ -180,7 +287,7 @@ class AsyncClient:
                       done: list[Completion], model: str | None) -> AsyncGenerator[StreamChunk, None]:
         rid = new_id()
         t, wait = self._budget(timeout)
-        q = await self._open(generate_frame(rid, [prompt], False, True, t, params, model), rid, t)
+        q = await self._open(generate_frame(rid, [prompt], False, True, t, params, model), rid, t, generate=True)
         pending = Pending(1)
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
@@ -191,11 +298,12 @@ class AsyncClient:
                 if chunk is not None:
                     yield chunk
             finished = True
+            self._link.inflight.discard(rid)
             done.append(pending.completions()[0])  # or raise the final error
         finally:
             if not finished:
-                await self._cancel(rid)
-            self._waiting.pop(rid, None)
+                self._cancel(rid)
+            self._link.waiting.pop(rid, None)
 
     async def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's view (see ``Client.status``)."""
@@ -209,16 +317,15 @@ class AsyncClient:
         """Send a one-reply request and wait for its reply."""
         q = await self._open(codec.encode(request), request.id, timeout)
         try:
-            return await asyncio.wait_for(q.get(), timeout)
-        except TimeoutError:
+            return await self._next(q, timeout)
+        except RequestTimeoutError:
             raise no_answer(self.endpoint, timeout) from None
         finally:
-            self._waiting.pop(request.id, None)
+            self._link.waiting.pop(request.id, None)
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        self._zctx.destroy(linger=0)
+        """Close the socket; calls waiting on it end with an error. Idempotent; from any thread or loop."""
+        self._link.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

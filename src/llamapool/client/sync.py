@@ -1,15 +1,24 @@
-"""Blocking client. One socket per thread, so one ``Client`` may be shared by many threads."""
+"""Blocking client. One socket per thread, so one ``Client`` may be shared by many threads.
+
+Lifetime: every client of the process uses one ZeroMQ context (:func:`shared_context`), which is never
+terminated; a client closes only its own sockets, with :meth:`Client.close` or, when it is dropped
+unclosed, from the finaliser of each socket. Nothing here waits without a deadline, so no call, finaliser
+or garbage collection can hang another thread (issue 20).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
@@ -28,33 +37,140 @@ from llamapool.client.calls import (
     send_timeout_ms,
     status_of,
 )
-from llamapool.client.errors import LlamapoolError, RequestTimeoutError
+from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.types import Completion, StreamChunk
-from llamapool.config import default_frontend
 from llamapool.protocol import codec
+from llamapool.protocol.endpoints import default_frontend
 from llamapool.protocol.messages import Cancel, Message, MetricsRequest, Prompt, StatusRequest
+
+WAIT_SLICE = 0.25  # seconds: the longest single wait on a socket, after which a call sees a close()
+CLOSE_LINGER_MS = 1000  # a closed socket's last messages (a cancel) may still leave this long; never waited for
+MAX_SOCKETS = 16384  # of all clients of the process together (libzmq's default is 1023 per context)
+
+
+class _Shared:
+    """The process's one SDK context (and its asyncio shadow), made on first use and made anew in a
+    forked child (the parent's must not be used there). Never terminated: terminating waits for every
+    socket of every client, so a finaliser that terminates can hang whichever thread it runs in."""
+
+    lock = threading.Lock()
+    pid = 0
+    current: tuple[zmq.Context[Any], zmq.asyncio.Context] | None = None
+    inherited: list[Any] = []  # a forked child's copies of its parents' contexts: never used, never freed
+
+    @classmethod
+    def get(cls) -> tuple[zmq.Context[Any], zmq.asyncio.Context]:
+        current = cls.current
+        if current is None or cls.pid != os.getpid():
+            with cls.lock:
+                if cls.current is None or cls.pid != os.getpid():
+                    if cls.current is not None:
+                        cls.inherited.append(cls.current)
+                    ctx: zmq.Context[Any] = zmq.Context()
+                    ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
+                    cls.current, cls.pid = (ctx, zmq.asyncio.Context(shadow=ctx)), os.getpid()
+                current = cls.current
+        return current
+
+    @classmethod
+    def after_fork(cls) -> None:
+        cls.lock = threading.Lock()  # a thread of the parent may have held it
+
+
+os.register_at_fork(after_in_child=_Shared.after_fork)
+
+
+def shared_context() -> zmq.Context[Any]:
+    """The ZeroMQ context of every SDK client in this process (a new one in a forked child)."""
+    return _Shared.get()[0]
+
+
+def shared_async_context() -> zmq.asyncio.Context:
+    """:func:`shared_context` for asyncio sockets (a shadow: the same libzmq context)."""
+    return _Shared.get()[1]
+
+
+def closed_error(what: str = "Client") -> UnavailableError:
+    return UnavailableError("closed", f"this {what} is closed: make a new one")
+
+
+def forked_error(what: str) -> UnavailableError:
+    return UnavailableError("closed", f"this {what} was started before a fork(), in the parent process: "
+                            f"its socket cannot be used in the child; start it again here")
+
+
+class _Flag:
+    """A client's ``closed`` flag, shared with its connections (which hold no reference to the client)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = False
 
 
 class _Conn:
-    """A DEALER socket of one thread and the replies it holds for other requests."""
+    """A DEALER socket of one thread and the replies it holds for other requests.
 
-    def __init__(self, zctx: zmq.Context, endpoint: str, keys: tuple[bytes, bytes, bytes] | None = None):
-        self.sock = zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+    Its thread uses the socket holding ``lock``. Other threads (``Client.close``, a dropped stream's
+    cancel, a finaliser run by the garbage collector in any thread) only try the lock without waiting,
+    and otherwise leave the work to the owner. Dropping the last reference closes the socket.
+    """
+
+    def __init__(self, endpoint: str, keys: tuple[bytes, bytes, bytes] | None, closed: _Flag):
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.closed = closed
+        self.inflight: set[str] = set()  # requests sent and not finished: close() cancels them
+        self.cancels: deque[str] = deque()  # cancels that another thread could not send: the owner sends them
+        self.held: defaultdict[str, deque[Message]] = defaultdict(deque)
+        self.dropped: set[str] = set()
+        self.sock: zmq.Socket[bytes] = shared_context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         if keys is not None:
             self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = keys
         self.sock.connect(endpoint)
-        self.held: defaultdict[str, deque[Message]] = defaultdict(deque)
-        self.dropped: set[str] = set()
+
+    def acquire(self, deadline: float | None = None) -> None:
+        """Hold the socket for one step of a call (then :meth:`release`); a closed client, or the parent's
+        socket in a forked child, raises."""
+        if self.pid != os.getpid():
+            raise forked_error("request")
+        if not self.lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise RequestTimeoutError("timeout", "this thread's socket was busy until the deadline")
+        if self.closed.value:
+            self.release()
+            raise closed_error()
+        if self.cancels:
+            self._send_cancels()
+
+    def release(self) -> None:
+        self.lock.release()
+        if self.closed.value:  # closed from another thread while this one held the socket: closed here
+            self.close()
+
+    @contextlib.contextmanager
+    def use(self, deadline: float | None = None) -> Iterator[None]:
+        """:meth:`acquire` and :meth:`release` around a block."""
+        self.acquire(deadline)
+        try:
+            yield
+        finally:
+            self.release()
 
     def recv_for(self, rid: str, deadline: float | None) -> Message:
+        """The next reply to ``rid`` (the caller holds :meth:`use`); waits until ``deadline`` at most, in
+        slices, so that a ``close()`` from another thread ends the wait within one slice."""
         while True:
             if self.held.get(rid):
                 return self.held[rid].popleft()
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
+            if self.closed.value:
+                raise closed_error()
+            if self.cancels:
+                self._send_cancels()
+            wait = WAIT_SLICE if deadline is None else min(WAIT_SLICE, deadline - time.monotonic())
+            if wait <= 0:
                 raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline")
-            if not self.sock.poll(None if wait is None else max(1, int(wait * 1000))):
+            if not self.sock.poll(max(1, int(wait * 1000))):
                 continue
             msg = decode_reply(self.sock.recv_multipart())
             mid = getattr(msg, "id", None)
@@ -62,6 +178,89 @@ class _Conn:
                 return msg
             if mid is not None and mid not in self.dropped:
                 self.held[mid].append(msg)
+
+    def drop(self, rid: str) -> None:
+        """Forget ``rid``'s replies from now on (any thread)."""
+        self.inflight.discard(rid)
+        self.dropped.add(rid)
+        self.held.pop(rid, None)
+
+    def cancel(self, rid: str, locked: bool = False) -> None:
+        """Drop ``rid`` and ask the daemon to stop it; never waits. ``locked``: the caller holds :meth:`use`."""
+        if rid not in self.inflight:
+            return
+        self.drop(rid)
+        self.cancels.append(rid)
+        if locked:
+            self._send_cancels()
+        elif self.pid == os.getpid() and self.lock.acquire(blocking=False):
+            try:
+                self._send_cancels()
+            finally:
+                self.lock.release()
+
+    def _send_cancels(self) -> None:
+        while self.cancels and not self.sock.closed:
+            rid = self.cancels.popleft()
+            with contextlib.suppress(zmq.ZMQError):  # not connected: nothing runs there to cancel
+                self.sock.send(codec.encode(Cancel(rid)), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Close the socket unless its thread is using it (that thread closes it when done); never waits."""
+        if self.pid == os.getpid() and self.lock.acquire(blocking=False):
+            try:
+                self._close_locked()
+            finally:
+                self.lock.release()
+
+    def _close_locked(self) -> None:
+        if not self.sock.closed:
+            for rid in list(self.inflight):
+                self.drop(rid)
+                self.cancels.append(rid)
+            self._send_cancels()
+            self.sock.close()  # LINGER lets the cancels leave; nothing waits for them
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _Conns:
+    """A client's connections, one per thread. Holds no reference to the client, and the connections
+    none to it: dropping the client frees them, and each closes its socket."""
+
+    def __init__(self, endpoint: str, keys: tuple[bytes, bytes, bytes] | None):
+        self.endpoint, self.keys = endpoint, keys
+        self.closed = _Flag()
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.pid = os.getpid()
+        self.local = threading.local()
+        self.lock = threading.Lock()  # guards only the replacement of ``every``
+        self.every: tuple[weakref.ref[_Conn], ...] = ()
+
+    def mine(self) -> _Conn:
+        """This thread's connection (a new one in a forked child: the parent's sockets are never used)."""
+        if self.closed.value:
+            raise closed_error()
+        if self.pid != os.getpid():
+            self._fresh()
+        conn: _Conn | None = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = _Conn(self.endpoint, self.keys, self.closed)
+            self.local.conn = conn
+            with self.lock:  # held only here, by a thread of this client that is not in a finaliser
+                self.every = (*(r for r in self.every if r() is not None), weakref.ref(conn))
+        return conn
+
+    def close(self) -> None:
+        self.closed.value = True
+        for ref in self.every:  # a tuple replaced whole, so reading it needs no lock
+            conn = ref()
+            if conn is not None:
+                conn.close()
 
 
 class Stream:
@@ -72,8 +271,8 @@ class Stream:
     ``for chunk in client.stream(...)`` cancels at once.
     """
 
-    def __init__(self, client: Client, conn: _Conn, rid: str, deadline: float | None):
-        self._client, self._conn, self._rid, self._deadline = client, conn, rid, deadline
+    def __init__(self, conn: _Conn, rid: str, deadline: float | None):
+        self._conn, self._rid, self._deadline = conn, rid, deadline
         self._pending = Pending(1)
         self._open = True
         self.completion: Completion | None = None
@@ -84,23 +283,29 @@ class Stream:
     def __next__(self) -> StreamChunk:
         if not self._open:
             raise StopIteration
+        conn = self._conn
         try:
-            while not self._pending.done:
-                chunk = self._pending.feed(self._conn.recv_for(self._rid, self._deadline))
-                if chunk is not None:
-                    return chunk
+            conn.acquire(self._deadline)
+            try:
+                while not self._pending.done:
+                    chunk = self._pending.feed(conn.recv_for(self._rid, self._deadline))
+                    if chunk is not None:
+                        return chunk
+            finally:
+                conn.release()
         except BaseException:
             self.close()
             raise
         self._open = False
+        self._conn.inflight.discard(self._rid)
         self.completion = self._pending.completions()[0]  # raises the final error, if any
         raise StopIteration
 
     def close(self) -> None:
-        """Cancel the request if it has not finished."""
+        """Cancel the request if it has not finished (from any thread; never waits)."""
         if self._open:
             self._open = False
-            self._client._cancel(self._conn, self._rid)
+            self._conn.cancel(self._rid)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -120,6 +325,9 @@ class Client:
     For a ``tcp://`` endpoint with CURVE, give ``server_public_key`` (the router's ``.pub`` file, or its
     Z85 or raw key as bytes) and ``client_key`` (your ``.key`` file from ``llamapool keygen``, or the
     secret key as bytes); the router must list your public key. They are ignored on ``ipc://``.
+
+    ``close()`` (or ``with Client() as c:``) closes its sockets at once; a client dropped unclosed closes
+    them when it is freed. A client made before ``fork()`` works in the child with sockets of its own.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
@@ -128,20 +336,11 @@ class Client:
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
         self.model = model
-        self._keys = curve_keys(self.endpoint, server_public_key, client_key)
-        self._zctx = zmq.Context()
-        self._local = threading.local()
-        self._conns: list[_Conn] = []
-        self._lock = threading.Lock()
+        self._conns = _Conns(self.endpoint, curve_keys(self.endpoint, server_public_key, client_key))
 
-    def _conn(self) -> _Conn:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = _Conn(self._zctx, self.endpoint, self._keys)
-            self._local.conn = conn
-            with self._lock:
-                self._conns.append(conn)
-        return conn
+    @property
+    def closed(self) -> bool:
+        return self._conns.closed.value
 
     def _deadline(self, timeout: float | None) -> tuple[float | None, float | None]:
         t = check_timeout(self.timeout if timeout is None else timeout)
@@ -153,8 +352,10 @@ class Client:
         t, deadline = self._deadline(timeout)
         frame = generate_frame(rid, prompts, batch, stream, t, params, self.model if model is None else model)
         check_endpoint(self.endpoint)
-        conn = self._conn()
-        self._send(conn, frame, t)
+        conn = self._conns.mine()
+        with conn.use(deadline):
+            self._send(conn, frame, t)
+            conn.inflight.add(rid)
         return conn, rid, deadline
 
     def _send(self, conn: _Conn, frame: bytes, timeout: float | None) -> None:
@@ -165,19 +366,14 @@ class Client:
             raise not_connected(self.endpoint) from None
 
     def _collect(self, conn: _Conn, rid: str, pending: Pending, deadline: float | None) -> None:
-        try:
-            while not pending.done:
-                pending.feed(conn.recv_for(rid, deadline))
-        except RequestTimeoutError:
-            self._cancel(conn, rid)
-            raise
-
-    def _cancel(self, conn: _Conn, rid: str) -> None:
-        conn.dropped.add(rid)
-        conn.held.pop(rid, None)
-        with contextlib.suppress(zmq.ZMQError):  # the client may be closed already
-            conn.sock.send(codec.encode(Cancel(rid)),
-                           zmq.NOBLOCK)
+        with conn.use(deadline):
+            try:
+                while not pending.done:
+                    pending.feed(conn.recv_for(rid, deadline))
+            except BaseException:  # the deadline, a close() from another thread, KeyboardInterrupt
+                conn.cancel(rid, locked=True)
+                raise
+            conn.inflight.discard(rid)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
                  **params: Any) -> Completion:
@@ -192,7 +388,7 @@ class Client:
                **params: Any) -> Stream:
         """Stream a completion as text deltas."""
         conn, rid, deadline = self._submit([prompt], False, True, timeout, params, model)
-        return Stream(self, conn, rid, deadline)
+        return Stream(conn, rid, deadline)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
              model: str | None = None, **params: Any) -> Completion:
@@ -227,18 +423,20 @@ class Client:
 
     def _query(self, request: StatusRequest | MetricsRequest, timeout: float) -> Message:
         """Send a one-reply request and wait for its reply."""
-        conn = self._conn()
-        self._send(conn, codec.encode(request), timeout)
-        try:
-            return conn.recv_for(request.id, time.monotonic() + timeout)
-        except RequestTimeoutError:
-            conn.dropped.add(request.id)
-            raise no_answer(self.endpoint, timeout) from None
+        conn = self._conns.mine()
+        deadline = time.monotonic() + timeout
+        with conn.use(deadline):
+            self._send(conn, codec.encode(request), timeout)
+            try:
+                return conn.recv_for(request.id, deadline)
+            except RequestTimeoutError:
+                conn.drop(request.id)
+                raise no_answer(self.endpoint, timeout) from None
 
     def close(self) -> None:
-        with self._lock:
-            self._conns.clear()
-        self._zctx.destroy(linger=0)
+        """Close the client's sockets; calls in flight in other threads end with an error within a
+        fraction of a second. Idempotent, safe from any thread, never waits."""
+        self._conns.close()
 
     def __enter__(self) -> Client:
         return self

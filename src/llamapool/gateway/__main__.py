@@ -41,23 +41,23 @@ async def serve(spec: GatewaySpec) -> int:
     except OSError as e:
         log.error(f"FATAL: cannot listen on {spec.host}:{spec.port}: {e}")
         return 78
-    if spec.server_key:  # a tcp:// frontend with CURVE: the supervisor's internal key
-        client = AsyncClient(spec.frontend, timeout=spec.request_timeout,
-                             server_public_key=spec.server_key.encode(), client_key=spec.key_file)
-    else:
-        client = AsyncClient(spec.frontend, timeout=spec.request_timeout)
-    config = uvicorn.Config(Gateway(spec, client).app(), loop="none", http="httptools", lifespan="off",
-                            access_log=False, log_level="warning", timeout_keep_alive=30,
-                            timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
-    server = uvicorn.Server(config)
-    log.info(f"listening on http://{spec.host}:{spec.port}")
-    lifeline.report("listening")
-    watch = asyncio.create_task(_exit_with_supervisor(spec.name))
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        watch.cancel()
-        await client.close()
+    curve = bool(spec.server_key)  # a tcp:// frontend with CURVE: the supervisor's internal key
+    # one client for the process, closed on the way out whatever happens (a request still running on the
+    # daemon after the drain is cancelled there)
+    async with AsyncClient(spec.frontend, timeout=spec.request_timeout,
+                           server_public_key=spec.server_key.encode() if curve else None,
+                           client_key=spec.key_file if curve else None) as client:
+        config = uvicorn.Config(Gateway(spec, client).app(), loop="none", http="httptools", lifespan="off",
+                                access_log=False, log_level="warning", timeout_keep_alive=30,
+                                timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
+        server = uvicorn.Server(config)
+        log.info(f"listening on http://{spec.host}:{spec.port}")
+        lifeline.report("listening")
+        watch = asyncio.create_task(_exit_with_supervisor(spec.name))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watch.cancel()
     return 0
 
 
