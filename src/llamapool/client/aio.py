@@ -23,6 +23,7 @@ from llamapool.client.calls import (
     chat_prompt,
     check_endpoint,
     check_timeout,
+    choices,
     curve_keys,
     decode_reply,
     generate_frame,
@@ -153,6 +154,11 @@ class AsyncStream:
     def completion(self) -> Completion | None:
         return self._done[0] if self._done else None
 
+    @property
+    def completions(self) -> list[Completion]:
+        """Every choice's completion (``n``), in index order, once the stream is exhausted."""
+        return list(self._done)
+
     def __aiter__(self) -> AsyncStream:
         return self
 
@@ -233,7 +239,7 @@ class AsyncClient:
         t, wait = self._budget(timeout)
         frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model)
         q = await self._open(frame, rid, t, generate=True)
-        pending = Pending(len(prompts))
+        pending = Pending(len(prompts) * choices(params))
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
         try:
@@ -253,6 +259,7 @@ class AsyncClient:
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
                        **params: Any) -> Completion:
+        choices(params, one=True)
         return (await self._run([prompt], False, timeout, params, model)).completions()[0]
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
@@ -288,7 +295,7 @@ class AsyncClient:
         rid = new_id()
         t, wait = self._budget(timeout)
         q = await self._open(generate_frame(rid, [prompt], False, True, t, params, model), rid, t, generate=True)
-        pending = Pending(1)
+        pending = Pending(choices(params))
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
         finished = False
@@ -299,11 +306,51 @@ class AsyncClient:
                     yield chunk
             finished = True
             self._link.inflight.discard(rid)
-            done.append(pending.completions()[0])  # or raise the final error
+            done.extend(pending.completions())  # every choice's, or raise the final error
         finally:
             if not finished:
                 self._cancel(rid)
             self._link.waiting.pop(rid, None)
+
+    async def embed(self, inputs: EmbedInputs, *, timeout: float | None = None,
+                    model: str | None = None) -> Embeddings:
+        """The embedding of each input (see :meth:`llamapool.Client.embed`)."""
+        items = embed_inputs(inputs)
+        model = self.model if model is None else model
+        return (await self._task(lambda rid, t: Embed(rid, items, t, model), len(items), timeout)).embeddings()
+
+    async def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False,
+                       parse_special: bool = True, with_pieces: bool = False, timeout: float | None = None) -> list[Any]:
+        """``text``'s tokens (see :meth:`llamapool.Client.tokenize`)."""
+        model = self.model if model is None else model
+        return (await self._task(lambda rid, t: Tokenize(rid, text, add_special, parse_special, with_pieces, t,
+                                                         model), 1, timeout)).tokens()
+
+    async def detokenize(self, tokens: Sequence[int], *, model: str | None = None,
+                         timeout: float | None = None) -> str:
+        """The text of ``tokens`` (see :meth:`llamapool.Client.detokenize`)."""
+        model = self.model if model is None else model
+        ids = list(tokens)
+        return (await self._task(lambda rid, t: Detokenize(rid, ids, t, model), 1, timeout)).text()
+
+    async def _task(self, build: Callable[[str, float | None], Embed | Tokenize | Detokenize], n: int,
+                    timeout: float | None) -> TaskPending:
+        rid = new_id()
+        t, wait = self._budget(timeout)
+        q = await self._open(task_frame(build(rid, t)), rid, t, generate=True)
+        pending = TaskPending(n)
+        loop = asyncio.get_running_loop()
+        end = None if wait is None else loop.time() + wait
+        try:
+            while not pending.done:
+                pending.feed(await self._next(q, None if end is None else end - loop.time()))
+        except BaseException:
+            self._cancel(rid)
+            raise
+        finally:
+            self._link.waiting.pop(rid, None)
+        self._link.inflight.discard(rid)
+        return pending
 
     async def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's view (see ``Client.status``)."""

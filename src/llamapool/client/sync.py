@@ -14,19 +14,24 @@ import threading
 import time
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from llamapool.client.calls import (
+    EmbedInputs,
+    TaskPending,
+    embed_inputs,
+    task_frame,
     DEFAULT_TIMEOUT,
     KeySource,
     Pending,
     chat_prompt,
     check_endpoint,
     check_timeout,
+    choices,
     curve_keys,
     decode_reply,
     generate_frame,
@@ -38,10 +43,19 @@ from llamapool.client.calls import (
     status_of,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
-from llamapool.client.types import Completion, StreamChunk
+from llamapool.client.types import Completion, Embeddings, StreamChunk
 from llamapool.protocol import codec
 from llamapool.protocol.endpoints import default_frontend
-from llamapool.protocol.messages import Cancel, Message, MetricsRequest, Prompt, StatusRequest
+from llamapool.protocol.messages import (
+    Cancel,
+    Detokenize,
+    Embed,
+    Message,
+    MetricsRequest,
+    Prompt,
+    StatusRequest,
+    Tokenize,
+)
 
 WAIT_SLICE = 0.25  # seconds: the longest single wait on a socket, after which a call sees a close()
 CLOSE_LINGER_MS = 1000  # a closed socket's last messages (a cancel) may still leave this long; never waited for
@@ -271,11 +285,12 @@ class Stream:
     ``for chunk in client.stream(...)`` cancels at once.
     """
 
-    def __init__(self, conn: _Conn, rid: str, deadline: float | None):
+    def __init__(self, conn: _Conn, rid: str, deadline: float | None, n: int = 1):
         self._conn, self._rid, self._deadline = conn, rid, deadline
-        self._pending = Pending(1)
+        self._pending = Pending(n)  # one reply per choice (``n``): chunks carry their ``index``
         self._open = True
         self.completion: Completion | None = None
+        self.completions: list[Completion] = []  # every choice's, in index order, once it is exhausted
 
     def __iter__(self) -> Stream:
         return self
@@ -298,7 +313,8 @@ class Stream:
             raise
         self._open = False
         self._conn.inflight.discard(self._rid)
-        self.completion = self._pending.completions()[0]  # raises the final error, if any
+        self.completions = self._pending.completions()  # raises the final error, if any
+        self.completion = self.completions[0]
         raise StopIteration
 
     def close(self) -> None:
@@ -379,6 +395,7 @@ class Client:
                  **params: Any) -> Completion:
         """Generate a completion for one prompt (text or token ids) with ``model`` (a name in the pool;
         None: the client's ``model``, else the pool's first)."""
+        choices(params, one=True)
         conn, rid, deadline = self._submit([prompt], False, False, timeout, params, model)
         pending = Pending(1)
         self._collect(conn, rid, pending, deadline)
@@ -388,7 +405,7 @@ class Client:
                **params: Any) -> Stream:
         """Stream a completion as text deltas."""
         conn, rid, deadline = self._submit([prompt], False, True, timeout, params, model)
-        return Stream(conn, rid, deadline)
+        return Stream(conn, rid, deadline, choices(params))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
              model: str | None = None, **params: Any) -> Completion:
@@ -404,13 +421,59 @@ class Client:
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                       return_exceptions: bool = False, model: str | None = None, **params: Any
                       ) -> list[Completion] | list[Completion | LlamapoolError]:
-        """One micro-batch message; one result per prompt, in order."""
+        """One micro-batch message; one result per prompt, in order (with ``n``: ``n`` per prompt, the
+        choices of prompt ``i`` at ``i * n`` to ``i * n + n - 1``)."""
         conn, rid, deadline = self._submit(list(prompts), True, False, timeout, params, model)
-        pending = Pending(len(prompts))
+        pending = Pending(len(prompts) * choices(params))
         self._collect(conn, rid, pending, deadline)
         if return_exceptions:
             return [r for r in pending.results if r is not None]
         return pending.completions()
+
+    def embed(self, inputs: EmbedInputs, *, timeout: float | None = None, model: str | None = None) -> Embeddings:
+        """The embedding of each input (a text, a list of token ids, or a list of them) by ``model``, an
+        embedding model of the pool (``embedding = true``): one L2-normalised vector per input, in order
+        (an :class:`Embeddings` list, with ``prompt_tokens`` and ``model``). Its worker computes the
+        inputs together in one ``llama_decode``."""
+        items = embed_inputs(inputs)
+        model = self.model if model is None else model
+        return self._task(lambda rid, t: Embed(rid, items, t, model), len(items), timeout).embeddings()
+
+    def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False, parse_special: bool = True,
+                 with_pieces: bool = False, timeout: float | None = None) -> list[Any]:
+        """``text``'s token ids by ``model``'s tokenizer, as llama-server's ``/tokenize`` gives them
+        (``add_special``: BOS as the model adds it; ``with_pieces``: ``{"id", "piece"}`` maps). Answered
+        at once by a worker of the model, even one busy generating."""
+        model = self.model if model is None else model
+        return self._task(lambda rid, t: Tokenize(rid, text, add_special, parse_special, with_pieces, t, model), 1,
+                          timeout).tokens()
+
+    def detokenize(self, tokens: Sequence[int], *, model: str | None = None, timeout: float | None = None) -> str:
+        """The text of ``tokens`` by ``model``'s tokenizer (llama-server's ``/detokenize``)."""
+        model = self.model if model is None else model
+        ids = list(tokens)
+        return self._task(lambda rid, t: Detokenize(rid, ids, t, model), 1, timeout).text()
+
+    def _task(self, build: Callable[[str, float | None], Embed | Tokenize | Detokenize], n: int,
+              timeout: float | None) -> TaskPending:
+        """Send an embed, tokenize or detokenize request and gather its ``n`` final replies."""
+        rid = new_id()
+        t, deadline = self._deadline(timeout)
+        frame = task_frame(build(rid, t))
+        check_endpoint(self.endpoint)
+        conn = self._conns.mine()
+        pending = TaskPending(n)
+        with conn.use(deadline):
+            self._send(conn, frame, t)
+            conn.inflight.add(rid)
+            try:
+                while not pending.done:
+                    pending.feed(conn.recv_for(rid, deadline))
+            except BaseException:
+                conn.cancel(rid, locked=True)
+                raise
+            conn.inflight.discard(rid)
+        return pending
 
     def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's view: ``models`` (name, workers, queued, running; the first is the default),

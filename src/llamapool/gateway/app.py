@@ -229,12 +229,10 @@ class Gateway:
             return error_response(oai.from_llamapool(e, chat, n_prompts))
         except TypeError as e:  # a parameter the SDK refuses
             return error_response(oai.ApiError(400, str(e)))
-        pt = sum(c.usage.prompt_tokens for c in done)
-        ct = sum(c.usage.completion_tokens for c in done)
-        cached = sum(c.usage.cached_tokens for c in done)
+        pt, ct, cached = oai.totals(done, req.params.get("n", 1))
         model = done[0].model or req.model or self.spec.model
         if chat:
-            return JSONResponse(oai.chat_body(req, model, done[0]))
+            return JSONResponse(oai.chat_body(req, model, done, pt, ct, cached))
         return JSONResponse(oai.completion_body(req, model, done, pt, ct, cached))
 
     async def messages(self, request: Request) -> Response:
@@ -299,9 +297,11 @@ class Gateway:
         w = oai.ChunkWriter(req, req.model or self.spec.model, chat)
         pt = ct = cached = 0
         try:
+            n = req.params.get("n", 1)
             if chat:
-                yield w.first(0)
-            async for index, item in _merge(streams, first):
+                for j in range(n):
+                    yield w.first(j)
+            async for index, item in _merge(streams, first, n):
                 if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
                     yield w.error(oai.from_llamapool(item, chat, len(req.prompts)))
                     break
@@ -309,9 +309,10 @@ class Gateway:
                     if item.text or item.logprobs:
                         yield w.text(index, item.text, item.logprobs)
                     continue
-                pt += item.usage.prompt_tokens
+                if index % n == 0:  # a prompt counts once for its n choices
+                    pt += item.usage.prompt_tokens
+                    cached += item.usage.cached_tokens
                 ct += item.usage.completion_tokens
-                cached += item.usage.cached_tokens
                 if item.tool_calls:
                     yield w.tool_calls(index, item)
                 yield w.end(index, item.finish_reason)
@@ -368,37 +369,39 @@ async def _start(streams: list[AsyncStream]) -> list[Any]:
     return firsts
 
 
-async def _merge(streams: list[AsyncStream], first: list[Any]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave the streams' items as ``(index, text | Completion | LlamapoolError)``."""
+async def _merge(streams: list[AsyncStream], first: list[Any], n: int = 1) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave the streams' items as ``(index, StreamChunk | Completion | LlamapoolError)``: stream ``i``
+    (prompt ``i``) has ``n`` choices, indexed ``i * n + j`` (a chunk's ``index`` is its choice ``j``)."""
     if len(streams) == 1:  # the common case, without tasks
         s = streams[0]
         if first[0] is not None:
-            yield 0, first[0]
+            yield first[0].index, first[0]
         try:
             async for chunk in s:
-                yield 0, chunk
+                yield chunk.index, chunk
         except LlamapoolError as e:
             yield 0, e
             return
-        assert s.completion is not None
-        yield 0, s.completion
+        for c in s.completions:
+            yield c.index, c
         return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, s: AsyncStream) -> None:
         try:
             if first[i] is not None:
-                queue.put_nowait((i, first[i]))
+                queue.put_nowait((i * n + first[i].index, first[i]))
             async for chunk in s:
-                queue.put_nowait((i, chunk))
-            queue.put_nowait((i, s.completion))
+                queue.put_nowait((i * n + chunk.index, chunk))
+            for c in s.completions:
+                queue.put_nowait((i * n + c.index, c))
         except LlamapoolError as e:
-            queue.put_nowait((i, e))
+            queue.put_nowait((i * n, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         ended = 0
-        while ended < len(streams):
+        while ended < len(streams) * n:
             i, item = await queue.get()
             if not isinstance(item, StreamChunk):
                 ended += 1

@@ -105,7 +105,7 @@ class Request:
 
 
 _UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
@@ -326,15 +326,24 @@ def completion_body(req: Request, model: str, done: list[Completion], pt: int, c
             "usage": usage(pt, ct, cached)}
 
 
-def chat_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
-    if c.tool_calls:
-        message["content"] = c.text or None
-        message["tool_calls"] = tool_calls(c)
+def chat_body(req: Request, model: str, done: list[Completion], pt: int, ct: int, cached: int = 0) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(done):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        if c.tool_calls:
+            message["content"] = c.text or None
+            message["tool_calls"] = tool_calls(c)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(c.logprobs),
+                        "finish_reason": finish(c.finish_reason)})
     return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(c.logprobs),
-                         "finish_reason": finish(c.finish_reason)}],
-            "usage": usage(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.cached_tokens)}
+            "choices": choices, "usage": usage(pt, ct, cached)}
+
+
+def totals(done: list[Completion], n: int) -> tuple[int, int, int]:
+    """``usage``'s prompt, completion and cached tokens: a prompt counted once for its ``n`` choices."""
+    firsts = done[::n]
+    return (sum(c.usage.prompt_tokens for c in firsts), sum(c.usage.completion_tokens for c in done),
+            sum(c.usage.cached_tokens for c in firsts))
 
 
 class ChunkWriter:

@@ -276,6 +276,13 @@ def consistent(p: SamplingParams) -> None:
                                             f"(given: {', '.join(names)})")
 
 
+def choice(p: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of choice ``j`` of ``n``: its own seed (``seed + j``) when one is given."""
+    if j == 0 or p.seed is None:
+        return p
+    return dataclasses.replace(p, seed=(p.seed + j) & limits.MAX_SEED)
+
+
 def to_wire(p: SamplingParams) -> dict[str, Any]:
     """The parameters that differ from their defaults, as the wire (and :func:`parse`) takes them."""
     out = {}

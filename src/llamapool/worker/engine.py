@@ -329,6 +329,9 @@ class Engine:
         try:
             if run.params.tools and not chat:
                 raise ParamError("tools", "'tools' need a chat prompt (messages), not a text or token prompt")
+            if run.params.n > self.cfg.slots:
+                raise ParamError("n", f"'n' is {run.params.n}; a worker of this model has {self.cfg.slots} slots "
+                                      f"(workers.slots), and a prompt's choices run on one worker")
             spec = spec_of(run.params, self.chat.tool_format)
             self.sampling.check(run.params)
             tokens = self._prompt_tokens(run.prompt, run.params.tools)
@@ -517,7 +520,7 @@ class Engine:
         prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
                    for s in self.active.values() if s.prefilling]
         prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False)
-                    for i, w in enumerate(self.waiting) if w.ready]
+                    for i, w in enumerate(self.waiting) if self._may_start(w)]
         ahead, free = [], len(self.free_ids)  # what could run this step, first in line first
         for p in sorted(prompts, key=lambda p: priority(p, now)):
             if p.running or free > 0:
@@ -536,6 +539,18 @@ class Engine:
                 chunk[seq.seq_id] = min(n, len(seq.tokens) - seq.n_past)
         self.budget = budget
         return chunk
+
+    def _may_start(self, w: Waiting) -> bool:
+        """Its grammar is compiled; and a prompt's second and later choices (``n``) wait until the first
+        one's prompt is computed, so that they copy its KV (``_take_slot``) rather than compute it again."""
+        if not w.ready:
+            return False
+        if w.run.after < 0:
+            return True
+        if any(x.rid == w.run.after for x in self.waiting):
+            return False
+        first = self._find(w.run.after)
+        return first is None or not first.prefilling
 
     def _refuse_bad_grammars(self, out: Step) -> None:
         """Waiting runs whose grammar did not compile fail (before they take a slot), naming the parameter."""
