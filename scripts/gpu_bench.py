@@ -242,7 +242,7 @@ def main() -> int:
     from llamapool.bench import drivers
     from llamapool.bench.ceiling import measure as ceiling
     from llamapool.bench.scenarios import run as scenario
-    from llamapool.bench.workloads import FIXED, make_workload
+    from llamapool.bench.workloads import CHOICES, FIXED, make_workload
     from llamapool.modelgen import make_model
 
     out = Path(args.out)
@@ -301,7 +301,7 @@ def main() -> int:
     def workload(name: str, k: int = 1) -> tuple[Any, int]:
         """``name``'s requests (``k`` times as many) and its concurrency."""
         c = min(args.concurrency, args.long_concurrency) if name == "long" else args.concurrency
-        n = k * (args.requests or (2 * c if name == "long" else 4 * c))
+        n = k * (args.requests or (2 * c if name == "long" else 4 * c)) // CHOICES.get(name, 1)  # n4: 4 choices each
         ctx = args.ctx if name == "mixed" else sum(FIXED[name])
         return make_workload(name, n, n_vocab, seed=args.seed, ctx=ctx), c
 
@@ -329,7 +329,7 @@ def main() -> int:
                     port = free_port()
                     http = f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = {args.gateway}\n'
                 proc, ep, logf, _ = daemon(f"{name}-llamapool", c, ctx_slot, http=http)
-                r, eng = drive_llamapool(ep, work, c)
+                r, eng = drive_llamapool(ep, work, c // CHOICES.get(name, 1))  # c sequences in all
                 if args.gateway:  # the same requests through the gateway, same daemon
                     time.sleep(1.0)
                     g = drivers.run(drivers.Target("http-openai", f"http://127.0.0.1:{port}"), work, c, args.procs)
@@ -347,7 +347,7 @@ def main() -> int:
                     try:
                         srv.wait_healthy()
                         transport = "http-llama" if args.peer_api == "llama" else "http-openai"
-                        r = drivers.run(drivers.Target(transport, srv.url), work, c, args.procs)
+                        r = drivers.run(drivers.Target(transport, srv.url), work, c // CHOICES.get(name, 1), args.procs)
                     finally:
                         srv.stop()
                     record({**r.as_dict(), "service": "llama-server", "server_args": srv.args[1:]})

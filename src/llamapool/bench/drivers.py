@@ -167,14 +167,20 @@ class SdkTransport(_Transport):
 
     async def run(self, req: Request, on_tokens: OnTokens) -> int:
         # the final result's completion_tokens also counts tokens whose text came in no chunk
-        constraint = {} if req.json_schema is None else {"json_schema": req.json_schema}
+        extra: dict[str, Any] = {} if req.json_schema is None else {"json_schema": req.json_schema}
+        if req.top_logprobs >= 0:
+            extra.update(logprobs=True, top_logprobs=req.top_logprobs)
+        if req.n > 1:
+            extra["n"] = req.n
         stream = self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True,
-                                    **constraint)
+                                    **extra)
+        counts = [0] * req.n  # tokens so far of each choice
         async with stream:
             async for chunk in stream:
-                on_tokens(chunk.tokens)
+                counts[chunk.index] = chunk.tokens
+                on_tokens(sum(counts))
         assert stream.completion is not None  # a failed request raised instead
-        return int(stream.completion.usage.completion_tokens)
+        return sum(int(c.usage.completion_tokens) for c in stream.completions)
 
 
 async def _sse(content: Any) -> AsyncIterator[str]:
@@ -243,14 +249,33 @@ class HttpTransport(_Transport):
             await self.session.close()
 
     def body(self, req: Request) -> dict[str, Any]:
-        constraint = {} if req.json_schema is None else {"json_schema": req.json_schema}  # both servers' field
+        extra: dict[str, Any] = {} if req.json_schema is None else {"json_schema": req.json_schema}  # both's field
         if self.openai:
+            if req.top_logprobs >= 0:
+                extra["logprobs"] = req.top_logprobs
             return {"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
-                    "ignore_eos": True, "stream_options": {"include_usage": True}, **constraint}
+                    "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
+        if req.top_logprobs >= 0:  # llama-server's: the probabilities of the n likeliest tokens
+            extra["n_probs"] = max(1, req.top_logprobs)
         return {"prompt": list(req.prompt), "n_predict": req.max_tokens, "temperature": 0.0, "stream": True,
-                "ignore_eos": True, **constraint}
+                "ignore_eos": True, **extra}
 
     async def run(self, req: Request, on_tokens: OnTokens) -> int:
+        """A request of ``n`` choices is ``n`` requests at once (an HTTP server's one choice each)."""
+        if req.n == 1:
+            return await self._run_one(req, on_tokens)
+        counts = [0] * req.n
+
+        def one(i: int) -> OnTokens:
+            def seen(total: int) -> None:
+                counts[i] = total
+                on_tokens(sum(counts))
+            return seen
+
+        done = await asyncio.gather(*(self._run_one(req, one(i)) for i in range(req.n)))
+        return sum(done)
+
+    async def _run_one(self, req: Request, on_tokens: OnTokens) -> int:
         async with self.session.post(self.url, json=self.body(req)) as resp:
             if resp.status != 200:
                 raise ReplyError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
@@ -357,8 +382,9 @@ async def _one(transport: _Transport, req: Request, tally: Tally) -> None:
         return
     tally.tokens += n
     tally.e2e.append(time.perf_counter() - t0)
-    if n != req.max_tokens and (req.json_schema is None or n > req.max_tokens):  # a grammar may end early
-        tally.error(f"{n} tokens, asked for {req.max_tokens}")
+    want = req.max_tokens * req.n
+    if n != want and (req.json_schema is None or n > want):  # a grammar may end early
+        tally.error(f"{n} tokens, asked for {want}")
 
 
 async def drive(target: Target, requests: Sequence[Request], concurrency: int, progress: bool = False,

@@ -11,6 +11,8 @@ ignores EOS, so each request must return exactly ``max_tokens`` tokens.
 | ``long`` | 4,096 | 256 |
 | ``mixed`` | log-normal, median 512, sigma 0.8 | log-normal, median 128, sigma 0.6 |
 | ``json`` | 128 | 128, each request constrained by :data:`BENCH_SCHEMA` |
+| ``logprobs`` | 128 | 128, each token with its logprob and the 5 likeliest |
+| ``n4`` | 128 | 4 x 128: each request asks for 4 choices (a quarter of the streams, as many sequences) |
 
 ``mixed`` draws each request's output length first, then its prompt length, both from log-normal
 distributions (``exp(N(ln median, sigma))``, rounded), and clips them so that every request fits the
@@ -29,7 +31,8 @@ from typing import Any
 
 # (prompt tokens, output tokens) of the fixed-length workloads
 FIXED: dict[str, tuple[int, int]] = {"short": (128, 128), "rag": (1024, 128), "long": (4096, 256),
-                                     "json": (128, 128)}
+                                     "json": (128, 128), "logprobs": (128, 128), "n4": (128, 128)}
+CHOICES = {"n4": 4}  # choices per request of a workload (the others: 1)
 # The ``json`` workload's schema: a free string first, then a list of strings, then an integer, so that
 # the grammar stays open for the whole reply (a request may still end early when it completes).
 BENCH_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
@@ -51,6 +54,8 @@ class Request:
     prompt: tuple[int, ...]
     max_tokens: int
     json_schema: dict[str, Any] | None = None  # the output's constraint (the ``json`` workload)
+    top_logprobs: int = -1  # the ``logprobs`` workload: logprobs with this many alternatives (-1: none)
+    n: int = 1  # choices (each of max_tokens tokens)
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class Workload:
     @property
     def gen_tokens(self) -> int:
         """Tokens the requests ask for (and, EOS being ignored, must get)."""
-        return sum(r.max_tokens for r in self.requests)
+        return sum(r.max_tokens * r.n for r in self.requests)
 
     @property
     def prompt_tokens_p50(self) -> float:
@@ -117,5 +122,7 @@ def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = 
             p = min(max(_lognormal(rng, pm, MIXED_PROMPT_SIGMA), MIN_TOKENS), ctx - g)
             lengths.append((p, g))
     schema = BENCH_SCHEMA if name == "json" else None
-    reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g, schema) for p, g in lengths)
+    top = 5 if name == "logprobs" else -1
+    reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g, schema, top,
+                         CHOICES.get(name, 1)) for p, g in lengths)
     return Workload(name, reqs, seed, ctx)
