@@ -37,6 +37,7 @@ class ServerConfig:
 Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
 Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | "remote" | [0, 1] | [[0, 1], [2, 3]]
 POOL_KEYS = ("devices", "cpu_workers", "slots", "threads")  # [workers] keys a model may override
+POOLINGS = ("", "mean", "cls", "last")  # model.pooling
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
 
 
@@ -70,6 +71,8 @@ class ModelConfig:
     slots: int = 8  # parallel sequences per worker
     threads: int = 0  # CPU threads per worker; 0 -> the cores split between all CPU workers
     tensor_split: list[float] = field(default_factory=list)  # per GPU of a group; [] -> llama.cpp's split
+    embedding: bool = False  # an embedding model: its workers answer /v1/embeddings (and embed), not generation
+    pooling: str = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
 
     @property
     def groups(self) -> list[list[Device]] | None:
@@ -372,6 +375,13 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
             check_template_file(m.chat_template)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if m.pooling not in POOLINGS:
+        raise ConfigError(f"{key}.pooling: must be \"mean\", \"cls\" or \"last\" (or \"\": the GGUF's own), "
+                          f"got {m.pooling!r}")
+    if m.embedding and m.engine != "llama":
+        raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
+    if m.pooling and not m.embedding:
+        raise ConfigError(f"{key}.pooling: applies to an embedding model only; set {key}.embedding = true")
     from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
 
     try:

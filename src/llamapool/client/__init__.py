@@ -12,10 +12,10 @@ from llamapool.client.errors import (
     WorkerLostError,
 )
 from llamapool.client.sync import Client, Stream
-from llamapool.client.types import Completion, StreamChunk, ToolCall, Usage
+from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall, Usage
 
 __all__ = [
-    "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
-    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "ToolCall", "UnavailableError",
+    "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "Embeddings", "InternalError",
+    "LlamapoolError", "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "ToolCall", "UnavailableError",
     "UnknownModelError", "Usage", "WorkerLostError",
 ]

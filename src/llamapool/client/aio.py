@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import os
 import weakref
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -18,14 +18,17 @@ import zmq.asyncio
 
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
+    EmbedInputs,
     KeySource,
     Pending,
+    TaskPending,
     chat_prompt,
     check_endpoint,
     check_timeout,
     choices,
     curve_keys,
     decode_reply,
+    embed_inputs,
     generate_frame,
     metrics_of,
     new_id,
@@ -33,13 +36,24 @@ from llamapool.client.calls import (
     not_connected,
     send_timeout_ms,
     status_of,
+    task_frame,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.sync import CLOSE_LINGER_MS, closed_error, shared_async_context
-from llamapool.client.types import Completion, StreamChunk
+from llamapool.client.types import Completion, Embeddings, StreamChunk
 from llamapool.protocol import codec
 from llamapool.protocol.endpoints import default_frontend
-from llamapool.protocol.messages import Cancel, Error, Message, MetricsRequest, Prompt, StatusRequest
+from llamapool.protocol.messages import (
+    Cancel,
+    Detokenize,
+    Embed,
+    Error,
+    Message,
+    MetricsRequest,
+    Prompt,
+    StatusRequest,
+    Tokenize,
+)
 
 _CLOSED = Error(None, "closed", "")  # put in the queue of each waiting request by close(): raises closed_error
 
@@ -320,7 +334,8 @@ class AsyncClient:
         return (await self._task(lambda rid, t: Embed(rid, items, t, model), len(items), timeout)).embeddings()
 
     async def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False,
-                       parse_special: bool = True, with_pieces: bool = False, timeout: float | None = None) -> list[Any]:
+                       parse_special: bool = True, with_pieces: bool = False,
+                       timeout: float | None = None) -> list[Any]:
         """``text``'s tokens (see :meth:`llamapool.Client.tokenize`)."""
         model = self.model if model is None else model
         return (await self._task(lambda rid, t: Tokenize(rid, text, add_special, parse_special, with_pieces, t,

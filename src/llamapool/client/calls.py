@@ -9,14 +9,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
-from llamapool.client.types import Completion, StreamChunk, Usage
-from llamapool.protocol import codec
+from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall, Usage
+from llamapool.protocol import codec, params
 from llamapool.protocol.endpoints import ipc_path, needs_curve
-from llamapool.protocol.messages import Chunk, Error, ErrorCode, Message, MetricsReply, Prompt, Result, StatusReply
+from llamapool.protocol.messages import (
+    Chunk,
+    Detokenize,
+    DetokenizeReply,
+    Embed,
+    Embedding,
+    Error,
+    ErrorCode,
+    Message,
+    MetricsReply,
+    Prompt,
+    Result,
+    StatusReply,
+    Tokenize,
+    TokenizeReply,
+)
 
 DEFAULT_TIMEOUT = 300.0
-PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed",
-               "stop", "ignore_eos")
+PARAM_NAMES = params.PARAM_NAMES  # the contract's names (protocol/params.py): the SDK's keywords
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -87,6 +101,17 @@ def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:
     return [dict(m) if isinstance(m, Mapping) else m for m in messages]
 
 
+def choices(params: dict[str, Any], one: bool = False) -> int:
+    """Replies per prompt: its ``n`` choices (the daemon checks ``n``; a bad one fails there, by name).
+    ``one``: a call that returns one :class:`Completion` takes only ``n = 1``."""
+    n = params.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    if one and n > 1:
+        raise TypeError(f"n={n}: this call returns one Completion; use generate_many([prompt], n={n}) (a prompt "
+                        f"may be chat messages) or a stream, whose chunks carry each choice's index")
+    return n
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -133,11 +158,12 @@ class Pending:
 
     def feed(self, msg: Message) -> StreamChunk | None:
         if isinstance(msg, Chunk):
-            return StreamChunk(msg.text, msg.tokens, msg.index)
+            return StreamChunk(msg.text, msg.tokens, msg.index, msg.logprobs)
         if isinstance(msg, Result):
             self._set(msg.index, Completion(msg.text, msg.finish_reason,
-                                            Usage(msg.prompt_tokens, msg.completion_tokens),
-                                            msg.worker, msg.index, msg.model))
+                                            Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens),
+                                            msg.worker, msg.index, msg.model,
+                                            [ToolCall(**c) for c in msg.tool_calls or ()], msg.logprobs))
         elif isinstance(msg, Error):
             err = from_reply(msg)
             if msg.index is None:  # the whole request failed
@@ -181,3 +207,95 @@ def metrics_of(msg: Message) -> str:
 
 def decode_reply(frames: list[bytes]) -> Message:
     return codec.decode(frames, codec.REPLY_TYPES, 1 << 31)
+
+
+EmbedInputs = str | Sequence[int] | Sequence[str | Sequence[int]]
+
+
+def embed_inputs(inputs: EmbedInputs) -> list[str | list[int]]:
+    """``embed``'s inputs as the protocol's list: a text, a list of token ids, or a list of them (the
+    daemon checks each and names a bad one, ``input[3]``)."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if isinstance(inputs, Sequence) and not isinstance(inputs, (bytes, bytearray)):
+        if not inputs:
+            raise BadRequestError(ErrorCode.INVALID_REQUEST, "'input' must not be empty", "input")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in inputs):
+            return [list(inputs)]  # type: ignore[arg-type]
+        return [x if isinstance(x, str) or not isinstance(x, Sequence) else list(x)  # type: ignore[misc, arg-type]
+                for x in inputs]
+    raise TypeError(f"inputs must be a string, a list of token ids, or a list of them, got {type(inputs).__name__}")
+
+
+def task_frame(msg: Embed | Tokenize | Detokenize) -> bytes:
+    """Encode an embed, tokenize or detokenize request (the router checks its fields and names a bad one)."""
+    if msg.model is not None and not isinstance(msg.model, str):
+        raise TypeError(f"model must be a string, got {type(msg.model).__name__}")
+    try:
+        frame = codec.encode(msg)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
+    if len(frame) > codec.TRANSPORT_MAX_FRAME:
+        raise BadRequestError(ErrorCode.TOO_LARGE, f"request is {len(frame)} bytes; the router takes at most "
+                              f"{codec.TRANSPORT_MAX_FRAME}", field="input")
+    return frame
+
+
+TaskReply = Embedding | TokenizeReply | DetokenizeReply
+
+
+@dataclass
+class TaskPending:
+    """The final replies of an embed (one per input), a tokenize or a detokenize: ``feed`` each one."""
+
+    n: int
+    results: list[TaskReply | LlamapoolError | None] = field(default_factory=list)
+    remaining: int = 0
+
+    def __post_init__(self) -> None:
+        self.results = [None] * self.n
+        self.remaining = self.n
+
+    @property
+    def done(self) -> bool:
+        return self.remaining <= 0
+
+    def feed(self, msg: Message) -> None:
+        if isinstance(msg, (Embedding, TokenizeReply, DetokenizeReply)):
+            self._set(msg.index if isinstance(msg, Embedding) else 0, msg)
+        elif isinstance(msg, Result):  # cancelled (the SDK cancels only when it stops waiting)
+            self._set(msg.index, LlamapoolError(ErrorCode.INTERNAL, f"request {msg.finish_reason}"))
+        elif isinstance(msg, Error):
+            err = from_reply(msg)
+            for i in range(self.n) if msg.index is None else (msg.index,):
+                self._set(i, err)
+
+    def _set(self, i: int, value: TaskReply | LlamapoolError) -> None:
+        if 0 <= i < self.n and self.results[i] is None:
+            self.results[i] = value
+            self.remaining -= 1
+
+    def replies(self) -> list[TaskReply]:
+        """Every reply in order; raise the first error."""
+        out = []
+        for r in self.results:
+            if isinstance(r, LlamapoolError):
+                raise r
+            assert r is not None
+            out.append(r)
+        return out
+
+    def embeddings(self) -> Embeddings:
+        replies = [r for r in self.replies() if isinstance(r, Embedding)]
+        return Embeddings([r.embedding for r in replies], sum(r.prompt_tokens for r in replies),
+                          replies[0].model if replies else "")
+
+    def tokens(self) -> list[Any]:
+        r = self.replies()[0]
+        assert isinstance(r, TokenizeReply)
+        return r.tokens
+
+    def text(self) -> str:
+        r = self.replies()[0]
+        assert isinstance(r, DetokenizeReply)
+        return r.content

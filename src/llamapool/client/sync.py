@@ -21,19 +21,18 @@ import zmq
 import zmq.asyncio
 
 from llamapool.client.calls import (
-    EmbedInputs,
-    TaskPending,
-    embed_inputs,
-    task_frame,
     DEFAULT_TIMEOUT,
+    EmbedInputs,
     KeySource,
     Pending,
+    TaskPending,
     chat_prompt,
     check_endpoint,
     check_timeout,
     choices,
     curve_keys,
     decode_reply,
+    embed_inputs,
     generate_frame,
     metrics_of,
     new_id,
@@ -41,6 +40,7 @@ from llamapool.client.calls import (
     not_connected,
     send_timeout_ms,
     status_of,
+    task_frame,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
 from llamapool.client.types import Completion, Embeddings, StreamChunk

@@ -41,3 +41,15 @@ class StreamChunk:
     tokens: int  # tokens generated so far
     index: int = 0
     logprobs: list[Any] | None = None  # with logprobs=True: the entries of the tokens since the last chunk
+
+
+class Embeddings(list[list[float]]):
+    """What ``embed`` returns: one vector per input, in order (L2-normalised floats), as a list; with the
+    prompt tokens of all inputs, the model that answered, and each vector as the daemon sent it
+    (``raw``: float32 little-endian bytes, what OpenAI's ``encoding_format="base64"`` encodes)."""
+
+    def __init__(self, raw: list[bytes], prompt_tokens: int, model: str):
+        import array
+
+        super().__init__(array.array("f", r).tolist() for r in raw)
+        self.raw, self.prompt_tokens, self.model = raw, prompt_tokens, model

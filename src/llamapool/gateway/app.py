@@ -127,6 +127,9 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ], exception_handlers={HTTPException: http_error, Exception: server_error})
 
     def _authorised(self, request: Request) -> None:
@@ -234,6 +237,50 @@ class Gateway:
         if chat:
             return JSONResponse(oai.chat_body(req, model, done, pt, ct, cached))
         return JSONResponse(oai.completion_body(req, model, done, pt, ct, cached))
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings`` for an embedding model of the pool (``embedding = true``)."""
+        try:
+            self._authorised(request)
+            raw = await read_body(request, self.spec.max_message_bytes)
+            req = oai.parse_embeddings(json_body(raw))
+            vecs = await _unless_gone(request, self.client.embed(req.inputs, timeout=self.spec.request_timeout,
+                                                                 model=req.model))
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)
+        except oai.ApiError as e:
+            return error_response(e)
+        except LlamapoolError as e:
+            return error_response(oai.from_llamapool(e))
+        except TypeError as e:  # inputs the SDK refuses
+            return error_response(oai.bad("input", str(e)))
+        model = vecs.model or req.model or self.spec.model
+        return JSONResponse(oai.embeddings_body(req, model, vecs, vecs.raw, vecs.prompt_tokens))
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` as llama-server has it: ``{"tokens": [...]}``."""
+        return await self._tokens(request, detokenize=False)
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` as llama-server has it: ``{"content": "..."}``."""
+        return await self._tokens(request, detokenize=True)
+
+    async def _tokens(self, request: Request, detokenize: bool) -> Response:
+        try:
+            self._authorised(request)
+            body = json_body(await read_body(request, self.spec.max_message_bytes))
+            t = self.spec.request_timeout
+            if detokenize:
+                kw = oai.parse_detokenize(body)
+                out: dict[str, Any] = {"content": await self.client.detokenize(kw.pop("tokens"), timeout=t, **kw)}
+            else:
+                kw = oai.parse_tokenize(body)
+                out = {"tokens": await self.client.tokenize(kw.pop("text"), timeout=t, **kw)}
+        except oai.ApiError as e:
+            return error_response(e)
+        except LlamapoolError as e:
+            return error_response(oai.from_llamapool(e))
+        return JSONResponse(out)
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (gateway/anthropic.py translates it), errors in its shape."""

@@ -405,3 +405,80 @@ class ChunkWriter:
         return f"data: {json.dumps(e.body())}\n\n".encode()
 
     DONE = b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- embeddings, tokenize, detokenize
+
+
+@dataclass
+class EmbeddingsRequest:
+    """``POST /v1/embeddings``: the inputs (the daemon checks each and names a bad one) and the format."""
+
+    inputs: Any
+    model: str | None
+    base64: bool
+
+
+def parse_embeddings(body: Any) -> EmbeddingsRequest:
+    """OpenAI's embeddings body: ``input`` (a string, token ids, or a list of them), ``model``,
+    ``encoding_format`` ("float" or "base64"); ``dimensions`` is refused (a model's vectors have its own
+    size); ``user`` and fields nobody defines are ignored."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if body.get("dimensions") is not None:
+        raise ApiError(400, "'dimensions' is not supported: the vectors have the model's own size (no "
+                            "shortening)", param="dimensions", code="unsupported_parameter")
+    if "input" not in body:
+        raise bad("input", "'input' is required")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad("encoding_format", f"'encoding_format' must be \"float\" or \"base64\", got {fmt!r}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "'model' must be a string")
+    return EmbeddingsRequest(body["input"], model, fmt == "base64")
+
+
+def embeddings_body(req: EmbeddingsRequest, model: str, vectors: list[list[float]], raw: list[bytes],
+                    prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings response: base64 is the float32 little-endian bytes, as OpenAI encodes them."""
+    import base64
+
+    data = [{"object": "embedding", "index": i,
+             "embedding": base64.b64encode(raw[i]).decode() if req.base64 else vectors[i]}
+            for i in range(len(raw))]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def parse_tokenize(body: Any) -> dict[str, Any]:
+    """llama-server's ``/tokenize`` body: ``content``, ``add_special``, ``parse_special``, ``with_pieces``
+    (and ``model``); a bad value names its field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if not isinstance(body.get("content"), str):
+        raise bad("content", "'content' must be a string")
+    out: dict[str, Any] = {"text": body["content"], "model": _model_field(body)}
+    for key in ("add_special", "parse_special", "with_pieces"):
+        if key in body:
+            if not isinstance(body[key], bool):
+                raise bad(key, f"'{key}' must be a boolean")
+            out[key] = body[key]
+    return out
+
+
+def parse_detokenize(body: Any) -> dict[str, Any]:
+    """llama-server's ``/detokenize`` body: ``tokens`` (and ``model``)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad("tokens", "'tokens' must be a list of token ids")
+    return {"tokens": tokens, "model": _model_field(body)}
+
+
+def _model_field(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "'model' must be a string")
+    return model

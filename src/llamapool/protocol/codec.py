@@ -18,7 +18,11 @@ from llamapool.protocol.messages import (
     ChatMessage,
     Chunk,
     Delta,
+    Detokenize,
+    DetokenizeReply,
     Done,
+    Embed,
+    Embedding,
     Error,
     ErrorCode,
     Failed,
@@ -36,11 +40,14 @@ from llamapool.protocol.messages import (
     StatusReply,
     StatusRequest,
     Step,
+    Tokenize,
+    TokenizeReply,
 )
 
 T = TypeVar("T")
 MAX_ID_LEN = 128
 MAX_PROMPTS = 256
+MAX_INPUTS = 2048  # inputs of one embed request (OpenAI's limit)
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ROLE_LEN = 64
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
@@ -87,8 +94,10 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         else:
             d["prompt"] = prompts[0]
         del d["batch"]
-        if msg.model is None:
-            del d["model"]
+    if isinstance(msg, Embed):
+        d["input"] = d.pop("inputs")
+    if isinstance(msg, (Generate, Embed, Tokenize, Detokenize)) and msg.model is None:
+        del d["model"]
     return d
 
 
@@ -279,6 +288,85 @@ def _generate(d: dict[str, Any]) -> Generate:
     return Generate(rid, prompts, params, stream, None if timeout is None else float(timeout), batch, model)
 
 
+def _timeout_model(d: dict[str, Any]) -> tuple[float | None, str | None]:
+    """A request's optional ``timeout`` (seconds, > 0) and ``model``."""
+    timeout = d.get("timeout")
+    if timeout is not None and not (_is_num(timeout) and timeout > 0):
+        raise _invalid("timeout", "must be a positive number of seconds")
+    model = None if d.get("model") is None else _str(d, "model")
+    return None if timeout is None else float(timeout), model
+
+
+def _token_ids(v: Any, field: str, empty: bool = False) -> list[int]:
+    if not isinstance(v, list) or not (v or empty) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
+        raise _invalid(field, "must be a " + ("" if empty else "non-empty ") + "list of non-negative integer token ids")
+    return v
+
+
+def _embed_inputs(v: Any) -> list[str | list[int]]:
+    """OpenAI's ``input``: a string, a list of token ids, or a list of strings and token-id lists."""
+    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+        v = [v]
+    elif isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not 0 < len(v) <= MAX_INPUTS:
+        raise _invalid("input", f"must be a string, a list of token ids, or a list of 1 to {MAX_INPUTS} of them")
+    out: list[str | list[int]] = []
+    for i, x in enumerate(v):
+        if isinstance(x, str):
+            if not x:
+                raise _invalid(f"input[{i}]", "must not be empty")
+            out.append(x)
+        else:
+            out.append(_token_ids(x, f"input[{i}]"))
+    return out
+
+
+def _with_id(parse: Callable[[dict[str, Any], str], T]) -> Callable[[dict[str, Any]], T]:
+    """A request parser whose errors carry the request's id."""
+    def run(d: dict[str, Any]) -> T:
+        rid = _str(d, "id")
+        try:
+            return parse(d, rid)
+        except ProtocolError as e:
+            e.id = rid
+            raise
+
+    return run
+
+
+def _embed(d: dict[str, Any], rid: str) -> Embed:
+    _check_keys(d, frozenset({"v", "type", "id", "input", "timeout", "model"}))
+    if "input" not in d:
+        raise _invalid("input", "is missing")
+    inputs = _embed_inputs(d["input"])
+    return Embed(rid, inputs, *_timeout_model(d))
+
+
+def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
+    _check_keys(d, frozenset({"v", "type", "id", "content", "add_special", "parse_special", "with_pieces",
+                              "timeout", "model"}))
+    content = d.get("content")
+    if not isinstance(content, str):
+        raise _invalid("content", "is missing" if content is None
+                       else f"must be a string, got {type(content).__name__}")
+    flags = {}
+    for key, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+        flag = d.get(key, default)
+        if not isinstance(flag, bool):
+            raise _invalid(key, "must be a boolean")
+        flags[key] = flag
+    timeout, model = _timeout_model(d)
+    return Tokenize(rid, content, flags["add_special"], flags["parse_special"], flags["with_pieces"], timeout, model)
+
+
+def _detokenize(d: dict[str, Any], rid: str) -> Detokenize:
+    _check_keys(d, frozenset({"v", "type", "id", "tokens", "timeout", "model"}))
+    if "tokens" not in d:
+        raise _invalid("tokens", "is missing")
+    return Detokenize(rid, _token_ids(d["tokens"], "tokens", empty=True), *_timeout_model(d))
+
+
 def _plain(cls: type) -> Callable[[dict[str, Any]], Message]:
     names = [f.name for f in dataclasses.fields(cls)]
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
@@ -302,8 +390,11 @@ def _id_only(cls: type) -> Callable[[dict[str, Any]], Message]:
 
 
 def _run(d: dict[str, Any]) -> Run:
-    req = d.get("req", "")
-    return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"], req if isinstance(req, str) else "")
+    req, task, options = d.get("req", ""), d.get("task") or "", d.get("options")
+    after = d.get("after", -1)
+    return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"], req if isinstance(req, str) else "",
+               task if isinstance(task, str) else "", options if isinstance(options, dict) else None,
+               after if isinstance(after, int) else -1)
 
 
 COMMAND_TYPES: dict[str, Callable[[dict[str, Any]], control.Command]] = {
@@ -317,9 +408,13 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Cancel.TYPE: _id_only(Cancel),
     StatusRequest.TYPE: _id_only(StatusRequest),
     MetricsRequest.TYPE: _id_only(MetricsRequest),
+    Embed.TYPE: _with_id(_embed),
+    Tokenize.TYPE: _with_id(_tokenize),
+    Detokenize.TYPE: _with_id(_detokenize),
 }
 REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply, MetricsReply)
+    c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply, MetricsReply, Embedding, TokenizeReply,
+                                DetokenizeReply)
 }
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown)

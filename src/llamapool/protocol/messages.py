@@ -54,6 +54,46 @@ class Generate:
     model: str | None = None  # the pool's model to run it; None -> the first model
 
 
+EmbedInput = str | list[int]  # a text, or token ids used as given
+
+
+@dataclass(slots=True)
+class Embed:
+    """Embed one input or several (``input`` on the wire); one ``embedding`` reply per input, by ``index``.
+    Only a model configured with ``embedding = true`` answers it."""
+
+    TYPE: ClassVar[str] = "embed"
+    id: str
+    inputs: list[EmbedInput]
+    timeout: float | None = None
+    model: str | None = None
+
+
+@dataclass(slots=True)
+class Tokenize:
+    """A text's tokens by the model's tokenizer (llama-server's ``/tokenize``); one ``tokenize_reply``."""
+
+    TYPE: ClassVar[str] = "tokenize"
+    id: str
+    content: str
+    add_special: bool = False  # add BOS (and EOS) as the model does
+    parse_special: bool = True  # read special-token text such as <|im_start|> as those tokens
+    with_pieces: bool = False  # each token as {"id", "piece"}
+    timeout: float | None = None
+    model: str | None = None
+
+
+@dataclass(slots=True)
+class Detokenize:
+    """Token ids to text (llama-server's ``/detokenize``); one ``detokenize_reply``."""
+
+    TYPE: ClassVar[str] = "detokenize"
+    id: str
+    tokens: list[int]
+    timeout: float | None = None
+    model: str | None = None
+
+
 @dataclass(slots=True)
 class Cancel:
     TYPE: ClassVar[str] = "cancel"
@@ -106,6 +146,41 @@ class Result:
     # is then the text outside them
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[Any] | None = None  # as Chunk's, for the whole text
+
+
+@dataclass(slots=True)
+class Embedding:
+    """The final reply for one input of an ``embed``: its vector, L2-normalised, as float32
+    little-endian bytes (msgpack bin; ``len / 4`` dimensions)."""
+
+    TYPE: ClassVar[str] = "embedding"
+    id: str
+    index: int
+    embedding: bytes
+    prompt_tokens: int
+    worker: str
+    model: str = ""
+
+
+@dataclass(slots=True)
+class TokenizeReply:
+    """``tokens``: token ids, or ``{"id", "piece"}`` maps with ``with_pieces`` (a piece that is not
+    valid UTF-8 is the list of its byte values, as llama-server gives it)."""
+
+    TYPE: ClassVar[str] = "tokenize_reply"
+    id: str
+    tokens: list[Any]
+    worker: str
+    model: str = ""
+
+
+@dataclass(slots=True)
+class DetokenizeReply:
+    TYPE: ClassVar[str] = "detokenize_reply"
+    id: str
+    content: str
+    worker: str
+    model: str = ""
 
 
 @dataclass(slots=True)
@@ -194,6 +269,13 @@ class Run:
     params: SamplingParams
     stream: bool
     req: str = ""
+    task: str = ""  # "" (generate), "embed", "tokenize" or "detokenize" (``prompt``: the text or token ids)
+    options: dict[str, Any] | None = None  # a tokenize's add_special, parse_special, with_pieces
+    after: int = -1  # one of ``n`` choices: the rid of its first choice, whose computed prompt it copies
+
+
+TASKS = ("", "embed", "tokenize", "detokenize")
+LIGHT_TASKS = ("tokenize", "detokenize")  # answered on a worker's I/O path: they take no slot
 
 
 @dataclass(slots=True)
@@ -224,6 +306,8 @@ class Done(NamedTuple):
     tool_calls: list[dict[str, Any]] | None = None
     cached_tokens: int = 0
     logprobs: list[Any] | None = None
+    embedding: bytes | None = None  # an embed task's vector (float32 little-endian)
+    tokens: list[Any] | None = None  # a tokenize task's tokens (``text`` is a detokenize task's text)
 
 
 class Failed(NamedTuple):
@@ -258,11 +342,17 @@ class Shutdown:
 
 Message = (
     Generate
+    | Embed
+    | Tokenize
+    | Detokenize
     | Cancel
     | StatusRequest
     | MetricsRequest
     | Chunk
     | Result
+    | Embedding
+    | TokenizeReply
+    | DetokenizeReply
     | Error
     | StatusReply
     | MetricsReply

@@ -40,10 +40,15 @@ from llamapool.protocol.control import (
     WorkerJoined,
 )
 from llamapool.protocol.messages import (
+    LIGHT_TASKS,
     Abort,
     Cancel,
     Chunk,
+    Detokenize,
+    DetokenizeReply,
     Done,
+    Embed,
+    Embedding,
     Error,
     ErrorCode,
     Failed,
@@ -61,6 +66,8 @@ from llamapool.protocol.messages import (
     StatusReply,
     StatusRequest,
     Step,
+    Tokenize,
+    TokenizeReply,
 )
 from llamapool.router.fleet import Fleet, LiveWorker
 from llamapool.router.metrics import RouterMetrics
@@ -101,6 +108,8 @@ class Reply(Enum):
 
 # each finished status: its reply, and its outcome (``llamapool_requests_total{outcome}``; an error's code,
 # "" for the worker's own)
+Reply_ = Embedding | TokenizeReply | DetokenizeReply  # the final replies of the other tasks
+
 ENDINGS: dict[RequestStatus, tuple[Reply, str]] = {
     RequestStatus.FINISHED: (Reply.RESULT, "ok"),
     RequestStatus.CANCELLED: (Reply.RESULT, "cancelled"),
@@ -154,6 +163,8 @@ class Job:
     model: str = ""  # the model that runs it (a name in the pool)
     first_at: float = 0.0  # when its first chunk went to the client
     last_worker: str = ""  # the worker that ran it last (for the access log)
+    task: str = ""  # "" (generate), "embed", "tokenize", "detokenize" (messages.Run.task)
+    options: dict[str, Any] | None = None  # a tokenize's flags
 
 
 @dataclass(eq=False)
@@ -166,6 +177,7 @@ class WorkerState:
     state: str = "ready"  # ready | retiring
     closing: bool = False  # its model left the pool: retire it once that model's queue is empty
     jobs: dict[int, Job] = field(default_factory=dict)
+    light: dict[int, Job] = field(default_factory=dict)  # its tokenize/detokenize jobs: they take no slot
     steps: int = 0
     busy_for: float = 0.0
     decode_s: float = 0.0
@@ -227,6 +239,7 @@ class Router:
         self.models: list[str] = list(cfg.models) or [""]  # the first is the default model
         self.queues: dict[str, deque[Job]] = {m: deque() for m in self.models}  # FIFO per model
         self.jobs: dict[int, Job] = {}
+        self.light: deque[Job] = deque()  # tokenize/detokenize jobs waiting for a worker (any model's)
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}
         self.workers: dict[str, WorkerState] = {}
         self.remote_lost: dict[str, dict[str, Any]] = {}  # status rows of nodes' workers that left or were lost
@@ -328,6 +341,8 @@ class Router:
             return
         if isinstance(msg, Generate):
             self._on_generate(client, msg)
+        elif isinstance(msg, (Embed, Tokenize, Detokenize)):
+            self._on_task(client, msg)
         elif isinstance(msg, Cancel):
             for job in list(self.by_request.get((client, msg.id), ())):
                 self._cancel_job(job, RequestStatus.CANCELLED)
@@ -371,6 +386,54 @@ class Router:
             jobs.append(job)
         self.by_request[key] = jobs
 
+    def _on_task(self, client: bytes, msg: Embed | Tokenize | Detokenize) -> None:
+        """An embed (a job per input, each taking a slot of an embedding model's worker), or a tokenize
+        or detokenize (one job that takes no slot: the first worker of the model answers it at once)."""
+        if isinstance(msg, Embed):
+            task, inputs, options = "embed", list(msg.inputs), None
+        elif isinstance(msg, Tokenize):
+            task, inputs = "tokenize", [msg.content]
+            options = {"add_special": msg.add_special, "parse_special": msg.parse_special,
+                       "with_pieces": msg.with_pieces}
+        else:
+            task, inputs, options = "detokenize", [msg.tokens], None
+        model = self.models[0] if msg.model is None else msg.model
+        why = self._refusal(client, msg.id, model, len(inputs) if task == "embed" else 0)
+        if why:
+            code, message, fld = why
+            self.metrics.outcome(code, len(inputs), model if model in self.models else self.models[0])
+            self._reply(client, Error(msg.id, code, message, field=fld))
+            return
+        now = time.monotonic()
+        deadline = now + msg.timeout if msg.timeout else None
+        jobs = []
+        for i, prompt in enumerate(inputs):
+            job = Job(self.next_rid, client, msg.id, i, prompt, SamplingParams(), False, now, deadline,
+                      log_id=f"{msg.id}/{i}" if len(inputs) > 1 else msg.id, model=model, task=task, options=options)
+            self.next_rid += 1
+            self.jobs[job.rid] = job
+            (self.light if task in LIGHT_TASKS else self._queue(model)).append(job)
+            jobs.append(job)
+        self.by_request[(client, msg.id)] = jobs
+
+    def _refusal(self, client: bytes, rid: str, model: str, queued: int) -> tuple[str, str, str | None] | None:
+        """Why a task request cannot be queued (code, message, field), or None."""
+        if (client, rid) in self.by_request:
+            return ErrorCode.DUPLICATE_ID, f"request id {rid!r} is already in flight", "id"
+        if model not in self.models:
+            return (ErrorCode.UNKNOWN_MODEL, f"model {model!r} is not in this pool "
+                    f"(models: {', '.join(repr(m) for m in self.models)})", "model")
+        if self.draining:
+            return ErrorCode.UNAVAILABLE, "llamapool is shutting down", None
+        unservable = self._unservable(model)
+        if unservable:
+            return ErrorCode.UNAVAILABLE, unservable, None
+        queue = self._queue(model)
+        if queued and len(queue) + queued > self.cfg.max_queue:
+            return (ErrorCode.OVERLOADED, f"queue of model {model!r} is full ({len(queue)} waiting, "
+                    f"server.max_queue={self.cfg.max_queue})", None)
+        return None
+
     def _refuse_request(self, client: bytes, msg: Generate, model: str | None, code: str, message: str,
                         fld: str | None = None) -> None:
         """Answer a request refused before it was queued: count it (under the pool's first model when
@@ -381,13 +444,14 @@ class Router:
             LOG.info("access", id=msg.id, model=model or (msg.model if isinstance(msg.model, str) else None),
                      outcome=code, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
 
-    def _end(self, job: Job, status: RequestStatus, reply: Result | Error | None = None, message: str = "") -> None:
+    def _end(self, job: Job, status: RequestStatus, reply: Result | Reply_ | Error | None = None,
+             message: str = "") -> None:
         """Finish ``job`` with ``status`` and forget it. :data:`ENDINGS` decides the rest: its final reply
         (``reply``, else an empty cancelled Result or an error saying ``message``), its outcome count, and,
         with a reply, its latency and its access line."""
         kind, outcome = ENDINGS[status]
         if job.status is RequestStatus.WAITING:
-            queue = self.queues.get(job.model)
+            queue = self.light if job.task in LIGHT_TASKS else self.queues.get(job.model)
             if queue is not None and job in queue:
                 queue.remove(job)
         job.status = status
@@ -399,7 +463,7 @@ class Router:
             reply = Result(job.id, job.index, "", "cancelled", 0, job.delivered, job.worker or "")
         elif reply is None:
             reply = self._error(job, outcome, message or f"request {outcome}")
-        if isinstance(reply, Result):
+        if not isinstance(reply, Error):
             reply.model = job.model
         self.metrics.outcome(reply.code if isinstance(reply, Error) else outcome, 1, job.model)
         self.metrics.of(job.model).e2e.observe(time.monotonic() - job.queued_at)
@@ -407,8 +471,15 @@ class Router:
         self._access(job, reply)
 
     @staticmethod
-    def _result(job: Job, done: Done, worker: str) -> Result:
-        """The client's Result of a worker's Done entry: the one place that converts them."""
+    def _result(job: Job, done: Done, worker: str) -> Result | Reply_:
+        """The client's Result of a worker's Done entry (an Embedding, TokenizeReply or DetokenizeReply
+        for those tasks): the one place that converts them."""
+        if job.task and done.reason != "cancelled":
+            if job.task == "embed":
+                return Embedding(job.id, job.index, done.embedding or b"", done.prompt_tokens, worker)
+            if job.task == "tokenize":
+                return TokenizeReply(job.id, done.tokens or [], worker)
+            return DetokenizeReply(job.id, done.text, worker)
         return Result(job.id, job.index, done.text, done.reason, done.prompt_tokens, done.completion_tokens, worker,
                       tool_calls=done.tool_calls, cached_tokens=done.cached_tokens, logprobs=done.logprobs)
 
@@ -418,14 +489,18 @@ class Router:
         err.field = failed.field
         return err
 
-    def _access(self, job: Job, msg: Result | Error) -> None:
+    def _access(self, job: Job, msg: Result | Reply_ | Error) -> None:
         """``access``: id, model, worker, tokens, queue wait, TTFT, duration, outcome (info level)."""
         if not LOG.enabled("info"):
             return
         now = time.monotonic()
         ms = lambda t: round((t - job.queued_at) * 1000, 1) if t else None  # noqa: E731
+        n_prompt: int | None
         if isinstance(msg, Result):
             outcome, finish, n_prompt, n_gen = "ok", msg.finish_reason, msg.prompt_tokens, msg.completion_tokens
+        elif not isinstance(msg, Error):  # an embedding, tokenize or detokenize
+            n_prompt = msg.prompt_tokens if isinstance(msg, Embedding) else None
+            outcome, finish, n_gen = "ok", job.task, 0
         else:
             outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         LOG.info("access", id=job.log_id, model=job.model or None, worker=job.last_worker or None,
@@ -533,7 +608,7 @@ class Router:
             done = Done(*entry)  # a named tuple from the codec (a plain list from a test)
             self.metrics.tokens(w.name, done.prompt_tokens, done.completion_tokens, w.model)
             w.orphans.discard(done.rid)
-            job = w.jobs.pop(done.rid, None)
+            job = w.jobs.pop(done.rid, None) or w.light.pop(done.rid, None)
             if job is None:
                 continue
             if job.status in (RequestStatus.RUNNING, RequestStatus.CANCELLED):
@@ -544,7 +619,7 @@ class Router:
                                                    f"{done.completion_tokens} tokens")
         for item in step.failed:
             failed = Failed(*item)
-            job = w.jobs.pop(failed.rid, None)
+            job = w.jobs.pop(failed.rid, None) or w.light.pop(failed.rid, None)
             if job is not None:
                 self._end(job, RequestStatus.FAILED, self._failure(job, failed))
 
@@ -557,16 +632,18 @@ class Router:
         if w.jobs:
             LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
                         requests=",".join(sorted(j.log_id for j in w.jobs.values())))
-        for job in sorted(w.jobs.values(), key=lambda j: j.rid, reverse=True):
+        for job in sorted([*w.jobs.values(), *w.light.values()], key=lambda j: j.rid, reverse=True):
             if job.status.finished:  # aborted: the worker will never confirm it
                 self._end(job, job.status)
             elif job.delivered == 0:
                 job.worker, job.status = None, RequestStatus.WAITING
-                self._queue(job.model).appendleft(job)  # invisible retry on another worker
+                # invisible retry on another worker
+                (self.light if job.task in LIGHT_TASKS else self._queue(job.model)).appendleft(job)
             else:
                 self._end(job, RequestStatus.WORKER_LOST, message=f"worker {w.name} was lost ({why}) after "
                                                                   f"{job.delivered} tokens were delivered")
         w.jobs.clear()
+        w.light.clear()
         if w.hello.node and w.name not in self.workers:
             if why != "it shut down":
                 LOG.warning(f"worker {w.name} of node {w.hello.node} lost: {why}", worker=w.name, node=w.hello.node)
@@ -610,6 +687,8 @@ class Router:
 
     def _dispatch(self) -> None:
         """Each model's queue, oldest first, to that model's workers (prefix affinity among them)."""
+        if self.light:
+            self._dispatch_light()
         for model, queue in list(self.queues.items()):  # a lost worker may requeue (and add a queue)
             if queue:
                 self._dispatch_model(queue, [w for w in self.workers.values() if w.model == model])
@@ -630,9 +709,25 @@ class Router:
             remember(w, job.keys)
             if LOG.enabled("debug"):
                 LOG.debug("dispatch", id=job.log_id, worker=w.name, rid=job.rid)
-            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id))
+            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id, task=job.task))
             if self.workers.get(w.name) is not w:  # its socket was gone: lost, and the job is queued again
                 pool.remove(w)
+
+    def _dispatch_light(self) -> None:
+        """Tokenize and detokenize jobs: each to the ready worker of its model with the most free slots,
+        full or not (its I/O thread answers them at once: worker/tasks.py)."""
+        for job in list(self.light):
+            pool = [w for w in self.workers.values() if w.model == job.model and w.routable]
+            if not pool:
+                continue
+            w = max(pool, key=lambda w: (w.free, w.name))
+            self.light.remove(job)
+            job.started = job.started or time.monotonic()
+            job.worker = job.last_worker = w.name
+            job.status, job.dispatched_at = RequestStatus.RUNNING, time.monotonic()
+            w.light[job.rid] = job
+            self._send_worker(w, Run(job.rid, job.prompt, job.params, False, job.log_id, task=job.task,
+                                     options=job.options))
 
     def _unservable(self, model: str) -> str:
         """Why no worker of ``model`` can ever take its work (it left the pool, or every worker of it
@@ -664,6 +759,7 @@ class Router:
                 w.last_sent = now
                 self._send_worker(w, Heartbeat())
         unservable = {m: self._unservable(m) for m, q in self.queues.items() if q}
+        unservable.update({j.model: self._unservable(j.model) for j in self.light})
         for job in list(self.jobs.values()):
             waiting = job.status is RequestStatus.WAITING
             if waiting and unservable.get(job.model):

@@ -27,6 +27,7 @@ from llamapool import lifeline
 from llamapool import log as logmod
 from llamapool.protocol import codec
 from llamapool.protocol.messages import (
+    LIGHT_TASKS,
     Abort,
     Heartbeat,
     Hello,
@@ -74,6 +75,8 @@ class WorkerSpec:
     model_name: str = ""  # the model's name in the pool (its Hello says it; "" -> the pool's first model)
     boot_id: str = ""  # its daemon's incarnation, said in its Hello (the router refuses other daemons' workers)
     tensor_split: list[float] = field(default_factory=list)  # a GPU group's layer shares
+    embedding: bool = False  # an embedding model (model.embedding): worker/embedder.py, not the generation engine
+    pooling: str = ""  # model.pooling: "mean" | "cls" | "last"; "" -> the GGUF's own
 
     @property
     def n_gpus(self) -> int:
@@ -185,19 +188,24 @@ def serve(spec: WorkerSpec) -> int:
         from llamapool.worker.echo import EchoEngine
 
         return _serve(spec, EchoEngine(spec.slots, spec.max_batch_tokens), [])
-    from llamapool.worker.engine import Engine, EngineConfig, EngineError, visible_gpus
+    from llamapool.worker.engine import Engine as LlamaEngine
+    from llamapool.worker.engine import EngineConfig, EngineError, visible_gpus
 
+    cfg = EngineConfig(
+        model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
+        max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
+        gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
+        gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
+        chat_template=spec.chat_template, n_gpus=max(1, spec.n_gpus),
+        tensor_split=tuple(spec.tensor_split),
+    )
     try:
-        engine = Engine(
-            EngineConfig(
-                model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
-                max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
-                gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
-                gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
-                chat_template=spec.chat_template, n_gpus=max(1, spec.n_gpus),
-                tensor_split=tuple(spec.tensor_split),
-            )
-        )
+        if spec.embedding:
+            from llamapool.worker.embedder import Embedder
+
+            engine: LlamaEngine | Embedder = Embedder(cfg, spec.pooling, _logger(spec).info)
+        else:
+            engine = LlamaEngine(cfg)
     except EngineError as e:
         _logger(spec).error(f"FATAL: {e}")
         return EXIT_PERMANENT if e.permanent else 1
@@ -206,7 +214,7 @@ def serve(spec: WorkerSpec) -> int:
     if wrong:
         _logger(spec).error(f"FATAL: {wrong}")
         return EXIT_PERMANENT
-    return _serve(spec, engine, seen)
+    return _serve(spec, engine, seen, engine.vocab)
 
 
 def gpu_mismatch(spec: WorkerSpec, seen: list[str]) -> str:
@@ -222,9 +230,10 @@ def _logger(spec: WorkerSpec) -> logmod.Logger:
     return logmod.Logger(spec.name, prefix=f"llamapool worker {spec.name}")
 
 
-def _serve(spec: WorkerSpec, engine: Engine, seen: list[str]) -> int:
-    """The I/O loop: hello, then forward router messages in and step reports out."""
-    io = WorkerIO(spec, engine, seen)
+def _serve(spec: WorkerSpec, engine: Engine, seen: list[str], vocab: Any = None) -> int:
+    """The I/O loop: hello, then forward router messages in and step reports out. ``vocab``: the model's
+    llama.cpp vocabulary, for the runs the I/O thread answers itself (worker/tasks.py)."""
+    io = WorkerIO(spec, engine, seen, vocab)
     if io.exit_code:
         return io.exit_code
     return io.run()
@@ -235,8 +244,8 @@ class WorkerIO:
     tcp://) the connection monitor, with a method per event: heartbeat, router message, engine
     report, link event, SIGTERM; then ``close``."""
 
-    def __init__(self, spec: WorkerSpec, engine: Engine, seen: list[str]):
-        self.spec, self.engine = spec, engine
+    def __init__(self, spec: WorkerSpec, engine: Engine, seen: list[str], vocab: Any = None):
+        self.spec, self.engine, self.vocab = spec, engine, vocab
         self.log = _logger(spec)
         self.exit_code = 0
         self.zctx = zmq.Context()
@@ -372,8 +381,25 @@ class WorkerIO:
                     self.log.info(f"{JOINED} {self.spec.backend}" + (" again" if self.ever_joined else ""))
                     lifeline.report("joined")
                 self.ever_joined = True
+            if isinstance(msg, Run) and self.answer(msg):
+                continue
             if not isinstance(msg, Heartbeat):
                 self.loop.inbox.put(msg)
+
+    def answer(self, run: Run) -> bool:
+        """Answer ``run`` here if it is a tokenize, a detokenize, or a task the model does not do
+        (worker/tasks.py): it never waits behind the engine's step. False: the engine runs it."""
+        if run.task not in LIGHT_TASKS and (run.task == "embed") == self.spec.embedding:
+            return False  # the common case, without importing llama.cpp's tokenizer here
+        from llamapool.worker.tasks import io_answer
+
+        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, self.spec.embedding)
+        if report is None:
+            return False
+        for _rid, _code, message, _fld in report.failed:
+            self.log.warning(f"request failed: {message}", id=run.req, rid=run.rid)
+        self.send(codec.encode(report))
+        return True
 
     def close(self) -> int:
         self.loop.join(timeout=5)

@@ -1,0 +1,74 @@
+"""The runs a worker answers on its I/O thread, never queued behind generation: tokenize, detokenize,
+and a task its model does not do (an embedding asked of a generation model, or the reverse: a 400
+naming the model).
+
+llama.cpp's tokenizer only reads the vocabulary, so it may run beside the engine thread's
+``llama_decode`` (llama-server tokenizes in its HTTP threads the same way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import llama_cpp as L
+
+from llamapool.protocol.messages import LIGHT_TASKS, Done, ErrorCode, Failed, Run, Step
+from llamapool.worker.vocab import tokenize
+
+
+def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool) -> Step | None:
+    """The answer to ``run`` given on the I/O path, or None when the engine thread runs it."""
+    entry: Done | Failed | None = None
+    if run.task == "embed" and not embedding:
+        entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is a generation model: it does not "
+                       f"compute embeddings (list its GGUF again as a model with embedding = true)", "model")
+    elif run.task == "" and embedding:
+        entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is an embedding model (embedding = "
+                       f"true): it does not generate; use it for embeddings", "model")
+    elif run.task in LIGHT_TASKS:
+        if vocab is None:
+            entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} has no tokenizer (echo engine)",
+                           "model")
+        elif run.task == "tokenize":
+            entry = _tokenize(run, vocab)
+        else:
+            entry = _detokenize(run, vocab, n_vocab)
+    if entry is None:
+        return None
+    return Step(done=[entry]) if isinstance(entry, Done) else Step(failed=[entry])
+
+
+def _tokenize(run: Run, vocab: Any) -> Done:
+    opts = run.options or {}
+    text = run.prompt if isinstance(run.prompt, str) else ""
+    ids = tokenize(vocab, text, bool(opts.get("add_special")), bool(opts.get("parse_special", True)))
+    if not opts.get("with_pieces"):
+        return Done(run.rid, "stop", "", 0, 0, tokens=ids)
+    buf = ctypes.create_string_buffer(256)
+    out: list[Any] = []
+    for t in ids:
+        n = L.llama_token_to_piece(vocab, t, buf, 256, 0, True)
+        raw = buf.raw[: max(n, 0)]
+        try:
+            piece: Any = raw.decode()
+        except UnicodeDecodeError:  # part of a character: its bytes, as llama-server gives them
+            piece = list(raw)
+        out.append({"id": t, "piece": piece})
+    return Done(run.rid, "stop", "", 0, 0, tokens=out)
+
+
+def _detokenize(run: Run, vocab: Any, n_vocab: int) -> Done | Failed:
+    ids = [t for t in run.prompt if isinstance(t, int)] if isinstance(run.prompt, list) else []
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, f"token id {bad} is out of range (vocab has {n_vocab})",
+                      "tokens")
+    arr = (L.llama_token * max(1, len(ids)))(*ids)
+    size = 16 * len(ids) + 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_detokenize(vocab, arr, len(ids), buf, size, False, True)
+        if n >= 0:
+            return Done(run.rid, "stop", buf.raw[:n].decode(errors="replace"), 0, 0)
+        size = -n + 1
