@@ -17,6 +17,26 @@ import pytest
 from llamapool import Client, LlamapoolError
 
 
+def reference_llama(model_path: str, **kw: Any) -> Any:
+    """llama-cpp-python's ``Llama`` with the weight layouts a CPU worker uses (engine.model_params: no
+    repacked layouts, whose batched kernels round otherwise than one row's), for comparing numbers."""
+    import llama_cpp.llama_cpp as lib
+    from llama_cpp import Llama
+
+    default = lib.llama_model_default_params
+
+    def plain() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = plain
+    try:
+        return Llama(model_path=model_path, verbose=False, **kw)
+    finally:
+        lib.llama_model_default_params = default
+
+
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     from llamapool.modelgen import make_model

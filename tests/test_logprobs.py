@@ -19,7 +19,7 @@ import pytest
 
 from llamapool import BadRequestError, default_model
 
-from .conftest import Daemon, launch
+from .conftest import Daemon, launch, reference_llama
 from .test_gateway import start_gateway
 
 
@@ -93,8 +93,6 @@ def test_bad_logprobs_are_refused_by_name(tiny: tuple[Daemon, openai.OpenAI], kw
 
 def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
     """The daemon's greedy tokens and logprobs on Gemma 3 270M against llama-cpp-python's own logits."""
-    from llama_cpp import Llama
-
     gemma = str(default_model.fetch(Path(__file__).resolve().parent.parent / "models"))
     prompt = "The capital of France is"
     d = launch(tmp_path, gemma, model={"path": gemma, "ctx_per_slot": 512}, workers={"slots": 2, "cpu_workers": 1})
@@ -105,7 +103,7 @@ def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
     # the same logits: flash attention as the worker has it, the prompt in one batch, then a token a step
-    llm = Llama(model_path=gemma, n_ctx=512, n_threads=2, logits_all=True, verbose=False, flash_attn=True)
+    llm = reference_llama(gemma, n_ctx=512, n_threads=2, logits_all=True, flash_attn=True)
     try:
         tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
         generated: list[int] = []

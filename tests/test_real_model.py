@@ -19,7 +19,7 @@ import pytest
 
 from llamapool import Client, default_model
 
-from .conftest import Daemon, launch
+from .conftest import Daemon, launch, reference_llama
 
 MAX_TOKENS = 20
 PROMPTS = [
@@ -41,9 +41,7 @@ def gemma() -> str:
 
 @pytest.fixture(scope="module")
 def reference(gemma: str) -> Iterator[Any]:
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=gemma, n_ctx=2048, n_batch=512, n_threads=2, verbose=False)
+    llm = reference_llama(gemma, n_ctx=2048, n_batch=512, n_threads=2, flash_attn=True)
     yield llm
     llm.close()
 

@@ -64,6 +64,10 @@ def model_params(cfg: EngineConfig) -> tuple[Any, Any]:
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = -1 if cfg.gpu else 0
     mp.main_gpu = 0
+    # On the CPU, llama.cpp's repacked weight layouts (e.g. Q4_K for AVX2) compute a batch of rows with
+    # other kernels than one row, so a prompt's greedy text would depend on what runs beside it (seen on
+    # an AMD EPYC without AVX-512). Plain layouts keep every row's arithmetic the same, batched or not.
+    mp.use_extra_bufts = cfg.gpu
     keep = None
     if cfg.gpu and cfg.n_gpus > 1:
         mp.split_mode = L.LLAMA_SPLIT_MODE_LAYER
