@@ -148,7 +148,7 @@ def test_a_megabytes_long_prompt_is_refused_without_tokenizing_it(shared_daemon)
         with pytest.raises(BadRequestError) as e:
             c.generate("word " * 600_000, max_tokens=2)
         took = time.monotonic() - t0
-        assert e.value.code == ErrorCode.INVALID_REQUEST and "model.ctx_per_slot" in e.value.message
+        assert e.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "model.ctx_per_slot" in e.value.message
         assert took < 3, f"took {took:.1f}s"
 
 

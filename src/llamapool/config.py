@@ -10,14 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llamapool.errors import ConfigError as ConfigError
 from llamapool.protocol.endpoints import default_frontend as default_frontend
 from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
 from llamapool.protocol.endpoints import ipc_path as ipc_path
 from llamapool.protocol.endpoints import needs_curve as needs_curve
-
-
-class ConfigError(ValueError):
-    """A configuration file that cannot be used; the message names the key."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from llamapool.config import ConfigError
-from llamapool.config import needs_curve as needs_curve
+from llamapool.errors import ConfigError
+from llamapool.protocol.endpoints import needs_curve as needs_curve
 
 log = logging.getLogger("llamapool.security")
 
