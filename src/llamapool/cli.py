@@ -398,7 +398,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`llamapool generate \"Hello\"`.\n`llamapool COMMAND --help` describes each command."))
     p.add_argument("--version", action=_Version, help="print llamapool's and llama-cpp-python's versions")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _daemon_commands(sub)
+    _tool_commands(sub)
+    return p
 
+
+def _daemon_commands(sub: Any) -> None:
+    """serve, node, and the commands that talk to a running daemon: generate, chat, status."""
     s = _sub(sub, "serve", "run the daemon in the foreground (router, workers, HTTP gateway)",
              "Run the daemon in the foreground: the router, one worker per GPU (or CPU workers) and, with an "
              "[http] table, the OpenAI-compatible gateway.\nCtrl-C (SIGINT) or SIGTERM drains: requests in "
@@ -437,6 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
     st.set_defaults(fn=cmd_status)
 
+
+def _tool_commands(sub: Any) -> None:
+    """Commands that need no daemon: models, keys, random-weight GGUFs, the benchmark."""
     f = _sub(sub, "fetch-model", "download a model from Hugging Face (hf:OWNER/REPO:QUANT), or write the "
              "default one into a folder",
              "With hf:OWNER/REPO:QUANT (e.g. hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M) or "
@@ -480,7 +489,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(b)
     b.set_defaults(fn=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
