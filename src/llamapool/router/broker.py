@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from llamapool import log as logmod
 from llamapool import security
 from llamapool.config import ipc_path, needs_curve
-from llamapool.protocol import codec, control
+from llamapool.protocol import codec, control, params
 from llamapool.protocol.control import (
     CancelAll,
     Drained,
@@ -165,6 +165,7 @@ class Job:
     last_worker: str = ""  # the worker that ran it last (for the access log)
     task: str = ""  # "" (generate), "embed", "tokenize", "detokenize" (messages.Run.task)
     options: dict[str, Any] | None = None  # a tokenize's flags
+    siblings: list[Job] = field(default_factory=list)  # the other choices of its prompt (``n``): they go with it
 
 
 @dataclass(eq=False)
@@ -370,7 +371,8 @@ class Router:
             self._refuse_request(client, msg, model, ErrorCode.UNAVAILABLE, unservable)
             return
         queue = self._queue(model)
-        if len(queue) + len(msg.prompts) > self.cfg.max_queue:
+        n = msg.params.n
+        if len(queue) + len(msg.prompts) * n > self.cfg.max_queue:
             self._refuse_request(client, msg, model, ErrorCode.OVERLOADED, f"queue of model {model!r} is full "
                                  f"({len(queue)} waiting, server.max_queue={self.cfg.max_queue})")
             return
@@ -378,12 +380,19 @@ class Router:
         deadline = now + msg.timeout if msg.timeout else None
         jobs = []
         for i, prompt in enumerate(msg.prompts):
-            job = Job(self.next_rid, client, msg.id, i, prompt, msg.params, msg.stream, now, deadline,
-                      keys=prefix_keys(prompt), log_id=f"{msg.id}/{i}" if msg.batch else msg.id, model=model)
-            self.next_rid += 1
-            self.jobs[job.rid] = job
-            queue.append(job)
-            jobs.append(job)
+            keys = prefix_keys(prompt)
+            for j in range(n):  # choice j of prompt i is the reply with index i * n + j
+                job = Job(self.next_rid, client, msg.id, i * n + j, prompt, params.choice(msg.params, j), msg.stream,
+                          now, deadline, keys=keys, log_id=f"{msg.id}/{i * n + j}" if msg.batch or n > 1 else msg.id,
+                          model=model)
+                self.next_rid += 1
+                self.jobs[job.rid] = job
+                if j == 0:
+                    first = job
+                    queue.append(job)
+                else:
+                    first.siblings.append(job)
+                jobs.append(job)
         self.by_request[key] = jobs
 
     def _on_task(self, client: bytes, msg: Embed | Tokenize | Detokenize) -> None:
@@ -700,18 +709,26 @@ class Router:
             if w is None:
                 return
             queue.popleft()
-            if not job.started:
-                job.started = time.monotonic()
-                self.metrics.of(job.model).queue_wait.observe(job.started - job.queued_at)
-            job.worker = job.last_worker = w.name
-            job.status, job.dispatched_at = RequestStatus.RUNNING, time.monotonic()
-            w.jobs[job.rid] = job
             remember(w, job.keys)
-            if LOG.enabled("debug"):
-                LOG.debug("dispatch", id=job.log_id, worker=w.name, rid=job.rid)
-            self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id, task=job.task))
+            self._start_on(w, job)
+            for sib in job.siblings:  # the prompt's other choices: on the same worker, after the first
+                self._start_on(w, sib, after=job.rid)
+            job.siblings = []
             if self.workers.get(w.name) is not w:  # its socket was gone: lost, and the job is queued again
                 pool.remove(w)
+
+    def _start_on(self, w: WorkerState, job: Job, after: int = -1) -> None:
+        """Send ``job`` to ``w`` (``after``: the rid of the first choice whose computed prompt it copies)."""
+        if not job.started:
+            job.started = time.monotonic()
+            self.metrics.of(job.model).queue_wait.observe(job.started - job.queued_at)
+        job.worker = job.last_worker = w.name
+        job.status, job.dispatched_at = RequestStatus.RUNNING, time.monotonic()
+        w.jobs[job.rid] = job
+        if LOG.enabled("debug"):
+            LOG.debug("dispatch", id=job.log_id, worker=w.name, rid=job.rid)
+        self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id, task=job.task,
+                                 after=after))
 
     def _dispatch_light(self) -> None:
         """Tokenize and detokenize jobs: each to the ready worker of its model with the most free slots,
