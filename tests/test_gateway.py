@@ -155,8 +155,8 @@ def test_32_concurrent_streams_all_complete(gateway: tuple[Daemon, str]) -> None
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"n": 2}, "n"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"n": 0}, "n"),
+    ({"logprobs": 6}, "logprobs"),  # completions take 0 to 5 alternatives
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),
     ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format.type"),
