@@ -3,6 +3,8 @@
 # default n_ubatch and at the sweep's best, and the F16 (cuBLAS) lever. Everything goes to $OUT.
 # llamapool itself runs from a snapshot of commit 89f40dc (.gpu/issue25-snap-89f40dc.tgz: src/ and
 # scripts/gpu_bench.py), the last commit whose serve path ran here when the job was made.
+# Made (git-ignored, carried with .gpu) by:
+#   git archive --prefix=snap/ 89f40dc src scripts/gpu_bench.py scripts/gpu_env.sh | gzip -9 > .gpu/issue25-snap-89f40dc.tgz
 # CPUTEST=1: the same steps on the CPU with the tiny shape (checks the script).
 set -u
 T0=$(date +%s)
