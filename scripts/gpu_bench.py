@@ -235,6 +235,9 @@ def main() -> int:
     ap.add_argument("--ttft-slo", type=float, default=500.0, metavar="MS", help="the open loop's TTFT p99 target")
     ap.add_argument("--streams", default="", metavar="C1,C2,...",
                     help="also: 'short' at each stream count (slots = C) for llamapool, with the ceiling at C")
+    ap.add_argument("--neighbours", action="store_true",
+                    help="short at C/2 streams alone, then beside C/2 json streams in the same daemon: the "
+                         "unconstrained streams' speed with constrained neighbours (issue 21)")
     ap.add_argument("--scaling", action="store_true",
                     help="also: 'short' on one GPU, then on every GPU (C streams each), with isolation checks")
     args = ap.parse_args()
@@ -381,6 +384,8 @@ def main() -> int:
     if args.rates:
         rates = sorted(float(x) for x in args.rates.split(",") if x.strip())
         open_loop(args, rates, model, n_vocab, peer, daemon, record, logs, timings)
+    if args.neighbours:
+        neighbours(args, n_vocab, daemon, record, timings)
     if args.streams:
         for c in [int(x) for x in args.streams.split(",") if x.strip()]:
             with section(f"streams C={c}", timings):
@@ -415,6 +420,42 @@ def main() -> int:
         log(f"{errors} request(s) failed or came back short: those rows are not figures")
     log(f"done in {total:.1f} s; rows in {results}")
     return 1 if errors else 0
+
+
+def neighbours(args: argparse.Namespace, n_vocab: int, daemon: Any, record: Any,
+               timings: list[tuple[str, float]]) -> None:
+    """Unconstrained streams beside as many unconstrained ones, then beside as many constrained ones (the
+    same batch size both times), in one daemon of C slots: what constrained neighbours cost them."""
+    import threading
+
+    from llamapool.bench import drivers
+    from llamapool.bench.workloads import FIXED, make_workload
+
+    half = args.concurrency // 2
+    n = args.requests or 4 * half
+    plain = make_workload("short", n, n_vocab, seed=args.seed, ctx=sum(FIXED["short"]))
+    rows: dict[str, Any] = {}
+    with section(f"neighbours: short C={half} beside short, then beside json C={half}", timings):
+        proc, ep, logf, _ = daemon("neighbours", args.concurrency, plain.longest + 16)
+        target = drivers.Target("sdk", ep)
+        for kind in ("short", "json"):
+            other = make_workload(kind, 2 * n, n_vocab, seed=args.seed + 1, ctx=sum(FIXED[kind]))
+            side = threading.Thread(target=lambda o=other, k=kind: rows.update({k: drivers.run(target, o, half,
+                                                                                                args.procs)}))
+            side.start()
+            time.sleep(2.0)  # the neighbours are running: the measured streams start among them
+            rows[f"plain_beside_{kind}"] = drivers.run(target, plain, half, args.procs)
+            side.join()
+            time.sleep(1.0)
+        stop_daemon(proc, logf)
+    base, mixed = rows["plain_beside_short"], rows["plain_beside_json"]
+    row = {"mode": "neighbours", "C_each": half, "beside_short_tok_s": round(base.tok_s, 1),
+           "beside_json_tok_s": round(mixed.tok_s, 1), "ratio": round(mixed.tok_s / base.tok_s, 3),
+           "beside_short_itl_p50_ms": base.itl_p50_ms, "beside_json_itl_p50_ms": mixed.itl_p50_ms,
+           "errors": sum(r.errors for r in rows.values())}
+    record(row)
+    log(f"neighbours: short beside short {base.tok_s:,.0f} tok/s, beside json {mixed.tok_s:,.0f} tok/s "
+        f"({row['ratio']:.3f}x)")
 
 
 def open_loop(args: argparse.Namespace, rates: list[float], model: str, n_vocab: int, peer: str, daemon: Any,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -135,6 +136,26 @@ def test_backend_sampling_path_gives_the_same_greedy_text(model_path: str, engin
         assert first == second, "seeded sampling on the backend is reproducible"
         assert first[11] == run_all(engine, [Run(11, "y", GREEDY, False)])[11]
         assert len(eng.free_ids) == 4
+    finally:
+        eng.close()
+
+
+def test_slots_change_hands_between_graph_and_host_sampling(model_path: str, engine: Engine) -> None:
+    """Backend sampling, slots passing between greedy rows sampled in the graph and rows sampled on the
+    host (a grammar, logprobs, a penalty): the greedy text is the same as alone, wave after wave."""
+    eng = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
+                              threads=2, backend_sampling=True))
+    host = [dataclasses.replace(GREEDY, json_schema={"type": "object"}), dataclasses.replace(GREEDY, logprobs=True),
+            dataclasses.replace(GREEDY, frequency_penalty=0.5)]
+    try:
+        want = run_all(engine, [Run(i, p, GREEDY, False) for i, p in enumerate(PROMPTS[:3])])
+        for wave in range(4):  # each wave puts the greedy runs in slots the host runs had
+            runs = [Run(100 * wave + i, p, GREEDY, False) for i, p in enumerate(PROMPTS[:3])]
+            others = [Run(100 * wave + 50 + i, "z", host[(i + wave) % 3], False) for i in range(3)]
+            got = run_all(eng, (others + runs) if wave % 2 else (runs + others),
+                          {r.rid: 1 + i for i, r in enumerate(runs)} if wave % 2 else {})
+            assert [got[100 * wave + i] for i in range(3)] == [want[i] for i in range(3)]
+        assert len(eng.free_ids) == 3
     finally:
         eng.close()
 

@@ -13,6 +13,7 @@ The tokenizer comes straight from llama.cpp's vocabulary (``llguidance.llamacpp`
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,8 +87,10 @@ class Grammars:
             if self._tokenizer is None:
                 from llguidance.llamacpp import lltokenizer_from_vocab
 
-                self._tokenizer = lltokenizer_from_vocab(self._vocab, n_vocab=self._n_vocab,
-                                                         eos_token=sorted(self._eog) or None)
+                with warnings.catch_warnings():  # it calls llama_token_get_attr, deprecated, once a token
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._tokenizer = lltokenizer_from_vocab(self._vocab, n_vocab=self._n_vocab,
+                                                             eos_token=sorted(self._eog) or None)
             return self._tokenizer
 
     def compile(self, spec: Spec) -> Future[Any]:

@@ -63,6 +63,7 @@ class Sampling:
         self.n_vocab = n_vocab
         self.window = window  # the most tokens a sequence generates (presence/frequency penalties see all)
         self._greedy: dict[int, Any] = {i: _greedy_chain() for i in range(slots)} if gpu else {}
+        self._on: dict[int, Any] = dict(self._greedy)  # what the graph samples each slot with (None: nothing)
         self._seq_cfg: Any = None
         self.ctx: Any = None
         self.masks: Masks | None = None
@@ -101,15 +102,14 @@ class Sampling:
     def admit(self, slot: int, p: SamplingParams, matcher: Any = None) -> SeqSampling:
         """The sampling of a sequence starting in ``slot`` (llama.cpp may refuse a chain: it raises)."""
         in_graph = self.in_graph(p)
-        chain = None
-        if not (in_graph and p.greedy):
-            chain = _chain(p, self.n_vocab, self.window)
-            if self.gpu:  # a chain the graph cannot run is taken off: the row's logits go to the host
-                try:
-                    self._attach(slot, chain if in_graph else None)
-                except Exception:
+        chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
+        if self.gpu:  # the graph's chain for the slot: greedy, the request's own, or none (logits to the host)
+            try:
+                self._put(slot, (self._greedy_for(slot) if chain is None else chain) if in_graph else None)
+            except Exception:
+                if chain is not None:
                     L.llama_sampler_free(chain)
-                    raise
+                raise
         state = SeqSampling(slot, p, chain, in_graph, matcher)
         if matcher is not None and self.masks is None:
             self.masks = Masks(self._slots, self.n_vocab)
@@ -117,15 +117,32 @@ class Sampling:
         return state
 
     def release(self, state: SeqSampling) -> None:
-        """Free the sequence's chain and give its slot the greedy chain back."""
+        """Free the sequence's host chain. The graph is left as it is: changing it makes the next decode
+        re-plan, and would wait for the batch in flight; the next sequence of the slot changes it if it
+        needs another chain (a chain left in the graph is freed then)."""
         self.states.pop(state.slot, None)
-        if state.chain is None:
+        if state.chain is not None and state.chain is not self._on.get(state.slot):
+            L.llama_sampler_free(state.chain)
+
+    def _greedy_for(self, slot: int) -> Any:
+        """The slot's greedy chain: the one in the graph, or a new one (a chain taken off the graph is not
+        put back: llama.cpp set it up for the graph it was in)."""
+        if self._on.get(slot) is not self._greedy[slot]:
+            L.llama_sampler_free(self._greedy[slot])  # off the graph since another chain or none replaced it
+            self._greedy[slot] = _greedy_chain()
+        return self._greedy[slot]
+
+    def _put(self, slot: int, chain: Any) -> None:
+        """Let the graph sample ``slot`` with ``chain`` (None: not at all), changing it only if it must; a
+        finished sequence's own chain that it replaces is freed."""
+        old = self._on.get(slot)
+        if old is chain:
             return
-        if self.gpu:
-            L.llama_sampler_free(self._greedy[state.slot])
-            self._greedy[state.slot] = _greedy_chain()
-            self._attach(state.slot, self._greedy[state.slot])
-        L.llama_sampler_free(state.chain)
+        self._attach(slot, chain)
+        self._on[slot] = chain
+        if old is not None and old is not self._greedy.get(slot) and all(
+                s.chain is not old for s in self.states.values()):
+            L.llama_sampler_free(old)
 
     def _attach(self, slot: int, chain: Any) -> None:
         """Put ``chain`` on ``slot`` in the decode graph (None: take it off; the next decode re-plans)."""
@@ -232,6 +249,9 @@ class Sampling:
     def close(self) -> None:
         if self.masks is not None:
             self.masks.close()
+        for slot, ch in self._on.items():  # finished sequences' chains still in the graph
+            if ch is not None and ch is not self._greedy.get(slot):
+                L.llama_sampler_free(ch)
         for ch in self._greedy.values():
             L.llama_sampler_free(ch)
 
