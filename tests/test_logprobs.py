@@ -74,6 +74,31 @@ def test_completions_logprobs_and_offsets(tiny: tuple[Daemon, openai.OpenAI]) ->
     assert plain.choices[0].logprobs is None  # only rows that ask pay for it
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(tiny: tuple[Daemon, openai.OpenAI]) -> None:
+    c = tiny[1]
+    prompt = "The quick brown fox jumps over the lazy dog " * 3
+    r = c.completions.create(model=name_of(c), prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1,
+                             extra_body={"ignore_eos": True})
+    plain = c.completions.create(model=name_of(c), prompt=prompt, max_tokens=4, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    choice, usage = r.choices[0], r.usage
+    assert usage is not None and choice.text.endswith(plain.choices[0].text)
+    assert choice.text == prompt + plain.choices[0].text  # the prompt as it was sent
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    # the tokens' pieces (SentencePiece writes the first word's space)
+    assert len(lp.tokens) == usage.prompt_tokens + 4 and "".join(lp.tokens).strip() == choice.text.strip()
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    with pool_client(tiny) as sdk:
+        echoed = sdk.generate(prompt, max_tokens=4, temperature=0, echo=True, ignore_eos=True)
+    assert echoed.text == choice.text and echoed.logprobs is None
+
+
+def pool_client(tiny: tuple[Daemon, openai.OpenAI]) -> Any:
+    return tiny[0].client()
+
+
 @pytest.mark.parametrize("kw, param", [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
@@ -100,6 +125,7 @@ def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
         d.wait_ready(1)
         with d.client() as sdk:
             done = sdk.generate(prompt, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5)
+            echoed = sdk.generate(prompt, max_tokens=1, temperature=0, logprobs=True, echo=True)
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
     # the same logits: flash attention as the worker has it, the prompt in one batch, then a token a step
@@ -108,6 +134,11 @@ def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
         tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
         generated: list[int] = []
         llm.eval(tokens)
+        assert echoed.logprobs is not None and len(echoed.logprobs) == len(tokens) + 1
+        for i in range(1, len(tokens)):  # the prompt's own logprobs, computed in one batch as here
+            row = np.array(llm.scores[i - 1], dtype=np.float64)
+            want = row[tokens[i]] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+            assert abs(echoed.logprobs[i][1] - want) < 1e-3
         for _ in range(6):
             if generated:
                 llm.eval(generated[-1:])

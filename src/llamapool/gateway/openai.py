@@ -105,7 +105,7 @@ class Request:
 
 
 _UNSUPPORTED = {  # parameter -> the values that are fine (their defaults)
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
@@ -310,7 +310,8 @@ def completion_logprobs(entries: list[Any] | None, offset: int = 0) -> dict[str,
         offsets.append(offset)
         offset += len(e[0])
     return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [{t[0]: t[1] for t in e[3]} for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e[1] is None else {t[0]: t[1] for t in e[3]} for e in entries],
+            "text_offset": offsets}
 
 
 def tool_calls(c: Completion) -> list[dict[str, Any]]:

@@ -210,6 +210,8 @@ class SamplingParams:
         boolean, "each generated token's log-probability under the model (the raw distribution: docs/sdk.md)"))
     top_logprobs: int = field(default=0, metadata=_meta(
         number, "with logprobs: the likeliest tokens at each position and theirs, 0 to 20"))
+    echo: bool = field(default=False, metadata=_meta(
+        boolean, "the reply starts with the prompt's text (with logprobs, its tokens' too: the first has none)"))
     n: int = field(default=1, metadata=_meta(
         number, "choices per prompt: the prompt is computed once and its KV copied (seed + i each, if seeded)"))
 

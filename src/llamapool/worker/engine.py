@@ -97,6 +97,7 @@ class Sequence:
     arrived: int = 0  # the engine step its request arrived at (prompt chunks: scheduler.priority)
     reused: int = 0  # prompt tokens its KV had from the prefix cache
     logprobs: list[list[Any]] = field(default_factory=list)  # entries not yet sent (with ``logprobs``)
+    echo_rows: list[tuple[int, int]] = field(default_factory=list)  # echo: (batch row, prompt position) in flight
 
     @property
     def prefilling(self) -> bool:
@@ -254,6 +255,7 @@ class Engine:
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self.grammars = Grammars(self.vocab, self.n_vocab, self._eog)
         self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
+        self._echoing: list[Sequence] = []  # sequences with prompt rows (echo's logprobs) in the batch in flight
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0
         self.copied_streams = 0  # prefix shares that copied a KV stream buffer
@@ -376,8 +378,9 @@ class Engine:
     def _admit(self, w: Waiting, out: Step) -> Sequence | None:
         """Give the waiting run a slot (None when llama.cpp will not build its sampler: it fails into ``out``)."""
         run, prompt = w.run, w.tokens
-        seq_id, reused = self._take_slot(prompt)
         p = run.params
+        prompt_logprobs = p.echo and p.logprobs
+        seq_id, reused = self._take_slot(prompt, reuse=not prompt_logprobs)  # a prompt's logprobs: all computed
         try:
             matcher = None if w.grammar is None else w.grammar.result().deep_copy()
             sampling = self.sampling.admit(seq_id, p, matcher)
@@ -392,9 +395,15 @@ class Engine:
             sampling=sampling, text=self._text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
         )
         self.reused_tokens += reused
+        if p.echo:  # a text prompt as it was given; token ids (and a rendered chat) as their pieces
+            seq.text.preface(run.prompt if isinstance(run.prompt, str) else
+                             b"".join(self._piece_of(int(t)) for t in prompt).decode(errors="replace"))
+        if prompt_logprobs:  # the first prompt token has no logprob
+            piece = self._piece_of(int(prompt[0]))
+            seq.logprobs.append([piece.decode(errors="replace"), None, list(piece), []])
         return seq
 
-    def _take_slot(self, want: np.ndarray) -> tuple[int, int]:
+    def _take_slot(self, want: np.ndarray, reuse: bool = True) -> tuple[int, int]:
         """A free sequence id for the prompt ``want`` and how many of its leading tokens are already in KV.
 
         The KV of every active sequence's computed prompt, and of recently finished sequences
@@ -405,7 +414,7 @@ class Engine:
         At least the last prompt token is always computed, for its logits.
         """
         src, best = -1, 0
-        if self.cfg.prefix_cache:
+        if self.cfg.prefix_cache and reuse:
             in_kv = list(self.cached.items())
             in_kv += [(s.seq_id, s.tokens[: s.n_past]) for s in self.active.values() if s.n_past]
             for sid, have in in_kv:
@@ -506,6 +515,7 @@ class Engine:
         else:
             order = self._build(out)
             if self.batch.n and self._launch(order, out):
+                self._echo_logprobs()
                 for seq, tok in self._take_all(order, out):
                     self._emit(seq, tok, out)
         out.active = len(self.active)
@@ -577,6 +587,7 @@ class Engine:
         chunk = self._plan(out)
         b = self.batch
         b.n = 0
+        self._echoing = []
         self._split = False
         if not chunk:
             return []
@@ -619,6 +630,10 @@ class Engine:
             b.pos[o : o + n] = np.arange(p, p + n, dtype=np.int32)
             seq.n_past = p + n
             seq.out_idx = -1
+            if seq.params.echo and seq.params.logprobs:  # the prompt's own logprobs: every row an output
+                b.logits[o : o + n] = 1
+                seq.echo_rows = [(o + i, p + i) for i in range(n) if p + i + 1 < len(seq.tokens)]
+                self._echoing.append(seq)
             if seq.n_past == len(seq.tokens):
                 outputs.append((k, seq))
         outputs.sort(key=lambda e: e[0])
@@ -672,9 +687,21 @@ class Engine:
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
         self.decode_s += time.perf_counter() - t0
+        self._echo_logprobs()
         ready = self._take_all([seq for seq in self.inflight if self.active.get(seq.seq_id) is seq], out)
         self.inflight = []
         return ready
+
+    def _echo_logprobs(self) -> None:
+        """The logprobs of the prompt tokens computed in the batch just decoded (``echo`` with ``logprobs``):
+        the row of position ``i`` gives prompt token ``i + 1``'s."""
+        for seq in self._echoing:
+            if self.active.get(seq.seq_id) is not seq:
+                continue
+            for row, pos in seq.echo_rows:
+                seq.logprobs.append(self._logprob_entry(seq, int(seq.tokens[pos + 1]), row))
+            seq.echo_rows = []
+        self._echoing = []
 
     def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
         """Every output row's token (its mask ready first, if constrained); then the next masks are
@@ -718,10 +745,10 @@ class Engine:
         elif delta and seq.stream:
             out.deltas.append(Delta(seq.rid, delta, seq.generated, self._sent_logprobs(seq)))
 
-    def _logprob_entry(self, seq: Sequence, tok: int) -> list[Any]:
+    def _logprob_entry(self, seq: Sequence, tok: int, row: int = -1) -> list[Any]:
         """A token's logprob entry as the wire carries it: ``[text, logprob, bytes, top]``, ``top`` a list
-        of ``[text, logprob, bytes]`` (protocol.md, 5.1)."""
-        lp, top = self.sampling.logprobs(seq.out_idx, tok, seq.params.top_logprobs)
+        of ``[text, logprob, bytes]`` (protocol.md, 5.1); from output ``row`` (default: the sequence's)."""
+        lp, top = self.sampling.logprobs(seq.out_idx if row < 0 else row, tok, seq.params.top_logprobs)
 
         def described(t: int, v: float) -> list[Any]:
             piece = self._piece_of(t)

@@ -16,7 +16,7 @@ class TextStream:
     sets it where the text is now, for a mark that is a control token and has no text).
     """
 
-    __slots__ = ("_dec", "_hold", "_holds", "_mark", "_stops", "marked", "sent", "stopped", "text")
+    __slots__ = ("_dec", "_floor", "_hold", "_holds", "_mark", "_stops", "marked", "sent", "stopped", "text")
 
     def __init__(self, stops: tuple[str, ...] = (), mark: str = "") -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -28,6 +28,13 @@ class TextStream:
         self.sent = 0  # characters of ``text`` already returned as deltas
         self.stopped = False
         self.marked = -1
+        self._floor = 0  # stop strings and the mark are looked for from here on (after a preface)
+
+    def preface(self, text: str) -> None:
+        """Start the text with ``text`` (an echoed prompt): returned like generated text, never searched
+        for stop strings or the mark."""
+        self.text = text + self.text
+        self._floor = len(text)
 
     def mark_here(self) -> None:
         if self.marked < 0:
@@ -37,7 +44,7 @@ class TextStream:
         new = self._dec.decode(piece)
         if not new:
             return ""
-        start = max(0, len(self.text) - self._hold)
+        start = max(self._floor, len(self.text) - self._hold)
         self.text += new
         if self._mark and self.marked < 0 and (at := self.text.find(self._mark, start)) >= 0:
             self.marked = at
