@@ -11,7 +11,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -55,6 +55,7 @@ from llamapool.protocol.messages import (
     Tokenize,
 )
 
+P = TypeVar("P", Pending, TaskPending)  # what a request's replies are folded into
 _CLOSED = Error(None, "closed", "")  # put in the queue of each waiting request by close(): raises closed_error
 
 
@@ -253,7 +254,11 @@ class AsyncClient:
         t, wait = self._budget(timeout)
         frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model)
         q = await self._open(frame, rid, t, generate=True)
-        pending = Pending(len(prompts) * choices(params))
+        return await self._collect(q, rid, Pending(len(prompts) * choices(params)), wait)
+
+    async def _collect(self, q: asyncio.Queue[Message], rid: str, pending: P, wait: float | None) -> P:
+        """Feed ``pending`` every reply of request ``rid`` until it has them all (or ``wait`` seconds
+        pass: a timeout, and the request is cancelled)."""
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait
         try:
@@ -353,19 +358,7 @@ class AsyncClient:
         rid = new_id()
         t, wait = self._budget(timeout)
         q = await self._open(task_frame(build(rid, t)), rid, t, generate=True)
-        pending = TaskPending(n)
-        loop = asyncio.get_running_loop()
-        end = None if wait is None else loop.time() + wait
-        try:
-            while not pending.done:
-                pending.feed(await self._next(q, None if end is None else end - loop.time()))
-        except BaseException:
-            self._cancel(rid)
-            raise
-        finally:
-            self._link.waiting.pop(rid, None)
-        self._link.inflight.discard(rid)
-        return pending
+        return await self._collect(q, rid, TaskPending(n), wait)
 
     async def status(self, *, timeout: float = 5.0) -> dict[str, Any]:
         """The daemon's view (see ``Client.status``)."""

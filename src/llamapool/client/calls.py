@@ -6,7 +6,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
 from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall, Usage
@@ -30,6 +30,7 @@ from llamapool.protocol.messages import (
 )
 
 DEFAULT_TIMEOUT = 300.0
+R = TypeVar("R")
 PARAM_NAMES = params.PARAM_NAMES  # the contract's names (protocol/params.py): the SDK's keywords
 
 
@@ -141,11 +142,11 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
 
 
 @dataclass
-class Pending:
-    """The replies of one request so far: ``feed`` each one, read ``done``/``results``."""
+class Replies(Generic[R]):
+    """The final replies of one request so far, ``n`` of them in index order: ``done``, ``results``."""
 
     n: int
-    results: list[Completion | LlamapoolError | None] = field(default_factory=list)
+    results: list[R | LlamapoolError | None] = field(default_factory=list)
     remaining: int = 0
 
     def __post_init__(self) -> None:
@@ -156,6 +157,32 @@ class Pending:
     def done(self) -> bool:
         return self.remaining <= 0
 
+    def _set(self, i: int, value: R | LlamapoolError) -> None:
+        if 0 <= i < self.n and self.results[i] is None:
+            self.results[i] = value
+            self.remaining -= 1
+
+    def _fail(self, msg: Error) -> None:
+        """An error reply: its prompt's (or, without an index, every prompt's still open)."""
+        err = from_reply(msg)
+        for i in range(self.n) if msg.index is None else (msg.index,):
+            self._set(i, err)
+
+    def ordered(self) -> list[R]:
+        """Every reply in order; raise the first error."""
+        out = []
+        for r in self.results:
+            if isinstance(r, LlamapoolError):
+                raise r
+            assert r is not None
+            out.append(r)
+        return out
+
+
+@dataclass
+class Pending(Replies[Completion]):
+    """The replies of one generate request so far: ``feed`` each one, read ``done``/``results``."""
+
     def feed(self, msg: Message) -> StreamChunk | None:
         if isinstance(msg, Chunk):
             return StreamChunk(msg.text, msg.tokens, msg.index, msg.logprobs)
@@ -165,29 +192,12 @@ class Pending:
                                             msg.worker, msg.index, msg.model,
                                             [ToolCall(**c) for c in msg.tool_calls or ()], msg.logprobs))
         elif isinstance(msg, Error):
-            err = from_reply(msg)
-            if msg.index is None:  # the whole request failed
-                for i in range(self.n):
-                    if self.results[i] is None:
-                        self._set(i, err)
-            else:
-                self._set(msg.index, err)
+            self._fail(msg)
         return None
-
-    def _set(self, i: int, value: Completion | LlamapoolError) -> None:
-        if 0 <= i < self.n and self.results[i] is None:
-            self.results[i] = value
-            self.remaining -= 1
 
     def completions(self) -> list[Completion]:
         """All completions in order; raise the first error."""
-        out = []
-        for r in self.results:
-            if isinstance(r, LlamapoolError):
-                raise r
-            assert r is not None
-            out.append(r)
-        return out
+        return self.ordered()
 
 
 def status_of(msg: Message) -> dict[str, Any]:
@@ -245,20 +255,8 @@ TaskReply = Embedding | TokenizeReply | DetokenizeReply
 
 
 @dataclass
-class TaskPending:
+class TaskPending(Replies[TaskReply]):
     """The final replies of an embed (one per input), a tokenize or a detokenize: ``feed`` each one."""
-
-    n: int
-    results: list[TaskReply | LlamapoolError | None] = field(default_factory=list)
-    remaining: int = 0
-
-    def __post_init__(self) -> None:
-        self.results = [None] * self.n
-        self.remaining = self.n
-
-    @property
-    def done(self) -> bool:
-        return self.remaining <= 0
 
     def feed(self, msg: Message) -> None:
         if isinstance(msg, (Embedding, TokenizeReply, DetokenizeReply)):
@@ -266,24 +264,11 @@ class TaskPending:
         elif isinstance(msg, Result):  # cancelled (the SDK cancels only when it stops waiting)
             self._set(msg.index, LlamapoolError(ErrorCode.INTERNAL, f"request {msg.finish_reason}"))
         elif isinstance(msg, Error):
-            err = from_reply(msg)
-            for i in range(self.n) if msg.index is None else (msg.index,):
-                self._set(i, err)
-
-    def _set(self, i: int, value: TaskReply | LlamapoolError) -> None:
-        if 0 <= i < self.n and self.results[i] is None:
-            self.results[i] = value
-            self.remaining -= 1
+            self._fail(msg)
 
     def replies(self) -> list[TaskReply]:
         """Every reply in order; raise the first error."""
-        out = []
-        for r in self.results:
-            if isinstance(r, LlamapoolError):
-                raise r
-            assert r is not None
-            out.append(r)
-        return out
+        return self.ordered()
 
     def embeddings(self) -> Embeddings:
         replies = [r for r in self.replies() if isinstance(r, Embedding)]

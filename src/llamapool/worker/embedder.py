@@ -12,7 +12,6 @@ in the step that computes it: a ``Done`` carrying its vector as float32 bytes. I
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step
-from llamapool.worker.engine import EngineConfig, EngineError, model_params
+from llamapool.worker.engine import EngineConfig, EngineError, load_model
 from llamapool.worker.vocab import tokenize
 
 POOLING = {"mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS, "last": L.LLAMA_POOLING_TYPE_LAST}
@@ -41,16 +40,7 @@ class Embedder:
 
     def __init__(self, cfg: EngineConfig, pooling: str = "", log: Callable[[str], None] = print):
         self.cfg = cfg
-        if not os.path.isfile(cfg.model_path):
-            raise EngineError(f"model file {cfg.model_path} does not exist")
-        from llamapool.worker.llamalog import route_llama_logs
-
-        route_llama_logs()
-        L.llama_backend_init()
-        mp, self._tensor_split = model_params(cfg)
-        self.model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
-        if not self.model:
-            raise EngineError(f"llama.cpp could not load model {cfg.model_path} (corrupt or unsupported)")
+        self.model, self._tensor_split = load_model(cfg)
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_embd = L.llama_model_n_embd(self.model)

@@ -190,21 +190,28 @@ def quiet_llama_logs() -> None:
     _logger.set_verbose(False)
 
 
+def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
+    """llama.cpp set up (its log through llamapool's logger) and the model loaded, with the ctypes array its
+    parameters point to (keep it alive); :class:`EngineError` when the file is missing or unusable."""
+    if not os.path.isfile(cfg.model_path):
+        raise EngineError(f"model file {cfg.model_path} does not exist")
+    from llamapool.worker.llamalog import route_llama_logs
+
+    route_llama_logs()
+    L.llama_backend_init()
+    mp, keep = model_params(cfg)
+    model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
+    if not model:
+        raise EngineError(f"llama.cpp could not load model {cfg.model_path} (corrupt or unsupported)")
+    return model, keep
+
+
 class Engine:
     """Owns the model, the context, its KV cache and all sequences."""
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        if not os.path.isfile(cfg.model_path):
-            raise EngineError(f"model file {cfg.model_path} does not exist")
-        from llamapool.worker.llamalog import route_llama_logs  # llama.cpp's log through llamapool's logger
-
-        route_llama_logs()
-        L.llama_backend_init()
-        mp, self._tensor_split = model_params(cfg)
-        self.model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
-        if not self.model:
-            raise EngineError(f"llama.cpp could not load model {cfg.model_path} (corrupt or unsupported)")
+        self.model, self._tensor_split = load_model(cfg)
         cp = L.llama_context_default_params()
         cp.n_ctx = cfg.slots * cfg.ctx_per_slot
         # A step holds at most the budget plus one padding token per free slot (see _build).
