@@ -336,14 +336,14 @@ def test_a_daemon_with_a_step_time_target_serves_the_same_text(start_daemon) -> 
         mport = free_port()
         d = start_daemon(wait_workers=1, workers={"cpu_workers": 1, "slots": 4},
                          metrics={"listen": f"127.0.0.1:{mport}"},
-                         model={"target_step": target, "ctx_per_slot": 1024, "max_batch_tokens": 512})
+                         model={"target_step": target, "ctx_per_slot": 1024, "max_batch_tokens": 128})
         with d.client() as c:
             done = c.generate_many(prompts, max_tokens=40, temperature=0.0, ignore_eos=True)
         assert [x.usage.completion_tokens for x in done] == [40] * 4
         texts.append([x.text for x in done])
         row = _worker_row_after_a_heartbeat(d)
-        assert row["step_target"] == target and 0 < row["step_budget"] <= 512
-        cost = row["step_cost_ms"]  # fitted from the 40-odd steps just run
+        assert row["step_target"] == target and 0 < row["step_budget"] <= 128
+        cost = row["step_cost_ms"]  # fitted from the 50-odd steps just run (prompts in chunks of various sizes)
         assert cost["per_prompt_token"] > 0 and cost["base"] + cost["per_row"] > 0
         fams = scrape(f"http://127.0.0.1:{mport}/metrics")
         assert value(fams, "llamapool_step_budget_tokens", "llamapool_step_budget_tokens", target=target) > 0
