@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -156,6 +157,25 @@ def test_slots_change_hands_between_graph_and_host_sampling(model_path: str, eng
                           {r.rid: 1 + i for i, r in enumerate(runs)} if wave % 2 else {})
             assert [got[100 * wave + i] for i in range(3)] == [want[i] for i in range(3)]
         assert len(eng.free_ids) == 3
+    finally:
+        eng.close()
+
+
+def test_a_constrained_greedy_row_sampled_in_the_graph_gives_the_host_paths_text(model_path: str,
+                                                                                 engine: Engine) -> None:
+    """A constrained greedy row keeps the graph's argmax when the mask allows it, and takes the likeliest
+    allowed token from the row's logits when not: the same text as sampling it on the host."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
+                              threads=2, backend_sampling=True))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8},
+                                               "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constrained = dataclasses.replace(GREEDY, max_tokens=60, ignore_eos=False, json_schema=schema)
+    try:
+        runs = [Run(i, p, constrained, False) for i, p in enumerate(PROMPTS[:4])]
+        assert eng.sampling.in_graph(constrained)
+        graph, host = run_all(eng, runs), run_all(engine, runs)
+        assert graph == host and all(json.loads(t) for t in graph.values())
     finally:
         eng.close()
 

@@ -88,7 +88,7 @@ class Sampling:
         """Whether the decode graph samples for ``p``: GPU sampling, and nothing the graph cannot do
         (penalties and biases, and masks, are applied on the host: llama.cpp's in-graph samplers are
         its greedy, top-k/p, min-p, temperature and dist ones)."""
-        return self.gpu and not p.adjusts_logits and not p.constrained and not p.logprobs
+        return self.gpu and not p.adjusts_logits and not p.logprobs and (p.greedy or not p.constrained)
 
     def check(self, p: SamplingParams) -> None:
         """What only the model can check: ``logit_bias`` names tokens of its vocabulary."""
@@ -197,18 +197,22 @@ class Sampling:
 
     def pick(self, s: SeqSampling, idx: int) -> int:
         """The sequence's token from output row ``idx`` of the step just decoded."""
-        if s.in_graph:
-            return int(L.llama_get_sampled_token_ith(self.ctx, idx))
+        if s.in_graph:  # a constrained greedy row too: the graph's argmax, checked against the mask
+            tok = int(L.llama_get_sampled_token_ith(self.ctx, idx))
+            return tok if s.matcher is None else self._pick_constrained(s, idx, tok)
         if s.matcher is None:
             if s.host_greedy:
                 return self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
             return int(L.llama_sampler_sample(s.chain, self.ctx, idx))
         return self._pick_constrained(s, idx)
 
-    def _pick_constrained(self, s: SeqSampling, idx: int) -> int:
+    def _pick_constrained(self, s: SeqSampling, idx: int, drawn: int = -1) -> int:
+        """A constrained row's token: the likeliest (``drawn`` by the graph, or the host's argmax) if the
+        mask allows it, else the likeliest allowed one from the row's logits (llama.cpp keeps a row's
+        logits beside the token its graph sampled)."""
         assert self.masks is not None
-        if s.host_greedy:
-            tok = self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
+        if drawn >= 0 or s.host_greedy:
+            tok = drawn if drawn >= 0 else self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
             if not self.masks.allows(s.slot, tok):  # the likeliest allowed token
                 ids = np.flatnonzero(self.masks.allowed(s.slot))
                 tok = int(ids[self._logits(idx)[ids].argmax()]) if ids.size else tok
