@@ -61,6 +61,16 @@ def test_create_text(client: anthropic.Anthropic, model_path: str) -> None:
         m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0))
 
 
+def test_a_stop_sequence_is_reported(client: anthropic.Anthropic) -> None:
+    ask: Any = {"model": "tiny", "max_tokens": 24, "messages": [{"role": "user", "content": "Hello"}],
+                "extra_body": GREEDY}
+    text = client.messages.create(**ask).content[0].text
+    stop = text[6:9]  # three characters the greedy reply writes
+    m = client.messages.create(**ask, stop_sequences=[stop])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert m.content[0].text == text[: text.index(stop)]
+
+
 def test_stream_text_equals_create(client: anthropic.Anthropic) -> None:
     kw: Any = {"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": "Tell me a story"}],
                "extra_body": {"temperature": 0, "top_k": 1, "top_p": 1}}

@@ -190,7 +190,8 @@ class Pending(Replies[Completion]):
             self._set(msg.index, Completion(msg.text, msg.finish_reason,
                                             Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens),
                                             msg.worker, msg.index, msg.model,
-                                            [ToolCall(**c) for c in msg.tool_calls or ()], msg.logprobs))
+                                            [ToolCall(**c) for c in msg.tool_calls or ()], msg.stop,
+                                            msg.logprobs))
         elif isinstance(msg, Error):
             self._fail(msg)
         return None

@@ -31,6 +31,7 @@ class Completion:
     index: int = 0
     model: str = ""  # the pool's model that served it
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls (``text``: the prose)
+    stop: str = ""  # the stop string that ended it ("" for any other end)
     logprobs: list[Any] | None = None  # with logprobs=True: per generated token [text, logprob, bytes, top]
     # (``top``: [text, logprob, bytes] of the likeliest tokens); a stream's are in its chunks
 

@@ -204,11 +204,12 @@ def parse_messages(body: Any) -> Request:
 
 
 def stop_reason(c: Completion) -> str:
-    """``tool_use``, ``max_tokens`` or ``end_turn`` (a stop sequence also ends a turn: the worker does
-    not yet say which of the two ended it)."""
+    """``tool_use``, ``max_tokens``, ``stop_sequence`` (one of ``stop_sequences``) or ``end_turn``."""
     if c.tool_calls:
         return "tool_use"
-    return "max_tokens" if c.finish_reason == "length" else "end_turn"
+    if c.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if c.stop else "end_turn"
 
 
 def usage(c: Completion) -> dict[str, int]:
@@ -244,7 +245,7 @@ def content(c: Completion) -> list[dict[str, Any]]:
 
 def message_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
     return {"id": f"msg_{req.id}", "type": "message", "role": "assistant", "model": model, "content": content(c),
-            "stop_reason": stop_reason(c), "stop_sequence": None, "usage": usage(c)}
+            "stop_reason": stop_reason(c), "stop_sequence": c.stop or None, "usage": usage(c)}
 
 
 def event(kind: str, data: dict[str, Any]) -> bytes:
@@ -299,7 +300,7 @@ class EventWriter:
                 "type": "input_json_delta", "partial_json": json.dumps(b["input"])}}))
             out.append(event("content_block_stop", {"index": self.index}))
             self.index += 1
-        out.append(event("message_delta", {"delta": {"stop_reason": stop_reason(c), "stop_sequence": None},
+        out.append(event("message_delta", {"delta": {"stop_reason": stop_reason(c), "stop_sequence": c.stop or None},
                                            "usage": usage(c)}))
         out.append(event("message_stop", {}))
         return b"".join(out)

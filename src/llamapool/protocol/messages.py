@@ -146,6 +146,7 @@ class Result:
     # is then the text outside them
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[Any] | None = None  # as Chunk's, for the whole text
+    stop: str = ""  # the stop string that ended it ("" for any other end)
 
 
 @dataclass(slots=True)
@@ -308,6 +309,7 @@ class Done(NamedTuple):
     logprobs: list[Any] | None = None
     embedding: bytes | None = None  # an embed task's vector (float32 little-endian)
     tokens: list[Any] | None = None  # a tokenize task's tokens (``text`` is a detokenize task's text)
+    stop: str = ""  # the stop string that ended it ("" for any other end)
 
 
 class Failed(NamedTuple):

@@ -490,7 +490,8 @@ class Router:
                 return TokenizeReply(job.id, done.tokens or [], worker)
             return DetokenizeReply(job.id, done.text, worker)
         return Result(job.id, job.index, done.text, done.reason, done.prompt_tokens, done.completion_tokens, worker,
-                      tool_calls=done.tool_calls, cached_tokens=done.cached_tokens, logprobs=done.logprobs)
+                      tool_calls=done.tool_calls, cached_tokens=done.cached_tokens, logprobs=done.logprobs,
+                      stop=done.stop)
 
     def _failure(self, job: Job, failed: Failed) -> Error:
         """The client's Error of a worker's Failed entry: the one place that converts them."""

@@ -788,7 +788,7 @@ class Engine:
             if found:
                 text, calls, reason = content, found, ("tool_calls" if reason == "stop" else reason)
         out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls, seq.reused,
-                             self._sent_logprobs(seq)))
+                             self._sent_logprobs(seq), stop=seq.text.stop))
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

@@ -16,7 +16,7 @@ class TextStream:
     sets it where the text is now, for a mark that is a control token and has no text).
     """
 
-    __slots__ = ("_dec", "_floor", "_hold", "_holds", "_mark", "_stops", "marked", "sent", "stopped", "text")
+    __slots__ = ("_dec", "_floor", "_hold", "_holds", "_mark", "_stops", "marked", "sent", "stop", "stopped", "text")
 
     def __init__(self, stops: tuple[str, ...] = (), mark: str = "") -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")("replace")
@@ -27,6 +27,7 @@ class TextStream:
         self.text = ""  # all text so far (cut at a stop string once one is seen)
         self.sent = 0  # characters of ``text`` already returned as deltas
         self.stopped = False
+        self.stop = ""  # the stop string that ended the text
         self.marked = -1
         self._floor = 0  # stop strings and the mark are looked for from here on (after a preface)
 
@@ -49,10 +50,10 @@ class TextStream:
         if self._mark and self.marked < 0 and (at := self.text.find(self._mark, start)) >= 0:
             self.marked = at
         if self._stops:
-            cut = min((i for s in self._stops if (i := self.text.find(s, start)) >= 0), default=-1)
+            cut, hit = min(((i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0), default=(-1, ""))
             if cut >= 0:
                 self.text = self.text[:cut]
-                self.stopped = True
+                self.stopped, self.stop = True, hit
                 return self._emit(len(self.text))
         if self._holds:
             return self._emit(len(self.text) - self._partial())
