@@ -4,17 +4,18 @@ A sequence's sampling state (:class:`SeqSampling`) is its llama.cpp sampler chai
 runs, and its grammar matcher. Where it runs:
 
 - **in the decode graph** (GPU sampling): every slot has a greedy chain attached to the graph, and a
-  request with other parameters attaches its own chain; only the sampled token comes back;
+  request with other parameters attaches its own chain. A constrained greedy row is sampled there too:
+  the graph's argmax is checked against the row's mask (one bit test), and only a refused token is
+  replaced by the likeliest allowed one, from the row's logits (llama.cpp keeps them beside the token);
 - **on the host**, from the row's logits, for what the graph cannot do: penalties (llama.cpp's
-  repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, and grammar
-  constraints.
+  repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, logprobs, and the
+  sampled (not greedy) constrained rows, drawn first and drawn again from the masked row when refused
+  (as llama.cpp's own grammar sampler does). Greedy host rows pick with numpy's argmax over the
+  logits in place, in one call for the step's rows.
 
-A constrained row is sampled first and checked against its mask (one bit test); only a refused
-token makes the mask be applied to the row and the row sampled again (as llama.cpp's own grammar
-sampler does). Greedy rows pick with numpy's argmax over the logits in place, never copying the row.
-Masks are filled by :class:`~llamapool.worker.constraints.Masks` while the GPU runs the step, and
-only constrained rows pay anything: unconstrained rows in the same batch take the path they take
-without them.
+Masks are filled by :class:`~llamapool.worker.constraints.Masks` on a thread of their own while the GPU
+runs the step, and only constrained rows pay anything: unconstrained rows in the same batch take the
+path they take without them.
 """
 
 from __future__ import annotations
