@@ -233,7 +233,7 @@ class Engine:
         if cfg.threads > 0:
             cp.n_threads = cp.n_threads_batch = cfg.threads
         # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
-        # graph on the GPU, so only the sampled token comes back, not n_vocab logits per sequence.
+        # graph on the GPU, so the host picks no token for those rows (worker/sampling.py).
         self.gpu_sampling = (cfg.gpu and cfg.gpu_sampling) if cfg.backend_sampling is None \
             else cfg.backend_sampling
         self.vocab = L.llama_model_get_vocab(self.model)
