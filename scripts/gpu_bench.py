@@ -238,6 +238,7 @@ def main() -> int:
     ap.add_argument("--neighbours", action="store_true",
                     help="short at C/2 streams alone, then beside C/2 json streams in the same daemon: the "
                          "unconstrained streams' speed with constrained neighbours (issue 21)")
+    ap.add_argument("--scaling-workload", choices=NAMES, default="short", help="the workload of --scaling")
     ap.add_argument("--scaling", action="store_true",
                     help="also: 'short' on one GPU, then on every GPU (C streams each), with isolation checks")
     args = ap.parse_args()
@@ -505,14 +506,16 @@ def open_loop(args: argparse.Namespace, rates: list[float], model: str, n_vocab:
 
 def scaling(args: argparse.Namespace, inventory: list[Any], daemon: Any, drive_llamapool: Any, workload: Any,
             record: Any) -> None:
-    """'short' at C streams on one GPU, then C streams per GPU on all of them; isolation checks."""
+    """``--scaling-workload`` ('short') at C streams on one GPU, then C streams per GPU on all of them;
+    isolation checks."""
     n_gpu = len(inventory)
-    work1, c = workload("short")
+    name = args.scaling_workload
+    work1, c = workload(name)
     proc, ep, logf, _ = daemon("scale-1", c, work1.longest + 16)
     r1, _ = drive_llamapool(ep, work1, c)
     record({**r1.as_dict(), "service": "llamapool", "gpus": 1, "scaling_baseline": True})
     stop_daemon(proc, logf)
-    work_n, _ = workload("short", n_gpu)  # C streams per GPU, 4 x C requests per GPU
+    work_n, _ = workload(name, n_gpu)  # C streams per GPU, 4 x C requests per GPU
     proc, ep, logf, st = daemon("scale-n", c, work1.longest + 16, devs='"auto"', n=n_gpu)
     smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout
