@@ -19,7 +19,8 @@ from llamapool import Client, LlamapoolError
 
 def reference_llama(model_path: str, **kw: Any) -> Any:
     """llama-cpp-python's ``Llama`` with the weight layouts a CPU worker uses (engine.model_params: no
-    repacked layouts, whose batched kernels round otherwise than one row's), for comparing numbers."""
+    repacked layouts, whose batched kernels round otherwise than one row's; and, as llama-cpp-python's
+    default, no flash attention, as CPU workers run), for comparing numbers."""
     import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 

@@ -41,19 +41,23 @@ def gemma() -> str:
 
 @pytest.fixture(scope="module")
 def reference(gemma: str) -> Iterator[Any]:
-    llm = reference_llama(gemma, n_ctx=2048, n_batch=512, n_threads=2, flash_attn=True)
+    llm = reference_llama(gemma, n_ctx=2048, n_batch=512, n_threads=2)
     yield llm
     llm.close()
 
 
 def greedy(llm: Any, prompt: str) -> tuple[str, int]:
     """llama-cpp-python's own greedy completion: its text and how many tokens it generated."""
+    llm.reset()  # the whole prompt computed, whatever the last call left in its context
     out = llm.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0.0, top_k=1, repeat_penalty=1.0)
     return out["choices"][0]["text"], out["usage"]["completion_tokens"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def daemon(tmp_path_factory: pytest.TempPathFactory, gemma: str) -> Iterator[Daemon]:
+    """A daemon of its own for each test: what one test left in the prefix cache must not decide how the
+    next one's prompts are computed (a prompt's last token computed alone on a reused prefix can round
+    otherwise than the whole prompt computed at once, on an AVX2 CPU: that flips near ties)."""
     d = launch(tmp_path_factory.mktemp("gemma"), gemma,
                model={"path": gemma, "ctx_per_slot": 2048, "max_batch_tokens": 512, "n_ubatch": 512},
                workers={"devices": "cpu", "cpu_workers": 1, "slots": 4, "threads": 2})

@@ -227,8 +227,10 @@ class Engine:
         # cache drops positions that a reused prefix still needs (tests/test_real_model.py).
         cp.swa_full = True
         cp.no_perf = True
+        # Flash attention on GPUs only: llama.cpp's CPU flash attention computes a sequence's row otherwise
+        # when other sequences share the batch, so a prompt's greedy text would depend on its neighbours.
         cp.flash_attn_type = (
-            L.LLAMA_FLASH_ATTN_TYPE_AUTO if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            L.LLAMA_FLASH_ATTN_TYPE_AUTO if cfg.flash_attn and cfg.gpu else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         if cfg.threads > 0:
             cp.n_threads = cp.n_threads_batch = cfg.threads
