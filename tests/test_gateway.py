@@ -309,7 +309,7 @@ def test_a_body_under_the_limit_that_encodes_over_it_is_413(gateway: tuple[Daemo
 def test_a_router_too_large_is_413() -> None:
     """The router's own refusal (its limit lower than the gateway's) maps to OpenAI's 413."""
     from llamapool.client.errors import BadRequestError
-    from llamapool.gateway import openai as oai
+    from llamapool.gateway import errors as oai
 
     e = oai.from_llamapool(BadRequestError("too_large", "message is 5000000 bytes, the limit is 4194304"))
     assert (e.status, e.type, e.code, e.param) == (413, "invalid_request_error", "request_too_large", None)

@@ -1,7 +1,6 @@
 """Anthropic's Messages API (``POST /v1/messages``): request bodies -> llamapool requests, results ->
-messages and stream events. Pure functions, no I/O, like :mod:`llamapool.gateway.openai`, whose
-:class:`~llamapool.gateway.openai.Request` and :class:`~llamapool.gateway.openai.ApiError` they share:
-a bad request raises ``ApiError`` naming the field, and :func:`error_body` gives it Anthropic's shape.
+messages and stream events, and its handler. A bad request raises :class:`ApiError` naming the field,
+and :func:`error_response` gives it Anthropic's shape.
 
 The translation: ``system`` becomes the first (system) message; a user message's ``tool_result``
 blocks become ``tool`` messages (in order, before the user's text), an assistant's ``tool_use`` blocks
@@ -13,10 +12,17 @@ function tools and ``tool_choice`` auto / any / tool / none becomes auto / requi
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
-from llamapool.client.types import Completion
-from llamapool.gateway.openai import ApiError, Request, _model, bad
+from starlette.responses import JSONResponse, Response
+
+from llamapool.client.aio import AsyncStream
+from llamapool.client.errors import LlamapoolError
+from llamapool.client.types import Completion, StreamChunk
+from llamapool.gateway.errors import ApiError, bad, not_an_object, unsupported
+from llamapool.gateway.parsing import Generation, checked, model_name, stream_flag
+from llamapool.gateway.serving import Call, Door, Serving, closing, merge, sse
 from llamapool.protocol import limits, params
 
 # HTTP status -> Anthropic's error type
@@ -34,15 +40,8 @@ def error_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
-def _check(name: str, value: Any, public: str | None = None) -> Any:
-    """The contract's check of ``name``, its messages naming Anthropic's field ``public``."""
-    try:
-        return params.check(name, value)
-    except params.ParamError as e:
-        field, message = e.field, e.message
-        if public is not None:
-            field, message = public, message.replace(f"'{name}'", f"'{public}'")
-        raise bad(field, message) from None
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 def _texts(content: Any, at: str, kinds: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
@@ -54,9 +53,8 @@ def _texts(content: Any, at: str, kinds: tuple[str, ...] = ("text",)) -> list[di
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in kinds:
-            raise ApiError(400, f"'{at}[{j}].type': content blocks of type {kind!r:.80} are not supported by "
-                                f"llamapool here (only {', '.join(kinds)})", param=f"{at}[{j}].type",
-                           code="unsupported_parameter")
+            raise unsupported(f"{at}[{j}].type", f"'{at}[{j}].type': content blocks of type {kind!r:.80} are "
+                                                 f"not supported by llamapool here (only {', '.join(kinds)})")
         if kind == "text" and not isinstance(block.get("text"), str):
             raise bad(f"{at}[{j}].text", f"'{at}[{j}].text' must be a string")
     return content
@@ -75,8 +73,8 @@ def _user(content: Any, at: str) -> list[dict[str, Any]]:
             texts.append(block)
             continue
         if block["type"] != "tool_result":
-            raise ApiError(400, f"'{at}[{j}].type': {block['type']} blocks are not supported by llamapool "
-                                f"(text models only)", param=f"{at}[{j}].type", code="unsupported_parameter")
+            raise unsupported(f"{at}[{j}].type", f"'{at}[{j}].type': {block['type']} blocks are not supported "
+                                                 f"by llamapool (text models only)")
         use_id = block.get("tool_use_id")
         if not isinstance(use_id, str) or not use_id:
             raise bad(f"{at}[{j}].tool_use_id", f"'{at}[{j}].tool_use_id' must be the id of a tool_use block")
@@ -141,9 +139,9 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type", "custom") != "custom":
                 kind = t.get("type") if isinstance(t, dict) else None
-                raise ApiError(400, f"'tools[{i}]': tools of type {kind!r:.80} are not supported by llamapool "
-                                    f"(only client tools with 'name' and 'input_schema')",
-                               param=f"tools[{i}].type", code="unsupported_parameter")
+                raise unsupported(f"tools[{i}].type", f"'tools[{i}]': tools of type {kind!r:.80} are not "
+                                                      f"supported by llamapool (only client tools with 'name' "
+                                                      f"and 'input_schema')")
             fn = {"name": t.get("name"), "description": t.get("description", ""),
                   "parameters": t.get("input_schema", {"type": "object"})}
             fns.append({"type": "function", "function": fn})
@@ -167,37 +165,34 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
     else:
         raise bad("tool_choice.type", f"'tool_choice.type' must be one of auto, any, tool, none, got {kind!r:.80}")
     if choice.get("disable_parallel_tool_use") is not None:
-        sent["parallel_tool_calls"] = not _check("parallel_tool_calls", choice["disable_parallel_tool_use"],
+        sent["parallel_tool_calls"] = not checked("parallel_tool_calls", choice["disable_parallel_tool_use"],
                                                  "tool_choice.disable_parallel_tool_use")
 
 
-def parse_messages(body: Any) -> Request:
+def parse_messages(body: Any) -> Generation:
     """``POST /v1/messages``: Anthropic's request as the chat request the worker takes."""
     if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise not_an_object()
     if body.get("max_tokens") is None:
         raise bad("max_tokens", "'max_tokens' is required")
-    sent: dict[str, Any] = {"max_tokens": _check("max_tokens", body["max_tokens"])}
+    sent: dict[str, Any] = {"max_tokens": checked("max_tokens", body["max_tokens"])}
     for key in ("temperature", "top_p", "top_k"):
         if body.get(key) is not None:
-            sent[key] = _check(key, body[key])
+            sent[key] = checked(key, body[key])
     if body.get("stop_sequences"):
-        sent["stop"] = list(_check("stop", body["stop_sequences"], "stop_sequences"))
+        sent["stop"] = list(checked("stop", body["stop_sequences"], "stop_sequences"))
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
-        raise ApiError(400, "'thinking' is not supported by llamapool", param="thinking",
-                       code="unsupported_parameter")
+        raise unsupported("thinking", "'thinking' is not supported by llamapool")
     _tools(body, sent)
     sent = {k: v for k, v in sent.items() if v is not None}
     try:
         params.parse(sent)  # the checks across parameters (a tool choice names one of the tools)
     except params.ParamError as e:
         raise bad(e.field.replace("parallel_tool_calls", "tool_choice"), e.message) from None
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise bad("stream", "'stream' must be true or false")
+    stream = stream_flag(body)
     messages = _messages(body)
-    return Request([messages], sent, bool(stream), False, _model(body))  # type: ignore[list-item]
+    return Generation([messages], sent, stream, False, model_name(body))  # type: ignore[list-item]
 
 
 # ---------------------------------------------------------------- responses
@@ -243,7 +238,7 @@ def content(c: Completion) -> list[dict[str, Any]]:
     return blocks + calls
 
 
-def message_body(req: Request, model: str, c: Completion) -> dict[str, Any]:
+def message_body(req: Generation, model: str, c: Completion) -> dict[str, Any]:
     return {"id": f"msg_{req.id}", "type": "message", "role": "assistant", "model": model, "content": content(c),
             "stop_reason": stop_reason(c), "stop_sequence": c.stop or None, "usage": usage(c)}
 
@@ -257,7 +252,7 @@ class EventWriter:
     first text), a ``tool_use`` block per call (its input as one ``input_json_delta``), ``message_delta``
     (stop reason and usage) and ``message_stop``."""
 
-    def __init__(self, req: Request, model: str):
+    def __init__(self, req: Generation, model: str):
         self.req, self.model = req, model
         self.index = 0  # the open or next block
         self.text_open = False
@@ -308,3 +303,37 @@ class EventWriter:
     @staticmethod
     def error(e: ApiError) -> bytes:
         return event("error", {"error": error_body(e)["error"]})
+
+
+# ---------------------------------------------------------------- the handler
+
+
+async def handle(s: Serving, call: Call) -> Response:
+    """``POST /v1/messages``, answered whole or as Anthropic's event stream."""
+    call.chat = True
+    req = await s.generation(call, parse_messages)
+    if req.stream:
+        streams, first = await s.open_streams(call, req)
+        return sse(_events(s, call, req, streams[0], first))
+    c = (await s.generate(call, req))[0]
+    return JSONResponse(message_body(req, s.model(req.model, c), c))
+
+
+async def _events(s: Serving, call: Call, req: Generation, stream: AsyncStream,
+                  first: list[Any]) -> AsyncIterator[bytes]:
+    """Anthropic's event stream; leaving it (the client went away) cancels the request."""
+    w = EventWriter(req, s.model(req.model))
+    async with closing([stream]):
+        yield w.start()
+        async for _, item in merge([stream], first):
+            if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
+                yield w.error(call.api_error(item))
+                break
+            if isinstance(item, StreamChunk):
+                if item.text:
+                    yield w.text(item.text)
+                continue
+            yield w.end(item)
+
+
+MESSAGES = Door(handle, error_response)

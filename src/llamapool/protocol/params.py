@@ -3,8 +3,8 @@
 A parameter is a field of :class:`SamplingParams` with its default and, in its metadata, the check
 that reads a value as a caller gave it (over the wire, from the SDK's keywords or from an HTTP body)
 into the value kept, and a one-line description. The SDK's keywords (``PARAM_NAMES``), the codec's
-validation (:func:`parse`), the HTTP mapping (``gateway/openai.py`` reads the same names with the same
-checks) and docs/protocol.md's table all follow from these declarations.
+validation (:func:`parse`), the HTTP mapping (``gateway/openai/generation.py`` reads the same names with
+the same checks) and docs/protocol.md's table all follow from these declarations.
 
 A bad value raises :class:`ParamError` naming the parameter (``response_format.json_schema.schema``),
 with the same message wherever it arrives.

@@ -1,0 +1,103 @@
+"""The gateway's one error type and its mapping from llamapool's errors.
+
+A bad request raises :class:`ApiError` naming the parameter, whichever API it came through; each API
+gives it its own shape (OpenAI's ``{"error": {...}}`` here, Anthropic's in :mod:`.anthropic`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from llamapool.client.errors import LlamapoolError
+from llamapool.protocol.messages import ErrorCode
+
+
+class ApiError(Exception):
+    """An HTTP error: status, message, and the parameter it names (OpenAI's ``type``/``param``/``code``)."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+        self.tokens_delivered: int | None = None  # an error that ends a stream: tokens it had sent
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.tokens_delivered is not None:
+            err["tokens_delivered"] = self.tokens_delivered
+        return {"error": err}
+
+
+def bad(param: str, message: str) -> ApiError:
+    """A 400 for a bad value of ``param``."""
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    """A 400 for a parameter (or value) the API defines and llamapool cannot honour."""
+    return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+def not_an_object() -> ApiError:
+    return ApiError(400, "the request body must be a JSON object", code="invalid_json")
+
+
+def openai_error(e: ApiError) -> JSONResponse:
+    """The error as an HTTP response in OpenAI's shape (every API but Anthropic's)."""
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+# llamapool error codes -> (HTTP status, OpenAI error type)
+_STATUS = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.MALFORMED: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.DUPLICATE_ID: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
+    "no_chat_template": (400, "invalid_request_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
+    ErrorCode.TIMEOUT: (504, "timeout"),
+    ErrorCode.WORKER_LOST: (502, "server_error"),
+    ErrorCode.UNKNOWN_MODEL: (404, "invalid_request_error"),
+}
+# llamapool's code -> OpenAI's, where they differ
+_CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found", ErrorCode.TOO_LARGE: "request_too_large"}
+
+
+_PROMPT_FIELD = re.compile(r"(?:prompts(\[\d+\])|prompt)(.*)", re.DOTALL)
+
+
+def param_name(e: LlamapoolError, chat: bool = False, n_prompts: int = 1, messages: str = "messages") -> str | None:
+    """The HTTP parameter a llamapool error field stands for: ``params.top_p`` -> ``top_p``;
+    in a chat, the prompt is ``messages`` (``prompts[0][1].role`` -> ``messages[1].role``; the
+    Responses API's is ``input``); in a completion of several prompts, ``prompt[i]``."""
+    if e.field is None or e.field.startswith("params."):
+        return e.field[len("params."):] if e.field else None
+    m = _PROMPT_FIELD.fullmatch(e.field)
+    if m is None:
+        return e.field
+    if chat:
+        return messages + m.group(2)
+    index = m.group(1) or (f"[{e.index}]" if e.index is not None else "")
+    return "prompt" + (index if n_prompts > 1 else "") + m.group(2)
+
+
+def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1,
+                   messages: str = "messages") -> ApiError:
+    """The HTTP error for a llamapool one; mid-stream, the message says how many tokens had been
+    delivered (also the error's ``tokens_delivered`` field)."""
+    status, kind = _STATUS.get(e.code, (500, "server_error"))
+    param = param_name(e, chat, n_prompts, messages)
+    headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
+    message = e.message
+    if e.tokens_delivered is not None and "delivered" not in message:
+        message += f" ({e.tokens_delivered} tokens had been delivered)"
+    err = ApiError(status, message, type_=kind, param=param, code=_CODE.get(e.code, e.code), headers=headers)
+    err.tokens_delivered = e.tokens_delivered
+    return err

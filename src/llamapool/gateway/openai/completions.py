@@ -1,0 +1,51 @@
+"""``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import Response
+
+from llamapool.gateway.errors import bad
+from llamapool.gateway.openai import generation
+from llamapool.gateway.parsing import Generation, model_name
+from llamapool.gateway.serving import Call, Serving
+from llamapool.protocol import limits
+from llamapool.protocol.messages import Prompt
+
+
+def _logprobs(body: Any) -> Any:
+    """Completions' ``logprobs`` is a count (0 to 5) of alternatives: the contract's ``logprobs`` and
+    ``top_logprobs``."""
+    v = body.get("logprobs") if isinstance(body, dict) else None
+    if v is None:
+        return body
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 5:
+        raise bad("logprobs", f"'logprobs' must be an integer from 0 to 5, got {limits.show(v)}")
+    return {**body, "logprobs": True, "top_logprobs": v}
+
+
+def parse(body: Any) -> Generation:
+    body = _logprobs(body)
+    sent, stream, include_usage = generation.common(body, 16)
+    p = body.get("prompt")
+    prompts: list[Prompt]
+    if isinstance(p, str):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        prompts = [list(p)]
+    elif isinstance(p, list) and p and all(isinstance(x, list) and x and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids, "
+                            "or a list of lists of token ids (none of them empty)")
+    if any(isinstance(x, list) and any(isinstance(t, int) and t < 0 for t in x) for x in prompts):
+        raise bad("prompt", "token ids must be >= 0")
+    return Generation(prompts, sent, stream, include_usage, model_name(body))
+
+
+async def handle(s: Serving, call: Call) -> Response:
+    return await generation.serve(s, call, await s.generation(call, parse), chat=False)

@@ -1,0 +1,38 @@
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the pool's models, as the router has them now."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from llamapool.client.errors import LlamapoolError
+from llamapool.gateway.errors import ApiError
+from llamapool.gateway.serving import Call, Serving
+
+
+async def listed(s: Serving) -> list[dict[str, Any]]:
+    """The pool's models in OpenAI's shape, each with its worker ids ("workers": not OpenAI's,
+    clients ignore it)."""
+    try:  # the router's list is the current one (a reload may have changed it)
+        models = (await s.client.status(timeout=2.0)).get("models") or []
+    except LlamapoolError:
+        models = []
+    return [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"]}
+            for m in models or [{"name": s.spec.model, "workers": []}]]
+
+
+async def handle_list(s: Serving, call: Call) -> Response:
+    return JSONResponse({"object": "list", "data": await listed(s)})
+
+
+async def handle_one(s: Serving, call: Call) -> Response:
+    """One model, or a 404 ``model_not_found``."""
+    name = call.request.path_params["model_id"]
+    models = await listed(s)
+    for m in models:
+        if m["id"] == name:
+            return JSONResponse(m)
+    known = ", ".join(m["id"] for m in models)
+    raise ApiError(404, f"The model {name!r} does not exist (the pool's models: {known})", param="model",
+                   code="model_not_found")

@@ -1,0 +1,274 @@
+"""The request plumbing every API's handlers share: authentication, the body, the router calls, the
+event stream, and the one error path (:meth:`Serving.endpoint`), each API giving only its error shape.
+
+A handler is ``async def handle(s: Serving, call: Call) -> Response``; it raises :class:`ApiError` for
+a bad request, and the router's errors (:class:`LlamapoolError`) pass through to the endpoint, which
+names the HTTP field they stand for from what the handler recorded in ``call``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from llamapool.client.aio import AsyncClient, AsyncStream
+from llamapool.client.calls import generate_frame, new_id
+from llamapool.client.errors import LlamapoolError
+from llamapool.client.types import Completion, StreamChunk
+from llamapool.gateway import GatewaySpec
+from llamapool.gateway.errors import ApiError, from_llamapool, openai_error
+from llamapool.gateway.parsing import Generation, json_body
+
+T = TypeVar("T")
+
+LIMIT_KEY = "server.max_message_bytes"
+# A JSON body encodes to no more bytes of msgpack (its strings, numbers and lists are no longer
+# there), plus an envelope of a few hundred bytes (id, parameters, timeout): only a body this close
+# to the limit needs its encoded size checked.
+ENCODING_SLACK = 64 * 1024
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The HTTP client went away before its answer (or its first token) was ready."""
+
+
+@dataclass
+class Call:
+    """One HTTP request being served, and what the error path needs to name a router error's field:
+    whether the prompt is a chat's (and the field its messages came in) and how many prompts there are."""
+
+    request: Request
+    chat: bool = False
+    n_prompts: int = 1
+    messages: str = "messages"
+
+    def api_error(self, e: LlamapoolError) -> ApiError:
+        return from_llamapool(e, self.chat, self.n_prompts, self.messages)
+
+
+Handler = Callable[["Serving", Call], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Door:
+    """One endpoint: its handler and its API's error shape."""
+
+    handle: Handler
+    error_response: Callable[[ApiError], Response] = openai_error
+
+
+def load_keys(path: str) -> list[bytes]:
+    """API keys, one per line; blank lines and ``#`` comments are skipped."""
+    keys = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line.encode())
+    return keys
+
+
+def too_large(what: str, limit: int) -> ApiError:
+    return ApiError(413, f"{what}, over the limit of {limit} bytes ({LIMIT_KEY})", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) from its Content-Length before any of it is read (so a client that
+    sent ``Expect: 100-continue`` gets no ``100 Continue``), or as soon as a chunked body passes ``limit``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise too_large(f"the request body is {int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"the request body is more than {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Serving:
+    """What handlers use: ``client`` is this process's one connection to the router."""
+
+    def __init__(self, spec: GatewaySpec, client: AsyncClient):
+        self.spec, self.client = spec, client
+        self.keys = load_keys(spec.api_keys_file) if spec.api_keys_file else []
+
+    def endpoint(self, door: Door) -> Callable[[Request], Awaitable[Response]]:
+        """The Starlette endpoint of ``door``: the API key checked, and every error in the API's shape."""
+        async def serve(request: Request) -> Response:
+            call = Call(request)
+            try:
+                self.authorise(request)
+                return await door.handle(self, call)
+            except (ClientGone, ClientDisconnect):
+                return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
+            except ApiError as e:
+                return door.error_response(e)
+            except LlamapoolError as e:
+                return door.error_response(call.api_error(e))
+            except TypeError as e:  # a parameter the SDK refuses
+                return door.error_response(ApiError(400, str(e)))
+        return serve
+
+    def authorise(self, request: Request) -> None:
+        if not self.keys:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+        if not given:  # Anthropic's clients send theirs as x-api-key
+            given = request.headers.get("x-api-key", "").strip().encode()
+        ok = False
+        for key in self.keys:  # constant time for each key, and every key is compared
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                "(or 'x-api-key: KEY')", code="invalid_api_key")
+
+    async def body(self, call: Call) -> Any:
+        """The request's JSON body."""
+        return json_body(await read_body(call.request, self.spec.max_message_bytes))
+
+    async def generation(self, call: Call, parse: Callable[[Any], Generation]) -> Generation:
+        """The body parsed by ``parse``; one near the size limit is refused (413) when its message to
+        the router would pass it."""
+        raw = await read_body(call.request, self.spec.max_message_bytes)
+        req = parse(json_body(raw))
+        call.n_prompts = len(req.prompts)
+        if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
+            self._check_encoded(req)
+        return req
+
+    def _check_encoded(self, req: Generation) -> None:
+        t, limit = self.spec.request_timeout, self.spec.max_message_bytes
+        if req.stream:  # a stream per prompt
+            size = max(len(generate_frame(new_id(), [p], False, True, t, req.params, req.model)) for p in req.prompts)
+        else:
+            size = len(generate_frame(new_id(), req.prompts, True, False, t, req.params, req.model))
+        if size > limit:
+            raise too_large(f"the request encodes to a {size}-byte message to the router", limit)
+
+    async def generate(self, call: Call, req: Generation) -> list[Completion]:
+        """Every prompt's completions (``n`` each), unless the client goes away first."""
+        return cast(list[Completion], await unless_gone(call.request, self.client.generate_many(
+            req.prompts, timeout=self.spec.request_timeout, model=req.model, **req.params)))
+
+    async def open_streams(self, call: Call, req: Generation) -> tuple[list[AsyncStream], list[Any]]:
+        """A stream per prompt and each one's first item: an error before the first token is raised
+        here, so it can still become the HTTP status."""
+        streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, **req.params)
+                   for p in req.prompts]
+        return streams, await unless_gone(call.request, _start(streams))
+
+    def model(self, named: str | None, done: Completion | None = None) -> str:
+        """The model that served (or will serve) a request."""
+        return (done.model if done is not None else None) or named or self.spec.model
+
+
+def sse(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@contextlib.asynccontextmanager
+async def closing(streams: list[AsyncStream]) -> AsyncIterator[None]:
+    """Closes the streams on the way out: Starlette cancels an event generator when the client goes
+    away, and the shield lets the cancel reach the router all the same."""
+    try:
+        yield
+    finally:
+        with anyio.CancelScope(shield=True):
+            for s in streams:
+                await s.aclose()
+
+
+async def unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it, which cancels the request
+    on the daemon: a queued prompt leaves the queue, a running one stops within a step. (Once the
+    event stream has started, Starlette watches for the disconnect itself.)"""
+    task = asyncio.create_task(work)
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # let it send the cancel
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _start(streams: list[AsyncStream]) -> list[Any]:
+    """Each stream's first item (a chunk, or ``None`` when it ended without one)."""
+    firsts: list[Any] = []
+    try:
+        for s in streams:
+            try:
+                firsts.append(await s.__anext__())
+            except StopAsyncIteration:
+                firsts.append(None)
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return firsts
+
+
+async def merge(streams: list[AsyncStream], first: list[Any], n: int = 1) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave the streams' items as ``(index, StreamChunk | Completion | LlamapoolError)``: stream ``i``
+    (prompt ``i``) has ``n`` choices, indexed ``i * n + j`` (a chunk's ``index`` is its choice ``j``)."""
+    if len(streams) == 1:  # the common case, without tasks
+        s = streams[0]
+        if first[0] is not None:
+            yield first[0].index, first[0]
+        try:
+            async for chunk in s:
+                yield chunk.index, chunk
+        except LlamapoolError as e:
+            yield 0, e
+            return
+        for c in s.completions:
+            yield c.index, c
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncStream) -> None:
+        try:
+            if first[i] is not None:
+                queue.put_nowait((i * n + first[i].index, first[i]))
+            async for chunk in s:
+                queue.put_nowait((i * n + chunk.index, chunk))
+            for c in s.completions:
+                queue.put_nowait((i * n + c.index, c))
+        except LlamapoolError as e:
+            queue.put_nowait((i * n, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(streams) * n:
+            i, item = await queue.get()
+            if not isinstance(item, StreamChunk):
+                ended += 1
+            yield i, item
+            if isinstance(item, LlamapoolError):
+                return
+    finally:
+        for t in tasks:
+            t.cancel()
