@@ -258,7 +258,7 @@ def test_a_body_over_the_limit_is_413_at_once(gateway: tuple[Daemon, str]) -> No
     connection for it (beyond that), and with it every stream of that gateway process."""
     url = gateway[1]
     # from the Content-Length, before the body: curl sends 'Expect: 100-continue' and waits
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {6 << 20}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n").encode()
     t0 = time.monotonic()
     answer = raw_exchange(url, head)

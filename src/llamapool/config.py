@@ -114,6 +114,9 @@ class HttpConfig:
     processes: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
     api_keys_file: str = ""  # one key per line; "" -> no authentication
     request_timeout: float = 600.0  # seconds a request may take in all -> 504
+    # cross-site protection (gateway/origins.py, docs/security.md)
+    allowed_hosts: tuple[str, ...] = ()  # Host names besides localhost and the listen address; ["*"]: any
+    cors_origins: tuple[str, ...] = ()  # web origins allowed to call the API (CORS); others' requests: 403
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -269,6 +272,10 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
             raise ConfigError(f"{key}: must be a list of non-negative numbers (a share per GPU of a group), "
                               f"got {value!r}")
         return [float(v) for v in value]
+    if isinstance(default, tuple):  # a list of strings
+        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+            raise ConfigError(f"{key}: must be a list of non-empty strings, got {value!r}")
+        return tuple(v.strip() for v in value)
     if rule == "workers.env":
         if not isinstance(value, dict) or not all(
             isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()
@@ -496,10 +503,22 @@ def _security(sec: SecurityConfig, server: ServerConfig, base_dir: Path | None) 
     return sec
 
 
+ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://([^/\s:?#\[\]]+|\[[0-9a-fA-F:.]+\])(:\d{1,5})?/?|null")
+HOST = re.compile(r"(\*\.)?[a-zA-Z0-9_.-]+|\[[0-9a-fA-F:.]+\]|[0-9a-fA-F:]+")
+
+
 def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:
     host, _, port = http.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"http.listen: must be \"host:port\", got {http.listen!r}")
+    for origin in http.cors_origins:
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise ConfigError(f"http.cors_origins: {origin!r} is not an origin: \"*\" or scheme://host[:port], "
+                              f"e.g. \"http://localhost:3000\" (no path)")
+    for host in http.allowed_hosts:
+        if host != "*" and not HOST.fullmatch(host):
+            raise ConfigError(f"http.allowed_hosts: {host!r} is not a host name: \"*\", NAME or \"*.DOMAIN\" "
+                              f"(no scheme, port or path)")
     keys = http.api_keys_file
     if keys:
         if base_dir is not None and not Path(keys).is_absolute():

@@ -8,7 +8,7 @@ drains the gateway processes like workers; several share the port with SO_REUSEP
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class GatewaySpec:
     # the router's server.max_message_bytes: a larger HTTP body gets 413 before it is read, and a
     # request that encodes larger is refused before it is sent (the router would refuse it)
     max_message_bytes: int = 4 * 1024 * 1024
+    allowed_hosts: list[str] = field(default_factory=list)  # [http] allowed_hosts (gateway/origins.py)
+    cors_origins: list[str] = field(default_factory=list)  # [http] cors_origins
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

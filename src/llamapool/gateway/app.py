@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -19,6 +20,7 @@ from llamapool.client.errors import LlamapoolError
 from llamapool.gateway import anthropic, tokens
 from llamapool.gateway.errors import ApiError, openai_error
 from llamapool.gateway.openai import chat, completions, embeddings, models
+from llamapool.gateway.origins import OriginGuard, OriginPolicy
 from llamapool.gateway.serving import Door, Serving
 from llamapool.router.metrics import CONTENT_TYPE
 
@@ -60,7 +62,9 @@ class Gateway(Serving):
             Route("/v1/embeddings", api(Door(embeddings.handle)), methods=["POST"]),
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),
-        ], exception_handlers={HTTPException: http_error, Exception: server_error})
+        ], exception_handlers={HTTPException: http_error, Exception: server_error},
+            middleware=[Middleware(OriginGuard, policy=OriginPolicy.make(
+                self.spec.host, self.spec.allowed_hosts, self.spec.cors_origins))])
 
     async def health(self, request: Request) -> Response:
         try:

@@ -252,6 +252,7 @@ class Supervisor:
                               model=self.cfg.model_name, api_keys_file=http.api_keys_file,
                               drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
                               max_message_bytes=self.cfg.server.max_message_bytes,
+                              allowed_hosts=list(http.allowed_hosts), cors_origins=list(http.cors_origins),
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
                       {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})
