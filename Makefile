@@ -14,16 +14,44 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 # llama-cpp-python as pinned in pyproject.toml: the one long step, shown with pip's progress
 LLAMA_CPP_VERSION := $(shell sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 
-# The first run says what it builds and shows the long step's progress; later runs print nothing.
-$(BIN)/.installed: pyproject.toml
+# llama-cpp-python is built from its pinned sdist with llamapool's llama.cpp patches (patches/llama.cpp/)
+# by scripts/llama-cpp-build.sh. CUDA=1 builds llama.cpp's CUDA backend (default: 1 where `nvidia-smi -L`
+# lists a GPU), for CUDA_ARCHITECTURES ("native": this machine's GPUs; e.g. 90 for H100/H200). docs/install.md.
+CUDA ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1 || echo 0)
+CUDA_ARCHITECTURES ?= native
+LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
+ifeq ($(CUDA),1)
+LLAMA_CMAKE_ARGS := $(CMAKE_ARGS) -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES)
+LLAMA_BUILD := $(LLAMA_CPP_VERSION)-cuda-$(subst ;,_,$(CUDA_ARCHITECTURES))-$(shell cat $(LLAMA_PATCHES) /dev/null | sha256sum | cut -c1-12)
+else
+LLAMA_CMAKE_ARGS := $(CMAKE_ARGS)
+LLAMA_BUILD := $(LLAMA_CPP_VERSION)-cpu
+endif
+# what the venv's llama-cpp-python was built as: a CUDA build is redone when the patches or architectures
+# change; a CPU build of the pinned version is kept (the patches change only the CUDA backend)
+LLAMA_STAMP := $(VENV)/.llama-cpp-$(LLAMA_BUILD)
+
+$(LLAMA_STAMP): pyproject.toml $(LLAMA_PATCHES)
 	@test -x $(BIN)/python || { echo "make: creating the virtual environment $(VENV) (the CLI will be $(BIN)/llamapool)"; \
 		$(PYTHON) -m venv $(VENV); }
 	@$(BIN)/python -m pip install -q --upgrade pip
-	@$(BIN)/python -c "import importlib.metadata as m; assert m.version('llama-cpp-python') == '$(LLAMA_CPP_VERSION)'" \
-		2>/dev/null || { \
+	@if [ "$(CUDA)" != 1 ] && $(BIN)/python -c "import importlib.metadata as m; \
+		assert m.version('llama-cpp-python') == '$(LLAMA_CPP_VERSION)'" 2>/dev/null; then :; \
+	elif [ "$(CUDA)" = 1 ]; then \
+		export PATH="$$PATH:/usr/local/cuda/bin"; command -v nvcc >/dev/null || { echo "make: CUDA=1 needs the CUDA" \
+			"toolkit's nvcc (not on PATH nor in /usr/local/cuda/bin): install it, or make install CUDA=0"; exit 1; }; \
+		echo "make: building llama-cpp-python $(LLAMA_CPP_VERSION) with CUDA (architectures $(CUDA_ARCHITECTURES)) and" \
+		     "patches/llama.cpp: 4-5 minutes on 16 cores for one architecture, much longer on few cores"; \
+		CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' scripts/llama-cpp-build.sh install $(BIN)/python; \
+	else \
 		echo "make: building llama-cpp-python $(LLAMA_CPP_VERSION) from source: it compiles llama.cpp, about 9 minutes" \
-		     "on 2 cores (this machine has $$(nproc); less with more cores, or when pip has the wheel cached)"; \
-		$(BIN)/python -m pip install 'llama-cpp-python==$(LLAMA_CPP_VERSION)'; }
+		     "on 2 cores (this machine has $$(nproc); less with more cores, or when its wheel is in build/)"; \
+		CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' scripts/llama-cpp-build.sh install $(BIN)/python; \
+	fi
+	@rm -f $(VENV)/.llama-cpp-* && touch $@
+
+# The first run says what it builds and shows the long step's progress; later runs print nothing.
+$(BIN)/.installed: pyproject.toml $(LLAMA_STAMP)
 	@echo "make: installing llamapool and its other dependencies into $(VENV) (about 300 MB of downloads the first time)"
 	@$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $@

@@ -57,6 +57,10 @@ class ModelConfig:
     # token budget alone), "<F>x" (F times the measured pure-decode step) or "<N>ms".
     target_step: str = "auto"
     n_ubatch: int = 1024  # llama.cpp physical micro-batch
+    # CUDA: quantised matrix products of at least this many rows (prompt batches) run in cuBLAS, smaller
+    # ones (decode steps) in llama.cpp's MMQ kernels; needs patches/llama.cpp (make install CUDA=1).
+    # 0 = llama.cpp's own choice. Measured: docs/benchmarks.md (issue 30).
+    prefill_cublas_min_rows: int = 128
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
@@ -298,8 +302,8 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
             raise ConfigError(f"{key}: must be a string, got {value!r}")
     if rule in _POSITIVE and value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value!r}")
-    if rule in ("workers.threads", "model.threads", "server.affinity_slack", "model.max_batch_tokens") \
-            and value < 0:
+    if rule in ("workers.threads", "model.threads", "server.affinity_slack", "model.max_batch_tokens",
+                "model.prefill_cublas_min_rows") and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
 

@@ -241,7 +241,8 @@ class Supervisor:
                                                                                  self.cfg.log.level)
         if slot.is_worker:
             spec = self._spec(slot)
-            env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads)
+            env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads,
+                             (slot.model or self.cfg.model).prefill_cublas_min_rows)
             return Launch("llamapool.worker", spec.to_json(), {**env, **log_env, **lifeline.parent_env()})
         from llamapool.gateway import GatewaySpec
 

@@ -5,21 +5,26 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from llamapool import llama_patches
 from llamapool.supervisor.gpus import Gpu
 from llamapool.supervisor.sdnotify import scrub_env
 
 
 def worker_env(
-    base: Mapping[str, str], gpus: Gpu | Sequence[Gpu] | None, extra: Mapping[str, str], threads: int
+    base: Mapping[str, str], gpus: Gpu | Sequence[Gpu] | None, extra: Mapping[str, str], threads: int,
+    prefill_cublas_min_rows: int = 0,
 ) -> dict[str, str]:
-    """``base`` without systemd's variables, plus ``[workers.env]``, plus the device pinning:
-    ``CUDA_VISIBLE_DEVICES`` is the UUIDs of the worker's GPU or group of GPUs ("" for CPU).
+    """``base`` without systemd's variables, plus ``[workers.env]``, plus the model's llama.cpp settings
+    (``prefill_cublas_min_rows``: llama_patches), plus the device pinning: ``CUDA_VISIBLE_DEVICES`` is
+    the UUIDs of the worker's GPU or group of GPUs ("" for CPU).
 
-    The device variables are applied last so no config can point two workers at one GPU.
+    The model's settings and the device variables are applied last, so the model's setting is the one
+    llama.cpp reads and no config can point two workers at one GPU.
     """
     group = [] if gpus is None else [gpus] if isinstance(gpus, Gpu) else list(gpus)
     env = scrub_env(base)  # only the main process talks to systemd
     env.update(extra)
+    env.update(llama_patches.worker_env(prefill_cublas_min_rows))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in group)
     env["PYTHONUNBUFFERED"] = "1"

@@ -214,7 +214,24 @@ def serve(spec: WorkerSpec) -> int:
     if wrong:
         _logger(spec).error(f"FATAL: {wrong}")
         return EXIT_PERMANENT
+    if gpu:
+        _warn_unpatched(spec)
     return _serve(spec, engine, seen, engine.vocab)
+
+
+def _warn_unpatched(spec: WorkerSpec) -> None:
+    """Once, at start: a GPU worker whose llama.cpp lacks a patch its model's settings need says so (the
+    setting then does nothing; the worker serves with llama.cpp's own choice)."""
+    from pathlib import Path
+
+    import llama_cpp.llama_cpp as raw
+
+    from llamapool import llama_patches
+
+    lib_dir = Path(getattr(raw._lib, "_name", "") or raw.__file__).parent  # type: ignore[attr-defined]
+    note = llama_patches.cublas_rows_ignored(os.environ, lib_dir)
+    if note:
+        _logger(spec).warning(note)
 
 
 def gpu_mismatch(spec: WorkerSpec, seen: list[str]) -> str:
