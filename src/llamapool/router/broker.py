@@ -74,6 +74,10 @@ from llamapool.router.metrics import RouterMetrics
 from llamapool.router.policy import pick_worker, prefix_keys, remember
 
 TICK = 0.1  # seconds between housekeeping passes
+# A request whose worker was lost before it streamed a token is sent to another worker this many times
+# at most: a request that kills every worker it runs on (a poison pill) must not take its model down.
+RETRIES_AFTER_LOSS = 1
+SHUT_DOWN = "it shut down"  # a worker that left in good order (drained): its requests are not to blame
 LOG = logmod.Logger("router", prefix="llamapool: router")
 
 
@@ -90,7 +94,7 @@ class RequestStatus(StrEnum):
     TIMED_OUT = "timed_out"  # the request's own timeout passed
     ABORTED = "aborted"  # the drain timed out (CancelAll)
     UNAVAILABLE = "unavailable"  # no worker can take it, none became free in time, or the router stops
-    WORKER_LOST = "worker_lost"  # its worker was lost after it had streamed tokens
+    WORKER_LOST = "worker_lost"  # its worker was lost after it had streamed tokens, or a second time
     FAILED = "failed"  # the worker's Failed: an error with the worker's code
 
     @property
@@ -166,6 +170,7 @@ class Job:
     task: str = ""  # "" (generate), "embed", "tokenize", "detokenize" (messages.Run.task)
     options: dict[str, Any] | None = None  # a tokenize's flags
     siblings: list[Job] = field(default_factory=list)  # the other choices of its prompt (``n``): they go with it
+    losses: int = 0  # workers lost (not shut down) while it ran on them
 
 
 @dataclass(eq=False)
@@ -594,7 +599,7 @@ class Router:
             if msg.draining and w.state == "ready":  # SIGTERM on its node: it finishes what it has
                 w.state = "retiring"
         elif isinstance(msg, Shutdown):  # drained and leaving
-            self._lose_worker(w, "it shut down")
+            self._lose_worker(w, SHUT_DOWN)
 
     def _on_step(self, w: WorkerState, step: Step) -> None:
         now = time.monotonic()
@@ -634,7 +639,8 @@ class Router:
                 self._end(job, RequestStatus.FAILED, self._failure(job, failed))
 
     def _lose_worker(self, w: WorkerState, why: str) -> None:
-        """Take ``w`` out of routing; retry its unstarted jobs, fail its streaming ones."""
+        """Take ``w`` out of routing; retry its unstarted jobs (once, unless it shut down in good order),
+        fail its streaming ones and those it was the second lost worker of."""
         if self.workers.get(w.name) is w:
             del self.workers[w.name]
             self.metrics.worker_gone(w.name, {"reused_tokens": w.reused_tokens, "decode_s": w.decode_s,
@@ -643,8 +649,14 @@ class Router:
             LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
                         requests=",".join(sorted(j.log_id for j in w.jobs.values())))
         for job in sorted([*w.jobs.values(), *w.light.values()], key=lambda j: j.rid, reverse=True):
+            job.losses += why != SHUT_DOWN
             if job.status.finished:  # aborted: the worker will never confirm it
                 self._end(job, job.status)
+            elif job.delivered == 0 and job.losses > RETRIES_AFTER_LOSS:
+                message = (f"request {job.log_id} was running on {job.losses} workers that were lost (the last, "
+                           f"{w.name}: {why}); it is not sent to another one, in case it is what kills them")
+                LOG.warning(message, id=job.log_id, worker=w.name)
+                self._end(job, RequestStatus.WORKER_LOST, message=message)
             elif job.delivered == 0:
                 job.worker, job.status = None, RequestStatus.WAITING
                 # invisible retry on another worker
@@ -655,11 +667,11 @@ class Router:
         w.jobs.clear()
         w.light.clear()
         if w.hello.node and w.name not in self.workers:
-            if why != "it shut down":
+            if why != SHUT_DOWN:
                 LOG.warning(f"worker {w.name} of node {w.hello.node} lost: {why}", worker=w.name, node=w.hello.node)
             self.remote_lost[w.name] = {
                 "id": w.name, "node": w.hello.node, "pid": w.hello.pid, "device": w.hello.device, "slots": 0,
-                "active": 0, "state": "stopped" if why == "it shut down" else "lost", "reason": why,
+                "active": 0, "state": "stopped" if why == SHUT_DOWN else "lost", "reason": why,
                 "model": w.model}
 
     def _why_refused(self, name: str, hello: Hello, key: str) -> str:

@@ -23,6 +23,7 @@ from llamapool.protocol.messages import Delta, Done, ErrorCode, Failed, Prompt, 
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
+from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 from llamapool.worker.text import TextStream
@@ -98,6 +99,7 @@ class Sequence:
     reused: int = 0  # prompt tokens its KV had from the prefix cache
     logprobs: list[list[Any]] = field(default_factory=list)  # entries not yet sent (with ``logprobs``)
     echo_rows: list[tuple[int, int]] = field(default_factory=list)  # echo: (batch row, prompt position) in flight
+    fault: str = ""  # tests only: the fault injected into its emit path (worker/faults.py)
 
     @property
     def prefilling(self) -> bool:
@@ -280,6 +282,7 @@ class Engine:
         trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
         self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1) if trace else None  # line by line
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
+        self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
         self.step_s = 0.0  # whole steps, Python work included
 
     @property
@@ -357,6 +360,9 @@ class Engine:
             out.failed.append(Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
                                      "messages" if chat else "prompt"))
             return
+        except Exception as e:  # a bug meeting this request: it fails, not the worker
+            out.failed.append(request_failure(run.rid, e))
+            return
         # converted once: planning, admission, prefill, cache; a grammar compiles meanwhile
         grammar = None if spec is None else self.grammars.compile(spec)
         self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar))
@@ -402,6 +408,7 @@ class Engine:
         seq = self.active[seq_id] = Sequence(
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
             sampling=sampling, text=self._text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
+            fault=self.faults.kind(run.prompt) if self.faults is not None else "",
         )
         self.reused_tokens += reused
         if p.echo:  # a text prompt as it was given; token ids (and a rendered chat) as their pieces
@@ -524,9 +531,8 @@ class Engine:
         else:
             order = self._build(out)
             if self.batch.n and self._launch(order, out):
-                self._echo_logprobs()
-                for seq, tok in self._take_all(order, out):
-                    self._emit(seq, tok, out)
+                self._echo_logprobs(out)
+                self._emit_ready(self._take_all(order, out), out)
         out.active = len(self.active)
         self.step_s += time.perf_counter() - t_step
         return out
@@ -534,7 +540,17 @@ class Engine:
     def _emit_ready(self, ready: list[tuple[Sequence, int]], out: Step) -> None:
         for seq, tok in ready:
             if self.active.get(seq.seq_id) is seq:
-                self._emit(seq, tok, out)
+                try:
+                    self._emit(seq, tok, out)
+                except Exception as e:
+                    self._drop(seq, e, out)
+
+    def _drop(self, seq: Sequence, e: Exception, out: Step) -> None:
+        """The sequence's own work raised ``e``: it alone ends (``internal``); the engine and the other
+        sequences go on (worker/faults.py)."""
+        out.failed.append(request_failure(seq.rid, e))
+        if self.active.get(seq.seq_id) is seq:
+            self._release(seq)
 
     def _plan(self, out: Step) -> dict[int, int]:
         """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
@@ -696,19 +712,22 @@ class Engine:
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
         self.decode_s += time.perf_counter() - t0
-        self._echo_logprobs()
+        self._echo_logprobs(out)
         ready = self._take_all([seq for seq in self.inflight if self.active.get(seq.seq_id) is seq], out)
         self.inflight = []
         return ready
 
-    def _echo_logprobs(self) -> None:
+    def _echo_logprobs(self, out: Step) -> None:
         """The logprobs of the prompt tokens computed in the batch just decoded (``echo`` with ``logprobs``):
         the row of position ``i`` gives prompt token ``i + 1``'s."""
         for seq in self._echoing:
             if self.active.get(seq.seq_id) is not seq:
                 continue
-            for row, pos in seq.echo_rows:
-                seq.logprobs.append(self._logprob_entry(seq, int(seq.tokens[pos + 1]), row))
+            try:
+                for row, pos in seq.echo_rows:
+                    seq.logprobs.append(self._logprob_entry(seq, int(seq.tokens[pos + 1]), row))
+            except Exception as e:
+                self._drop(seq, e, out)
             seq.echo_rows = []
         self._echoing = []
 
@@ -718,7 +737,11 @@ class Engine:
         self.sampling.prepare([(seq.sampling, seq.out_idx) for seq in order])
         ready = []
         for seq in order:
-            tok = self._take(seq, out)
+            try:
+                tok = self._take(seq, out)
+            except Exception as e:
+                self._drop(seq, e, out)
+                continue
             if tok is not None:
                 ready.append((seq, tok))
         self.sampling.masks_next()
@@ -748,6 +771,8 @@ class Engine:
 
     def _emit(self, seq: Sequence, tok: int, out: Step) -> None:
         """Detokenise the token into the sequence's text; a stop string ends the sequence."""
+        if seq.fault:
+            FaultInjector.trigger(seq.fault)
         delta = seq.text.push(self._piece_of(tok))
         if seq.text.stopped:
             self._finish(seq, "stop", out, delta)

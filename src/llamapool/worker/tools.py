@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,23 +87,19 @@ class ToolFormat:
 
     def parse(self, text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
         """``(content, calls)`` of a reply: each call ``{"id", "name", "arguments"}`` (arguments as JSON
-        text), content the text before the first call. No call found: ``(text, [])``."""
+        text), content the text before the first call. No call found: ``(text, [])``.
+
+        Whatever JSON the model wrote is taken without raising: an object whose ``name`` is not one of
+        the tools' (an object, a list, a number), arguments that are not an object, a truncated or
+        too deeply nested value are not calls."""
         names = {t["function"]["name"] for t in tools}
-        decoder = json.JSONDecoder()
         calls: list[dict[str, Any]] = []
         first = -1
-        at = text.find("{")
-        while at >= 0:
-            try:
-                obj, end = decoder.raw_decode(text, at)
-            except ValueError:
-                at = text.find("{", at + 1)
-                continue
-            found = [o for o in (obj if isinstance(obj, list) else [obj]) if _is_call(o, names)]
-            if found or _is_call(obj, names):
+        for at, obj in _json_objects(text):
+            call = _as_call(obj, names)
+            if call is not None:
                 first = at if first < 0 else first
-                calls += [_call(o) for o in found]
-            at = text.find("{", end)
+                calls.append(call)
         if not calls:
             return text, []
         content = text[:first]
@@ -154,16 +150,34 @@ def compact(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
 
 
-def _is_call(o: Any, names: set[str]) -> bool:
-    if not isinstance(o, dict) or o.get("name") not in names:
-        return False
-    args = o.get("arguments", o.get("parameters"))
-    return isinstance(args, dict)
+def _json_objects(text: str) -> Iterator[tuple[int, Any]]:
+    """Each JSON value in ``text`` that starts with ``{`` and decodes, with where it starts; what does not
+    decode (truncated, invalid, nested deeper than Python's recursion limit) is skipped."""
+    decoder = json.JSONDecoder()
+    at = text.find("{")
+    while at >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            at = text.find("{", at + 1)
+            continue
+        yield at, obj
+        at = text.find("{", end)
 
 
-def _call(o: dict[str, Any]) -> dict[str, Any]:
+def _as_call(o: Any, names: set[str]) -> dict[str, Any] | None:
+    """The call ``o`` is (``{"name": one of names, "arguments" or "parameters": {...}}``), else None."""
+    if not isinstance(o, dict):
+        return None
+    name = o.get("name")
     args = o.get("arguments", o.get("parameters"))
-    return {"id": "call_" + uuid.uuid4().hex[:24], "name": o["name"], "arguments": json.dumps(args)}
+    if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+        return None
+    try:
+        arguments = json.dumps(args)
+    except (ValueError, RecursionError):  # nested too deep to write again
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "name": name, "arguments": arguments}
 
 
 def _arguments(args: Any) -> Any:
