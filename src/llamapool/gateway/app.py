@@ -19,7 +19,7 @@ from starlette.routing import Route
 from llamapool.client.errors import LlamapoolError
 from llamapool.gateway import anthropic, tokens
 from llamapool.gateway.errors import ApiError, openai_error
-from llamapool.gateway.openai import chat, completions, embeddings, models
+from llamapool.gateway.openai import chat, completions, embeddings, models, responses
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
 from llamapool.gateway.serving import Door, Serving
 from llamapool.router.metrics import CONTENT_TYPE
@@ -58,6 +58,7 @@ class Gateway(Serving):
             Route("/v1/models/{model_id:path}", api(Door(models.handle_one)), methods=["GET"]),
             Route("/v1/completions", api(Door(completions.handle)), methods=["POST"]),
             Route("/v1/chat/completions", api(Door(chat.handle)), methods=["POST"]),
+            Route("/v1/responses", api(Door(responses.handle)), methods=["POST"]),
             Route("/v1/messages", api(anthropic.MESSAGES), methods=["POST"]),
             Route("/v1/embeddings", api(Door(embeddings.handle)), methods=["POST"]),
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),

@@ -73,23 +73,34 @@ _CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found", ErrorCode.TOO_LARGE: "reque
 _PROMPT_FIELD = re.compile(r"(?:prompts(\[\d+\])|prompt)(.*)", re.DOTALL)
 
 
-def param_name(e: LlamapoolError, chat: bool = False, n_prompts: int = 1, messages: str = "messages") -> str | None:
+_MESSAGE = re.compile(r"\[(\d+)\](.*)", re.DOTALL)
+Messages = str | list[str]  # the field a chat's messages came in, or the field each message came from
+
+
+def param_name(e: LlamapoolError, chat: bool = False, n_prompts: int = 1,
+               messages: Messages = "messages") -> str | None:
     """The HTTP parameter a llamapool error field stands for: ``params.top_p`` -> ``top_p``;
-    in a chat, the prompt is ``messages`` (``prompts[0][1].role`` -> ``messages[1].role``; the
-    Responses API's is ``input``); in a completion of several prompts, ``prompt[i]``."""
+    in a chat, the prompt is ``messages`` (``prompts[0][1].role`` -> ``messages[1].role``), or, where
+    ``messages`` lists the field each message came from, that field (``input[3]``, ``instructions``);
+    in a completion of several prompts, ``prompt[i]``."""
     if e.field is None or e.field.startswith("params."):
         return e.field[len("params."):] if e.field else None
     m = _PROMPT_FIELD.fullmatch(e.field)
     if m is None:
         return e.field
+    if chat and isinstance(messages, list):
+        one = _MESSAGE.fullmatch(m.group(2))
+        if one is not None and int(one.group(1)) < len(messages):
+            return messages[int(one.group(1))] + one.group(2)
+        return "input"
     if chat:
-        return messages + m.group(2)
+        return str(messages) + m.group(2)
     index = m.group(1) or (f"[{e.index}]" if e.index is not None else "")
     return "prompt" + (index if n_prompts > 1 else "") + m.group(2)
 
 
 def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1,
-                   messages: str = "messages") -> ApiError:
+                   messages: Messages = "messages") -> ApiError:
     """The HTTP error for a llamapool one; mid-stream, the message says how many tokens had been
     delivered (also the error's ``tokens_delivered`` field)."""
     status, kind = _STATUS.get(e.code, (500, "server_error"))

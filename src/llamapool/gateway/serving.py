@@ -25,7 +25,7 @@ from llamapool.client.calls import generate_frame, new_id
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
-from llamapool.gateway.errors import ApiError, from_llamapool, openai_error
+from llamapool.gateway.errors import ApiError, Messages, from_llamapool, openai_error
 from llamapool.gateway.parsing import Generation, json_body
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class Call:
     request: Request
     chat: bool = False
     n_prompts: int = 1
-    messages: str = "messages"
+    messages: Messages = "messages"
 
     def api_error(self, e: LlamapoolError) -> ApiError:
         return from_llamapool(e, self.chat, self.n_prompts, self.messages)
