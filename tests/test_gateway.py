@@ -35,12 +35,12 @@ def wait_http(url: str, daemon: Daemon, timeout: float = 30) -> None:
         if daemon.proc.poll() is not None:
             raise AssertionError(daemon.log_text())
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"gateway not healthy:\n{daemon.log_text()}")
+    raise AssertionError(f"gateway not ready:\n{daemon.log_text()}")
 
 
 def start_gateway(folder: Path, model_path: str, **sections: dict[str, Any]) -> tuple[Daemon, str]:
@@ -77,6 +77,8 @@ def test_models_and_health(gateway: tuple[Daemon, str], client: openai.OpenAI, m
     assert [m.id for m in client.models.list().data] == [Path(model_path).stem]
     r = httpx.get(gateway[1] + "/health")
     assert r.status_code == 200 and r.json()["workers_ready"] == 2
+    r = httpx.get(gateway[1] + "/ready")
+    assert r.status_code == 200 and r.json()["status"] == "ready" and r.json()["workers_ready"] == 2
 
 
 def test_completion_streamed_equals_completion_whole(client: openai.OpenAI) -> None:

@@ -100,8 +100,8 @@ def test_errors_from_the_router_name_the_openai_parameter(one_slot: tuple[Daemon
 
 def test_no_worker_is_503_and_the_gateway_dies_with_its_supervisor(tmp_path: Path, model_path: str) -> None:
     """A pool that served and then lost every worker for good (its model file became corrupt) runs on
-    (a pool that never had a ready worker exits 78 instead: test_faults): /health is 503, requests get
-    OpenAI's 503 with code ``unavailable``."""
+    (a pool that never had a ready worker exits 78 instead: test_faults): /ready is 503 (the process
+    still answers: /health is 200), requests get OpenAI's 503 with code ``unavailable``."""
     model = tmp_path / "broken.gguf"
     model.write_bytes(Path(model_path).read_bytes())
     port = free_port()
@@ -129,15 +129,18 @@ def test_no_worker_is_503_and_the_gateway_dies_with_its_supervisor(tmp_path: Pat
         eventually(failed, 30, "every worker failed", d)
         eventually(lambda: bool(gateway_pids(url)), 10, "the gateway started", d)
 
-        def health() -> httpx.Response | None:
+        def probe(path: str) -> httpx.Response | None:
             try:
-                return httpx.get(url + "/health", timeout=2)
+                return httpx.get(url + path, timeout=2)
             except httpx.HTTPError:
                 return None
 
-        eventually(lambda: health() is not None, 10, "the gateway answers", d)
-        r = health()
-        assert r is not None and r.status_code == 503 and r.json()["workers_ready"] == 0
+        eventually(lambda: probe("/ready") is not None, 10, "the gateway answers", d)
+        r = probe("/ready")
+        assert r is not None and r.status_code == 503 and r.json()["workers_ready"] == 0, r
+        assert r.json()["status"] == "unavailable" and r.json()["states"] == {"failed": 2}, r.json()
+        h = probe("/health")
+        assert h is not None and h.status_code == 200, h
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model="broken", prompt="Hello", max_tokens=2)

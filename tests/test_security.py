@@ -209,7 +209,7 @@ def test_the_gateway_reaches_a_curve_frontend(curve_daemon: Any) -> None:
     end = time.monotonic() + 30
     while time.monotonic() < end:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
             pass

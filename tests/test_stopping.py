@@ -162,22 +162,34 @@ def test_a_fast_stop_ends_http_streams_with_an_error_event(start_daemon: Any) ->
     assert errors[-1]["code"] in ("unavailable", "worker_lost"), errors[-1]
 
 
-def test_health_is_503_while_the_router_cannot_be_reached(start_daemon: Any) -> None:
+def test_ready_then_health_go_503_while_the_router_cannot_be_reached(start_daemon: Any) -> None:
+    """/ready fails once the router has not answered for 2 s (the endpoint picker's own staleness),
+    /health (liveness) once it has not answered for 5 s; both come back with the router."""
     port = free_port()
     d: Daemon = start_daemon(wait_workers=1, workers={"cpu_workers": 1}, http={"listen": f"127.0.0.1:{port}"})
     d.wait_log("listening on", timeout=30)
-    url = f"http://127.0.0.1:{port}/health"
-    assert httpx.get(url, timeout=10).status_code == 200
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 15
+    while httpx.get(url + "/ready", timeout=10).status_code != 200:
+        assert time.monotonic() < end, "not ready"
+        time.sleep(0.05)
     os.kill(d.proc.pid, signal.SIGSTOP)  # the router (a thread of the supervisor) stops answering
+    t0 = time.monotonic()
     try:
-        r = httpx.get(url, timeout=15)
-        assert r.status_code == 503, r.text
-        assert r.json()["status"] == "unavailable"
+        first_503: dict[str, float] = {}
+        while len(first_503) < 2 and time.monotonic() - t0 < 15:
+            for path in ("/ready", "/health"):
+                r = httpx.get(url + path, timeout=10)
+                if r.status_code == 503 and path not in first_503:
+                    assert r.json()["status"] == "unavailable" and "has not answered" in r.json()["error"], r.text
+                    first_503[path] = time.monotonic() - t0
+            time.sleep(0.05)
+        assert 1.5 < first_503["/ready"] < 4.0 and 4.5 < first_503["/health"] < 8.0, first_503
     finally:
         os.kill(d.proc.pid, signal.SIGCONT)
     end = time.monotonic() + 15
-    while httpx.get(url, timeout=10).status_code != 200:
-        assert time.monotonic() < end, "health did not come back"
+    while httpx.get(url + "/ready", timeout=10).status_code != 200 or httpx.get(url + "/health").status_code != 200:
+        assert time.monotonic() < end, "the probes did not come back"
         time.sleep(0.2)
 
 

@@ -133,7 +133,10 @@ class MetricsConfig:
     """A Prometheus endpoint served by the supervisor; no ``[metrics]`` table, none (the gateway's
     ``GET /metrics`` is there either way)."""
 
-    listen: str = "127.0.0.1:9464"  # host:port
+    listen: str = "127.0.0.1:9464"  # host:port; "" -> none (the table only sets the options below)
+    # also export the pod's gauges under vLLM's names (vllm:num_requests_waiting, ...), so that an
+    # inference gateway's endpoint picker configured for vLLM reads llamapool unchanged (docs/metrics.md)
+    vllm_compatible_names: bool = False
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -435,10 +438,11 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
              if name in raw or name not in ("http", "metrics", "node")}
     if "http" in parts:
         parts["http"] = _http(parts["http"], base_dir)
-    if "metrics" in parts:
+    if "metrics" in parts and parts["metrics"].listen:
         host, _, port = parts["metrics"].listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"metrics.listen: must be \"host:port\", got {parts['metrics'].listen!r}")
+            raise ConfigError(f"metrics.listen: must be \"host:port\" (or \"\" for none), "
+                              f"got {parts['metrics'].listen!r}")
     log: LogConfig = parts["log"]
     if log.format not in ("text", "json"):
         raise ConfigError(f"log.format: must be \"text\" or \"json\", got {log.format!r}")

@@ -30,6 +30,8 @@ class GatewaySpec:
     max_message_bytes: int = 4 * 1024 * 1024
     allowed_hosts: list[str] = field(default_factory=list)  # [http] allowed_hosts (gateway/origins.py)
     cors_origins: list[str] = field(default_factory=list)  # [http] cors_origins
+    min_ready_workers: int = 1  # /ready is 200 with this many workers serving (gateway/pod.py)
+    vllm_metric_names: bool = False  # /metrics also names the pod's gauges as vLLM does ([metrics])
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

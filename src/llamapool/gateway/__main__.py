@@ -47,7 +47,9 @@ async def serve(spec: GatewaySpec) -> int:
     async with AsyncClient(spec.frontend, timeout=spec.request_timeout,
                            server_public_key=spec.server_key.encode() if curve else None,
                            client_key=spec.key_file if curve else None) as client:
-        config = uvicorn.Config(Gateway(spec, client).app(), loop="none", http="httptools", lifespan="off",
+        gateway = Gateway(spec, client)
+        gateway.pod.start()  # the probes' and /metrics' snapshot of the router (gateway/pod.py)
+        config = uvicorn.Config(gateway.app(), loop="none", http="httptools", lifespan="off",
                                 access_log=False, log_level="warning", timeout_keep_alive=30,
                                 timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
         server = uvicorn.Server(config)
@@ -58,6 +60,7 @@ async def serve(spec: GatewaySpec) -> int:
             await server.serve(sockets=[sock])
         finally:
             watch.cancel()
+            await gateway.pod.stop()
     return 0
 
 

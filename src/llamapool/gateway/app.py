@@ -13,16 +13,16 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from llamapool.client.errors import LlamapoolError
-from llamapool.gateway import anthropic, tokens
+from llamapool.client.aio import AsyncClient
+from llamapool.gateway import GatewaySpec, anthropic, tokens
 from llamapool.gateway.errors import ApiError, openai_error
 from llamapool.gateway.openai import chat, completions, embeddings, models, responses
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
+from llamapool.gateway.pod import PodView
 from llamapool.gateway.serving import Door, Serving
-from llamapool.router.metrics import CONTENT_TYPE
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -49,11 +49,14 @@ async def server_error(request: Request, exc: Exception) -> Response:
 class Gateway(Serving):
     """The routes; ``client`` is this process's one connection to the router."""
 
+    def __init__(self, spec: GatewaySpec, client: AsyncClient):
+        super().__init__(spec, client)
+        self.pod = PodView(spec, client, self._guard)  # /health, /ready, /metrics (gateway/pod.py)
+
     def app(self) -> Starlette:
         api = self.endpoint
         return Starlette(routes=[
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
+            *self.pod.routes(),
             Route("/v1/models", api(Door(models.handle_list)), methods=["GET"]),
             Route("/v1/models/{model_id:path}", api(Door(models.handle_one)), methods=["GET"]),
             Route("/v1/completions", api(Door(completions.handle)), methods=["POST"]),
@@ -67,25 +70,11 @@ class Gateway(Serving):
             middleware=[Middleware(OriginGuard, policy=OriginPolicy.make(
                 self.spec.host, self.spec.allowed_hosts, self.spec.cors_origins))])
 
-    async def health(self, request: Request) -> Response:
-        try:
-            st = await self.client.status(timeout=2.0)
-        except LlamapoolError as e:
-            return JSONResponse({"status": "unavailable", "error": e.message}, status_code=503)
-        ready = sum(1 for w in st["workers"] if w.get("state") == "ready")
-        body = {"status": "ok" if ready else "unavailable", "workers_ready": ready,
-                "queued": st["queued"], "running": st["running"]}
-        return JSONResponse(body, status_code=200 if ready and not st["draining"] else 503)
-
-    async def metrics(self, request: Request) -> Response:
-        """Prometheus metrics, rendered by the router (one owner per figure; see docs/metrics.md).
-        Behind the API keys when there are some (Prometheus: ``authorization: {credentials: KEY}``)."""
+    def _guard(self, request: Request) -> Response | None:
+        """``/metrics`` is behind the API keys when there are some (Prometheus: ``authorization:
+        {credentials: KEY}``): the error response, or None."""
         try:
             self.authorise(request)
         except ApiError as e:
             return openai_error(e)
-        try:
-            text = await self.client.metrics(timeout=5.0)
-        except LlamapoolError as e:
-            return Response(f"# llamapool unavailable: {e.message}\n", status_code=503, media_type="text/plain")
-        return Response(text, media_type=CONTENT_TYPE)
+        return None

@@ -170,14 +170,15 @@ class Supervisor:
     def _start_router(self) -> bool:
         """CURVE, the ``[metrics]`` listener and the router thread (``llamapool node`` has none of them)."""
         self.curve.start(self.zctx, self.cfg)
-        if self.cfg.metrics is not None:
+        if self.cfg.metrics is not None and self.cfg.metrics.listen:
             from llamapool.supervisor.metrics_http import serve_metrics
 
             try:
                 curve = self.curve.child_fields(self.cfg.frontend)  # its client uses the internal key on tcp://
                 keys = {"server_public_key": curve["server_key"].encode(), "client_key": curve["key_file"]} \
                     if curve else None
-                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys)
+                self.metrics_server = serve_metrics(self.cfg.metrics.host_port, self.cfg.frontend, keys,
+                                                    self.cfg.metrics.vllm_compatible_names)
             except OSError as e:
                 self._log(f"FATAL: metrics.listen: cannot listen on {self.cfg.metrics.listen}: {e}", "error")
                 return False
@@ -254,6 +255,8 @@ class Supervisor:
                               drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
                               max_message_bytes=self.cfg.server.max_message_bytes,
                               allowed_hosts=list(http.allowed_hosts), cors_origins=list(http.cors_origins),
+                              min_ready_workers=max(1, self._ready_needed),
+                              vllm_metric_names=self.cfg.metrics is not None and self.cfg.metrics.vllm_compatible_names,
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
                       {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})
@@ -469,7 +472,8 @@ class Supervisor:
         """Refuse new work, let in-flight finish within drain_timeout, exit 0."""
         if not self._begin_drain():
             return
-        signal_all(self.gateways, signal.SIGTERM)  # they stop accepting and finish their streams
+        # the gateways keep listening: their /ready says 503 at once, /health 200, and a new request gets
+        # the router's refusal; once the router has drained they stop (their streams finish)
         self._command(StartDrain())
         try:
             await asyncio.wait_for(self._drained.wait(), self.cfg.server.drain_timeout)

@@ -1,8 +1,10 @@
 """The ``[metrics] listen`` endpoint: a small HTTP server thread in the supervisor.
 
 It holds no figures of its own: each ``GET /metrics`` asks the router for its exposition text
-over the frontend (a ``metrics`` request, the same one the gateway's ``GET /metrics`` sends), so
-both endpoints always show the same numbers from their one owner. See docs/metrics.md.
+over the frontend (a ``metrics`` request, the same one the gateway's ``GET /metrics`` sends) and for
+its ``status``, from which the pod's gauges are rendered as the gateway renders them
+(router/podgauges.py), so both endpoints show the same numbers from their one owner. See
+docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -14,19 +16,23 @@ from typing import Any
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.sync import Client
 from llamapool.router.metrics import CONTENT_TYPE
+from llamapool.router.podgauges import PodGauges
 
 
 class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], frontend: str, client_kw: dict[str, Any] | None = None):
+    def __init__(self, addr: tuple[str, int], frontend: str, client_kw: dict[str, Any] | None = None,
+                 vllm_names: bool = False):
         super().__init__(addr, _Handler)
         self.client = Client(frontend, **(client_kw or {}))  # client_kw: CURVE keys for a tcp:// frontend
         self.lock = threading.Lock()
+        self.vllm_names = vllm_names
 
-    def text(self) -> str:
+    def text(self) -> bytes:
         with self.lock:  # one scrape at a time through the one client
-            return self.client.metrics(timeout=5.0)
+            text = self.client.metrics(timeout=5.0).encode()
+            return text + PodGauges.from_status(self.client.status(timeout=5.0)).render(self.vllm_names)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -42,7 +48,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, "text/plain", b"not found: try /metrics\n")
             return
         try:
-            body = self.server.text().encode()
+            body = self.server.text()
         except LlamapoolError as e:
             self._send(503, "text/plain", f"# llamapool unavailable: {e.message}\n".encode())
             return
@@ -59,8 +65,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_metrics(addr: tuple[str, int], frontend: str, client_kw: dict[str, Any] | None = None) -> MetricsServer:
+def serve_metrics(addr: tuple[str, int], frontend: str, client_kw: dict[str, Any] | None = None,
+                  vllm_names: bool = False) -> MetricsServer:
     """Bind now (an error here is a start-up error) and serve from a daemon thread."""
-    server = MetricsServer(addr, frontend, client_kw)
+    server = MetricsServer(addr, frontend, client_kw, vllm_names)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
