@@ -128,7 +128,7 @@ def test_pod_gauges_on_the_gateway_are_pod_level_gauges_under_both_names(start_d
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     d: Daemon = start_daemon(workers={"cpu_workers": 2, "slots": 2}, http={"listen": f"127.0.0.1:{port}"},
-                             metrics={"listen": "", "vllm_compatible_names": True})
+                             metrics={"listen": "", "vllm_compatible_names": True}, model={"ctx_per_slot": 2048})
     assert "metrics: http://" not in d.log_text()  # listen = "": no listener of its own
     idle = families(httpx.get(url + "/metrics").text)
     for prefix in ("llamapool", "vllm"):
@@ -136,17 +136,17 @@ def test_pod_gauges_on_the_gateway_are_pod_level_gauges_under_both_names(start_d
             fam = idle[f"{prefix}:{name}"]
             assert fam.type == "gauge" and len(fam.samples) == 1 and fam.documentation, fam
     assert idle["llamapool:num_requests_running"].samples[0].value == 0
-    assert idle["vllm:cache_config_info"].samples[0].labels["num_gpu_blocks"] == str(2 * 2 * 512 // BLOCK_SIZE)
+    assert idle["vllm:cache_config_info"].samples[0].labels["num_gpu_blocks"] == str(2 * 2 * 2048 // BLOCK_SIZE)
     assert "llamapool_generated_tokens_total" in httpx.get(url + "/metrics").text  # the router's too
 
     with d.client() as c:
-        streams = [c.stream("Hello", max_tokens=400, ignore_eos=True) for _ in range(6)]  # 4 slots
+        streams = [c.stream("Hello", max_tokens=1800, ignore_eos=True) for _ in range(6)]  # 4 slots
         busy: dict[str, Any] = {}
-        end = time.monotonic() + 5
+        end = time.monotonic() + 10
         while time.monotonic() < end:
             fams = families(httpx.get(url + "/metrics").text)
             busy = {n: fams[f"vllm:{n}"].samples[0].value for n in POD_GAUGES[:3]}
-            if busy["num_requests_waiting"] == 2:
+            if busy["num_requests_waiting"] == 2 and busy["num_requests_running"] == 4:
                 break
             time.sleep(0.02)
         for s in streams:
