@@ -2,7 +2,7 @@
 
 The engine hands the planner what it holds (the decoding sequences, the prompts being computed and
 those waiting for a slot) and a token budget; the planner returns the step's plan, which the engine
-executes as one ``llama_decode`` batch (worker/engine.py; the echo engine runs the same plans).
+executes as one ``llama_decode`` batch (worker/engine/; the echo engine runs the same plans).
 
 The rules, each a property test in tests/test_scheduler.py:
 

@@ -1,0 +1,123 @@
+"""The step's ``llama_batch``: numpy-owned arrays, filled in sequence-id order from the step's plan."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from llamapool.worker.engine.sequence import Sequence
+
+
+class Batch:
+    """A ``llama_batch`` whose arrays are numpy-owned, so filling it is vectorised (``n``: tokens in it)."""
+
+    def __init__(self, capacity: int):
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)]
+        )
+        raw: Any = L.llama_batch()  # ctypes pointers; llama-cpp-python's stubs type them as arrays
+        raw.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw.embd = None
+        raw.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        raw.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.raw = raw
+        self.n = 0
+
+
+@dataclass
+class Filled:
+    """What :func:`fill` put in the batch."""
+
+    outputs: list[Sequence] = field(default_factory=list)  # sequences with output rows, in batch order
+    echoing: list[Sequence] = field(default_factory=list)  # sequences with prompt rows (echo's logprobs)
+    split: bool = False  # it runs as several micro-batches (``llama_decode`` blocks until the last)
+    shape: tuple[int, int] = (0, 0)  # (rows, prompt tokens): the cost model's measure
+
+
+def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: dict[int, np.ndarray],
+         mem: Any, n_ubatch: int) -> Filled:
+    """Fill the batch with the step's tokens (``chunk``: prompt tokens per prefilling sequence id; a
+    decoding sequence's entry is its next token).
+
+    With per-sequence KV streams llama.cpp splits a batch into micro-batches of consecutive sequence
+    ids, so the batch is filled in sequence-id order and a free slot between busy ones gets one padding
+    token (written past its cached prefix, no output): the decode tokens of the step then form one
+    micro-batch.
+    """
+    b.n = 0
+    done = Filled()
+    if not chunk:
+        return done
+    lo, hi = min(chunk), max(chunk)
+    lens = np.ones(hi - lo + 1, dtype=np.int64)
+    one_at: list[int] = []  # entries of one token (decode or padding): filled vectorised
+    one_tok: list[int] = []
+    one_pos: list[int] = []
+    chunks: list[tuple[int, Sequence]] = []
+    outputs: list[tuple[int, Sequence]] = []
+    for k, sid in enumerate(range(lo, hi + 1)):
+        running = active.get(sid)
+        if running is None:  # a free slot between busy ones: pad it past its cached prefix
+            keep = cached.get(sid)
+            n = len(keep) if keep is not None else 0
+            L.llama_memory_seq_rm(mem, sid, n, -1)
+            one_at.append(k)
+            one_tok.append(int(keep[-1]) if keep is not None and n else 0)
+            one_pos.append(n)
+        elif not running.prefilling:
+            one_at.append(k)
+            one_tok.append(running.last)
+            one_pos.append(running.n_past)
+            running.n_past += 1
+            outputs.append((k, running))
+        else:
+            lens[k] = chunk[sid]
+            chunks.append((k, running))
+    start = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=start[1:])
+    total = int(start[-1])
+    b.seq[:total] = np.repeat(np.arange(lo, hi + 1, dtype=np.int32), lens)
+    b.logits[:total] = 0
+    at = start[one_at]
+    b.token[at] = one_tok
+    b.pos[at] = one_pos
+    for k, seq in chunks:
+        if _fill_chunk(b, seq, int(start[k]), int(lens[k]), done):
+            outputs.append((k, seq))
+    outputs.sort(key=lambda e: e[0])
+    for k, seq in outputs:
+        seq.rows = [int(start[k + 1]) - 1]
+        b.logits[seq.rows[0]] = 1
+    b.n = total
+    done.outputs = [seq for _, seq in outputs]
+    done.shape = (len(one_at) + len(chunks), int(sum(lens[k] for k, _ in chunks)))
+    # more than one micro-batch: a sequence with several tokens (per-sequence KV splits
+    # into equal shares per sequence), or more tokens than one micro-batch holds
+    done.split = bool(chunks) or total > n_ubatch
+    return done
+
+
+def _fill_chunk(b: Batch, seq: Sequence, o: int, n: int, done: Filled) -> bool:
+    """A prompt chunk of ``n`` tokens at batch row ``o``; True when it completes the prompt (an output)."""
+    p = seq.n_past
+    b.token[o : o + n] = seq.tokens[p : p + n]
+    b.pos[o : o + n] = np.arange(p, p + n, dtype=np.int32)
+    seq.n_past = p + n
+    seq.rows = []
+    if seq.params.echo and seq.params.logprobs:  # the prompt's own logprobs: every row an output
+        b.logits[o : o + n] = 1
+        seq.echo_rows = [(o + i, p + i) for i in range(n) if p + i + 1 < len(seq.tokens)]
+        done.echoing.append(seq)
+    return seq.n_past == len(seq.tokens)

@@ -1,0 +1,447 @@
+"""The engine: one llama context, continuous batching, one ``llama_decode`` per step.
+
+Only the engine thread may call into this module's :class:`Engine` (llama.cpp contexts are not
+thread-safe). Each :meth:`Engine.step` puts every decoding sequence's next token and the pending
+prompt chunks of prefilling sequences into ONE ``llama_batch`` and decodes it once. The step's
+phases: collect (the batch in flight's tokens) -> plan (``scheduler.plan_step``) -> build
+(``batch.fill``) -> launch -> sample (``worker/sampling.py``) -> emit (``output.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+
+import llama_cpp as L
+import numpy as np
+
+from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step
+from llamapool.protocol.params import ParamError
+from llamapool.worker.chat import ChatFormatter, TemplateFileError
+from llamapool.worker.constraints import Grammars, spec_of
+from llamapool.worker.engine.batch import Batch, fill
+from llamapool.worker.engine.kvcache import KVSlots
+from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
+from llamapool.worker.engine.output import Output
+from llamapool.worker.engine.prompt import Prompts
+from llamapool.worker.engine.sequence import Sequence, Waiting
+from llamapool.worker.faults import FaultInjector, request_failure
+from llamapool.worker.sampling import Sampling
+from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
+
+
+class Engine:
+    """Owns the model, the context, its KV cache and all sequences."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.model, self._tensor_split = load_model(cfg)
+        cp = context_params(cfg)
+        # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
+        # graph on the GPU, so the host picks no token for those rows (worker/sampling.py).
+        self.gpu_sampling = (cfg.gpu and cfg.gpu_sampling) if cfg.backend_sampling is None \
+            else cfg.backend_sampling
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot)
+        self.sampling.context_params(cp)
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise EngineError(
+                f"llama.cpp could not create a context of {cp.n_ctx} tokens "
+                f"({cfg.slots} slots x {cfg.ctx_per_slot}); out of memory?"
+            )
+        self.sampling.bind(self.ctx)
+        try:
+            self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
+        except TemplateFileError as e:
+            raise EngineError(str(e)) from None
+        self.prompts = Prompts(self.vocab, self.n_vocab, self.chat, cfg.ctx_per_slot)
+        self.output = Output(self.vocab, self.sampling, self.chat.tool_format)
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = Batch(cp.n_batch)
+        self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache)
+        self.waiting: list[Waiting] = []  # runs beyond the free slots, in arrival order
+        self.active: dict[int, Sequence] = {}
+        self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self.grammars = Grammars(self.vocab, self.n_vocab, self._eog)
+        self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
+        self._echoing: list[Sequence] = []  # sequences with prompt rows (echo's logprobs) in the batch in flight
+        self._split = False  # the batch being built runs as several micro-batches
+        self.steps = 0
+        self.target = StepTarget.parse(cfg.target_step)
+        self.budget = cfg.max_batch_tokens  # the last step's token budget
+        self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
+        self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
+        self._measure: tuple[int, int, float] | None = None  # (rows, prompt tokens, start) of the last batch
+        self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
+        # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds and budget to PREFIX.<pid>
+        trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
+        self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1) if trace else None  # line by line
+        self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
+        self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
+        self.step_s = 0.0  # whole steps, Python work included
+
+    @property
+    def free_ids(self) -> deque[int]:
+        return self.kv.free_ids
+
+    @property
+    def cached(self) -> dict[int, np.ndarray]:
+        return self.kv.cached
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.kv.reused_tokens
+
+    @property
+    def max_piece(self) -> int:
+        return self.prompts.max_piece
+
+    def tokenize(self, text: str) -> list[int]:
+        """A text prompt's tokens: BOS added as the model wants, special-token text read as text."""
+        return self.prompts.tokenize(text)
+
+    @property
+    def desc(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        L.llama_model_desc(self.model, buf, 256)
+        return buf.value.decode(errors="replace")
+
+    def kv_cells(self) -> tuple[int, int]:
+        """(used, total) KV cells: running sequences' computed tokens and kept prefixes. Read from the
+        I/O thread for heartbeats, so it copies the engine thread's dicts first (a racy but safe read)."""
+        try:
+            used = self.kv.cells(list(self.active.values()))
+        except RuntimeError:  # a dict changed size while copied: report next time
+            used = 0
+        return used, self.cfg.slots * self.cfg.ctx_per_slot
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def scheduling(self) -> tuple[str, int, list[float]]:
+        return str(self.target), self.budget, list(self.cost.coef or ())
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+        L.llama_synchronize(self.ctx)
+        for seq in list(self.active.values()):
+            self._release(seq)
+        self.grammars.close()
+        self.sampling.close()
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)
+
+    # ------------------------------------------------------------ requests in and out
+
+    def submit(self, run: Run, out: Step) -> None:
+        """Queue a run (it takes a slot at a coming step); a prompt that cannot run fails into ``out``,
+        the report being built (the interface is shared with the echo engine)."""
+        chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
+        try:
+            if run.params.tools and not chat:
+                raise ParamError("tools", "'tools' need a chat prompt (messages), not a text or token prompt")
+            if run.params.n > self.cfg.slots:
+                raise ParamError("n", f"'n' is {run.params.n}; a worker of this model has {self.cfg.slots} slots "
+                                      f"(workers.slots), and a prompt's choices run on one worker")
+            spec = spec_of(run.params, self.chat.tool_format)
+            self.sampling.check(run.params)
+            tokens = self.prompts.tokens(run.prompt, run.params.tools)
+        except ParamError as e:
+            out.failed.append(Failed(run.rid, ErrorCode.INVALID_REQUEST, e.message, e.field))
+            return
+        except ValueError as e:  # a ChatError carries its own code (no_chat_template)
+            out.failed.append(Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e),
+                                     "messages" if chat else "prompt"))
+            return
+        except Exception as e:  # a bug meeting this request: it fails, not the worker
+            out.failed.append(request_failure(run.rid, e))
+            return
+        # converted once: planning, admission, prefill, cache; a grammar compiles meanwhile
+        grammar = None if spec is None else self.grammars.compile(spec)
+        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar))
+        self.arrivals.add(len(tokens))
+
+    def abort(self, rid: int, out: Step) -> None:
+        for w in self.waiting:
+            if w.rid == rid:
+                self.waiting.remove(w)
+                out.done.append(Done(rid, "cancelled", "", 0, 0))
+                return
+        seq = self._find(rid)
+        if seq is not None:
+            self._finish(seq, "cancelled", out)
+
+    def abort_all(self, out: Step) -> None:
+        for w in list(self.waiting):
+            self.abort(w.rid, out)
+        for seq in list(self.active.values()):
+            self._finish(seq, "cancelled", out)
+
+    def _find(self, rid: int) -> Sequence | None:
+        for seq in self.active.values():
+            if seq.rid == rid:
+                return seq
+        return None
+
+    def _admit(self, w: Waiting, out: Step) -> Sequence | None:
+        """Give the waiting run a slot (None when llama.cpp will not build its sampler: it fails into ``out``)."""
+        run, prompt = w.run, w.tokens
+        p = run.params
+        prompt_logprobs = p.echo and p.logprobs
+        # a prompt's logprobs: all computed
+        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
+        try:
+            matcher = None if w.grammar is None else w.grammar.result().deep_copy()
+            sampling = self.sampling.admit(seq_id, p, matcher)
+        except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
+            self.kv.undo(seq_id)
+            out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
+            return None
+        seq = self.active[seq_id] = Sequence(
+            rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
+            sampling=sampling, text=self.prompts.text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
+            fault=self.faults.kind(run.prompt) if self.faults is not None else "",
+        )
+        self.kv.reused_tokens += reused
+        if p.echo:  # a text prompt as it was given; token ids (and a rendered chat) as their pieces
+            seq.text.preface(run.prompt if isinstance(run.prompt, str) else
+                             b"".join(self.output.piece(int(t)) for t in prompt).decode(errors="replace"))
+        if prompt_logprobs:  # the first prompt token has no logprob
+            piece = self.output.piece(int(prompt[0]))
+            seq.logprobs.append([piece.decode(errors="replace"), None, list(piece), []])
+        return seq
+
+    # ------------------------------------------------------------ one step
+
+    def step(self, flush: Callable[[Step], None] | None = None) -> Step:
+        """Admit waiting runs, decode one batch, sample, and report what happened.
+
+        With GPU sampling the step is pipelined: the tokens of the batch in flight are read, the
+        next batch is launched at once (``llama_decode`` returns before the GPU is done), and
+        only then is the text of the tokens just read worked out, while the GPU computes. A
+        sequence that a stop string ends meanwhile has one token computed in vain, never sent.
+
+        A batch with prompt chunks is several micro-batches, and ``llama_decode`` returns only
+        when all but the last have run (each waits for the one before to copy its inputs). So
+        before launching such a batch, the text of the tokens just read is worked out and handed
+        to ``flush`` (the worker sends it at once): otherwise every client would wait a whole
+        prefill step longer for tokens that are ready.
+        """
+        out = Step()
+        t_step = time.perf_counter()
+        if self.gpu_sampling:
+            ready = self._collect(out)
+            order = self._build(out)
+            blocking = flush is not None and self._split  # several micro-batches: decode blocks
+            if blocking:
+                self._emit_ready(ready, out)
+                out.active = len(self.active)
+                assert flush is not None
+                flush(out)
+                out = Step()
+            if self.batch.n:
+                self._launch(order, out)
+            if not blocking:
+                self._emit_ready(ready, out)
+        else:
+            order = self._build(out)
+            if self.batch.n and self._launch(order, out):
+                self._echo_logprobs(out)
+                self._emit_ready(self._take_all(order, out), out)
+        out.active = len(self.active)
+        self.step_s += time.perf_counter() - t_step
+        return out
+
+    def _emit_ready(self, ready: list[tuple[Sequence, int]], out: Step) -> None:
+        for seq, tok in ready:
+            if self.active.get(seq.seq_id) is seq:
+                try:
+                    self._emit(seq, tok, out)
+                except Exception as e:
+                    self._drop(seq, e, out)
+
+    def _drop(self, seq: Sequence, e: Exception, out: Step) -> None:
+        """The sequence's own work raised ``e``: it alone ends (``internal``); the engine and the other
+        sequences go on (worker/faults.py)."""
+        out.failed.append(request_failure(seq.rid, e))
+        if self.active.get(seq.seq_id) is seq:
+            self._release(seq)
+
+    def _plan(self, out: Step) -> dict[int, int]:
+        """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
+        now = self.steps
+        self._refuse_bad_grammars(out)
+        prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
+                   for s in self.active.values() if s.prefilling]
+        prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False)
+                    for i, w in enumerate(self.waiting) if self._may_start(w)]
+        ahead, free = [], len(self.free_ids)  # what could run this step, first in line first
+        for p in sorted(prompts, key=lambda p: priority(p, now)):
+            if p.running or free > 0:
+                ahead.append(p)
+                free -= not p.running
+        budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
+                                       [p.remaining for p in ahead], self.arrivals.rate())
+        plan = plan_step(budget, (s.seq_id for s in self.active.values() if not s.prefilling), prompts,
+                         len(self.free_ids), now)
+        chunk = plan.tokens
+        admitted = [(self.waiting[key], n) for key, n in plan.admit]
+        for w, n in admitted:
+            self.waiting.remove(w)
+            seq = self._admit(w, out)
+            if seq is not None:
+                chunk[seq.seq_id] = min(n, len(seq.tokens) - seq.n_past)
+        self.budget = budget
+        return chunk
+
+    def _may_start(self, w: Waiting) -> bool:
+        """Its grammar is compiled; and a prompt's second and later choices (``n``) wait until the first
+        one's prompt is computed, so that they copy its KV (``KVSlots.take``) rather than compute it again."""
+        if not w.ready:
+            return False
+        if w.run.after < 0:
+            return True
+        if any(x.rid == w.run.after for x in self.waiting):
+            return False
+        first = self._find(w.run.after)
+        return first is None or not first.prefilling
+
+    def _refuse_bad_grammars(self, out: Step) -> None:
+        """Waiting runs whose grammar did not compile fail (before they take a slot), naming the parameter."""
+        for w in [w for w in self.waiting if w.grammar is not None and w.grammar.done()
+                  and w.grammar.exception() is not None]:
+            self.waiting.remove(w)
+            e = w.grammar.exception() if w.grammar is not None else None
+            field = e.field if isinstance(e, ParamError) else None
+            out.failed.append(Failed(w.rid, ErrorCode.INVALID_REQUEST, str(e), field))
+
+    def _build(self, out: Step) -> list[Sequence]:
+        """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
+        with an output."""
+        chunk = self._plan(out)
+        filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch)
+        self._echoing = filled.echoing
+        self._split = filled.split
+        self._shape = filled.shape
+        return filled.outputs
+
+    def _launch(self, order: list[Sequence], out: Step) -> bool:
+        """Start decoding the batch; on failure every active sequence fails with the reason."""
+        b = self.batch
+        b.raw.n_tokens = b.n
+        t0 = time.perf_counter()
+        self._time_step(t0)
+        rc = L.llama_decode(self.ctx, b.raw)
+        self.decode_s += time.perf_counter() - t0
+        self.steps += 1
+        if rc != 0:
+            self.inflight = []
+            for seq in list(self.active.values()):
+                out.failed.append(Failed(seq.rid, ErrorCode.INTERNAL, f"llama_decode returned {rc}", None))
+                self._release(seq)
+            return False
+        self.inflight = order
+        return True
+
+    def _time_step(self, now: float) -> None:
+        """Feed the cost model: the batch launched before this one took until now (launches follow each
+        other while the engine is busy: with GPU sampling the host works while the GPU computes)."""
+        last, self._measure = self._measure, (self._shape[0], self._shape[1], now)
+        if last is None:
+            return
+        rows, tokens, start = last
+        seconds = now - start
+        coef = self.cost.coef
+        expected = coef[0] + coef[1] * rows + coef[2] * tokens if coef else 0.5
+        if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
+            self.cost.observe(rows, tokens, seconds)
+        if self._trace is not None:
+            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget}\n")
+
+    def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
+        """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""
+        if not self.inflight:
+            return []
+        t0 = time.perf_counter()
+        L.llama_synchronize(self.ctx)
+        self.decode_s += time.perf_counter() - t0
+        self._echo_logprobs(out)
+        ready = self._take_all([seq for seq in self.inflight if self.active.get(seq.seq_id) is seq], out)
+        self.inflight = []
+        return ready
+
+    def _echo_logprobs(self, out: Step) -> None:
+        """The logprobs of the prompt tokens computed in the batch just decoded (``echo`` with ``logprobs``):
+        the row of position ``i`` gives prompt token ``i + 1``'s."""
+        for seq in self._echoing:
+            if self.active.get(seq.seq_id) is not seq:
+                continue
+            try:
+                for row, pos in seq.echo_rows:
+                    seq.logprobs.append(self.output.logprob_entry(seq, int(seq.tokens[pos + 1]), row))
+            except Exception as e:
+                self._drop(seq, e, out)
+            seq.echo_rows = []
+        self._echoing = []
+
+    def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
+        """Every output row's token (its mask ready first, if constrained); then the next masks are
+        filled in the background while the engine goes on."""
+        self.sampling.prepare([(seq.sampling, seq.out_idx) for seq in order])
+        ready = []
+        for seq in order:
+            try:
+                tok = self._take(seq, out)
+            except Exception as e:
+                self._drop(seq, e, out)
+                continue
+            if tok is not None:
+                ready.append((seq, tok))
+        self.sampling.masks_next()
+        return ready
+
+    def _take(self, seq: Sequence, out: Step) -> int | None:
+        """The sequence's new token, or None when it ended (end of generation, length)."""
+        tok = self.sampling.pick(seq.sampling, seq.out_idx)
+        p = seq.params
+        matcher = seq.sampling.matcher
+        if (not p.ignore_eos or matcher is not None) and tok in self._eog:
+            self._finish(seq, "stop", out)
+            return None
+        if p.logprobs:
+            seq.logprobs.append(self.output.logprob_entry(seq, tok))
+        seq.generated += 1
+        seq.last = tok
+        if tok in self.chat.tool_format.special.values() and p.tools:
+            seq.text.mark_here()  # a call opens with a control token (no text)
+        if matcher is not None and matcher.is_stopped():  # the grammar is complete
+            self._finish(seq, "stop", out, seq.text.push(self.output.piece(tok)))
+            return None
+        if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
+            self._finish(seq, "length", out, seq.text.push(self.output.piece(tok)))
+            return None
+        return tok
+
+    def _emit(self, seq: Sequence, tok: int, out: Step) -> None:
+        """Detokenise the token into the sequence's text; a stop string ends the sequence."""
+        if seq.fault:
+            FaultInjector.trigger(seq.fault)
+        last = self.output.emit(seq, tok, out)
+        if last is not None:
+            self._finish(seq, "stop", out, last)
+
+    def _finish(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
+        self.output.done(seq, reason, out, delta)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.sampling.release(seq.sampling)
+        self.kv.release(seq)
+        del self.active[seq.seq_id]

@@ -1,0 +1,74 @@
+"""What a step reports for its sequences: detokenised text (stop strings, streaming deltas), logprob
+entries, and a finished sequence's result (tool calls parsed from its text)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import llama_cpp as L
+
+from llamapool.protocol.messages import Delta, Done, Step
+from llamapool.worker.engine.sequence import Sequence
+from llamapool.worker.sampling import Sampling
+from llamapool.worker.tools import ToolFormat
+
+
+class Output:
+    """Token pieces (cached as tokens are seen), logprob entries and the reports of a step."""
+
+    def __init__(self, vocab: Any, sampling: Sampling, tool_format: ToolFormat):
+        self.vocab = vocab
+        self.sampling = sampling
+        self.tool_format = tool_format
+        self._piece = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes, filled as tokens are seen
+
+    def piece(self, tok: int) -> bytes:
+        piece = self._pieces.get(tok)
+        if piece is None:
+            n = L.llama_token_to_piece(self.vocab, tok, self._piece, 256, 0, False)
+            piece = self._pieces[tok] = self._piece.raw[: max(n, 0)]
+        return piece
+
+    def emit(self, seq: Sequence, tok: int, out: Step) -> str | None:
+        """Detokenise the token into the sequence's text and stream it; when a stop string ends the
+        sequence, the text still to send is returned (for :meth:`done`), else None."""
+        delta = seq.text.push(self.piece(tok))
+        if seq.text.stopped:
+            return delta
+        if delta and seq.stream:
+            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq)))
+        return None
+
+    def logprob_entry(self, seq: Sequence, tok: int, row: int = -1) -> list[Any]:
+        """A token's logprob entry as the wire carries it: ``[text, logprob, bytes, top]``, ``top`` a list
+        of ``[text, logprob, bytes]`` (protocol.md, 5.1); from output ``row`` (default: the sequence's)."""
+        lp, top = self.sampling.logprobs(seq.out_idx if row < 0 else row, tok, seq.params.top_logprobs)
+
+        def described(t: int, v: float) -> list[Any]:
+            piece = self.piece(t)
+            return [piece.decode(errors="replace"), round(v, 6), list(piece)]
+
+        return [*described(tok, lp), [described(t, v) for t, v in top]]
+
+    def done(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
+        """The sequence's last text and its result (tool calls parsed out of the text) into ``out``."""
+        delta += seq.text.finish()
+        if delta and seq.stream:
+            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq)))
+        text, calls = seq.text.text, None
+        if seq.params.tools and seq.params.tool_choice != "none" and reason != "cancelled":
+            content, found = self.tool_format.parse(text, seq.params.tools)
+            if found:
+                text, calls, reason = content, found, ("tool_calls" if reason == "stop" else reason)
+        out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls, seq.reused,
+                             sent_logprobs(seq), stop=seq.text.stop))
+
+
+def sent_logprobs(seq: Sequence) -> list[list[Any]] | None:
+    """The entries not sent yet (None without logprobs), now taken."""
+    if not seq.logprobs:
+        return None
+    sent, seq.logprobs = seq.logprobs, []
+    return sent
