@@ -185,7 +185,7 @@ class Pending(Replies[Completion]):
 
     def feed(self, msg: Message) -> StreamChunk | None:
         if isinstance(msg, Chunk):
-            return StreamChunk(msg.text, msg.tokens, msg.index, msg.logprobs)
+            return StreamChunk(msg.text, msg.tokens, msg.index, msg.logprobs, msg.prompt_tokens, msg.cached_tokens)
         if isinstance(msg, Result):
             self._set(msg.index, Completion(msg.text, msg.finish_reason,
                                             Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens),

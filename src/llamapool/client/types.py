@@ -42,6 +42,8 @@ class StreamChunk:
     tokens: int  # tokens generated so far
     index: int = 0
     logprobs: list[Any] | None = None  # with logprobs=True: the entries of the tokens since the last chunk
+    prompt_tokens: int | None = None  # on a prompt's first chunk: its prompt tokens (None on the others)
+    cached_tokens: int | None = None  # on a prompt's first chunk: of those, served from the prefix cache
 
 
 class Embeddings(list[list[float]]):

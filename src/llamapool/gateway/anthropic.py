@@ -156,6 +156,8 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
     if choice is None:
         return
     kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind in ("auto", "none") and not sent.get("tools"):
+        return  # nothing to choose from: as without tools
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
             raise bad("tool_choice.name", "'tool_choice.name' must name one of 'tools'")
@@ -169,28 +171,76 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
                                                  "tool_choice.disable_parallel_tool_use")
 
 
-def parse_messages(body: Any) -> Generation:
-    """``POST /v1/messages``: Anthropic's request as the chat request the worker takes."""
+# top-level fields: those honoured, and those accepted that mean nothing here (no debug line for them)
+HONOURED = frozenset(("model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k", "stop_sequences",
+                      "stream", "tools", "tool_choice", "output_config", "output_format", "thinking"))
+ACCEPTED = frozenset(("metadata", "cache_control", "service_tier", "container", "inference_geo", "speed",
+                      "diagnostics", "user_profile_id", "workspace_id", "context_management", "mcp_servers"))
+
+
+def unknown_fields(body: Any) -> list[str]:
+    """The body's top-level fields Anthropic's API did not define when this was written: ignored (the
+    API's clients are forward-compatible), with a debug line."""
+    return sorted(k for k in body if k not in HONOURED and k not in ACCEPTED) if isinstance(body, dict) else []
+
+
+def _format(body: dict[str, Any], sent: dict[str, Any]) -> None:
+    """``output_config.format`` (or the beta's top-level ``output_format``), ``{"type": "json_schema",
+    "schema": {...}}``: constrained as OpenAI's ``response_format``; ``output_config.effort`` is ignored."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad("output_config", "'output_config' must be an object")
+    where, fmt = "output_config.format", (config or {}).get("format")
+    if fmt is None and body.get("output_format") is not None:
+        where, fmt = "output_format", body["output_format"]
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        got = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise bad(f"{where}.type", f"'{where}.type' must be 'json_schema' (with a 'schema'), got {got!r:.80}")
+    if "schema" not in fmt:
+        raise bad(f"{where}.schema", f"'{where}.schema' is required (a JSON schema)")
+    rf = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+    try:
+        sent["response_format"] = params.check("response_format", rf)
+    except params.ParamError as e:
+        at = e.field.replace("response_format.json_schema", where)
+        raise bad(at, e.message.replace(e.field, at)) from None
+
+
+def _thinking(body: dict[str, Any]) -> None:
+    """Accepted (``enabled``, ``adaptive``, ``disabled``, ...): the reply has thinking blocks only where
+    the model's template writes them, which none of llamapool's templates do."""
+    thinking = body.get("thinking")
+    if thinking is not None and (not isinstance(thinking, dict) or not isinstance(thinking.get("type"), str)):
+        raise bad("thinking.type", "'thinking' must be an object with a 'type' (enabled, adaptive, disabled)")
+    if body.get("mcp_servers"):
+        raise unsupported("mcp_servers", "'mcp_servers' is not supported by llamapool (client tools only)")
+
+
+def parse_messages(body: Any, count_only: bool = False) -> Generation:
+    """``POST /v1/messages``: Anthropic's request as the chat request the worker takes (``count_only``:
+    ``/v1/messages/count_tokens``'s body, without ``max_tokens``)."""
     if not isinstance(body, dict):
         raise not_an_object()
-    if body.get("max_tokens") is None:
+    if body.get("max_tokens") is None and not count_only:
         raise bad("max_tokens", "'max_tokens' is required")
-    sent: dict[str, Any] = {"max_tokens": checked("max_tokens", body["max_tokens"])}
+    sent: dict[str, Any] = {"max_tokens": 1 if count_only else checked("max_tokens", body["max_tokens"])}
     for key in ("temperature", "top_p", "top_k"):
-        if body.get(key) is not None:
+        if body.get(key) is not None and not count_only:
             sent[key] = checked(key, body[key])
-    if body.get("stop_sequences"):
+    if body.get("stop_sequences") and not count_only:
         sent["stop"] = list(checked("stop", body["stop_sequences"], "stop_sequences"))
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
-        raise unsupported("thinking", "'thinking' is not supported by llamapool")
+    _thinking(body)
     _tools(body, sent)
+    _format(body, sent)
     sent = {k: v for k, v in sent.items() if v is not None}
     try:
         params.parse(sent)  # the checks across parameters (a tool choice names one of the tools)
     except params.ParamError as e:
-        raise bad(e.field.replace("parallel_tool_calls", "tool_choice"), e.message) from None
-    stream = stream_flag(body)
+        field = e.field.replace("parallel_tool_calls", "tool_choice").replace("response_format", "output_config")
+        raise bad(field, e.message.replace("'response_format'", "'output_config'")) from None
+    stream = stream_flag(body) and not count_only
     messages = _messages(body)
     return Generation([messages], sent, stream, False, model_name(body))  # type: ignore[list-item]
 
@@ -257,10 +307,13 @@ class EventWriter:
         self.index = 0  # the open or next block
         self.text_open = False
 
-    def start(self) -> bytes:
+    def start(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        """``message_start``, its usage counting the prompt as the final one does."""
+        usage = {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                 "cache_read_input_tokens": cached_tokens}
         message: dict[str, Any] = {
             "id": f"msg_{self.req.id}", "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+            "stop_reason": None, "stop_sequence": None, "usage": usage}
         return event("message_start", {"message": message}) + event("ping", {})
 
     def text(self, text: str) -> bytes:
@@ -308,10 +361,17 @@ class EventWriter:
 # ---------------------------------------------------------------- the handler
 
 
+def _ignore_unknown(s: Serving, call: Call, body: Any) -> Any:
+    unknown = unknown_fields(body)
+    if unknown:
+        s.log.debug("ignored fields", path=call.request.url.path, fields=",".join(unknown)[:200])
+    return body
+
+
 async def handle(s: Serving, call: Call) -> Response:
     """``POST /v1/messages``, answered whole or as Anthropic's event stream."""
     call.chat = True
-    req = await s.generation(call, parse_messages)
+    req = await s.generation(call, lambda body: parse_messages(_ignore_unknown(s, call, body)))
     if req.stream:
         streams, first = await s.open_streams(call, req)
         return sse(_events(s, call, req, streams[0], first))
@@ -319,12 +379,33 @@ async def handle(s: Serving, call: Call) -> Response:
     return JSONResponse(message_body(req, s.model(req.model, c), c))
 
 
+async def count_tokens(s: Serving, call: Call) -> Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the prompt's tokens as the model's
+    template renders it (with the tools and format): counted by computing the prompt (one step, the
+    prompt then in the prefix cache for the request that follows)."""
+    call.chat = True
+    req = await s.generation(call, lambda body: parse_messages(_ignore_unknown(s, call, body), count_only=True))
+    c = (await s.generate(call, req))[0]
+    return JSONResponse({"input_tokens": c.usage.prompt_tokens})
+
+
+def _prompt_usage(stream: AsyncStream, first: list[Any]) -> tuple[int, int]:
+    """The prompt's tokens and cached tokens: from the first chunk, or the reply if there was none."""
+    item = first[0]
+    if isinstance(item, StreamChunk) and item.prompt_tokens is not None:
+        return item.prompt_tokens, item.cached_tokens or 0
+    if item is None and stream.completions:
+        u = stream.completions[0].usage
+        return u.prompt_tokens, u.cached_tokens
+    return 0, 0
+
+
 async def _events(s: Serving, call: Call, req: Generation, stream: AsyncStream,
                   first: list[Any]) -> AsyncIterator[bytes]:
     """Anthropic's event stream; leaving it (the client went away) cancels the request."""
     w = EventWriter(req, s.model(req.model))
     async with closing([stream]):
-        yield w.start()
+        yield w.start(*_prompt_usage(stream, first))
         async for _, item in merge([stream], first):
             if isinstance(item, LlamapoolError):  # mid-stream: an error event ends the stream
                 yield w.error(call.api_error(item))
@@ -337,3 +418,4 @@ async def _events(s: Serving, call: Call, req: Generation, stream: AsyncStream,
 
 
 MESSAGES = Door(handle, error_response)
+COUNT_TOKENS = Door(count_tokens, error_response)

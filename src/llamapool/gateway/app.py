@@ -63,6 +63,7 @@ class Gateway(Serving):
             Route("/v1/chat/completions", api(Door(chat.handle)), methods=["POST"]),
             Route("/v1/responses", api(Door(responses.handle)), methods=["POST"]),
             Route("/v1/messages", api(anthropic.MESSAGES), methods=["POST"]),
+            Route("/v1/messages/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
             Route("/v1/embeddings", api(Door(embeddings.handle)), methods=["POST"]),
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),

@@ -27,6 +27,7 @@ from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
 from llamapool.gateway.errors import ApiError, Messages, from_llamapool, openai_error
 from llamapool.gateway.parsing import Generation, json_body
+from llamapool.log import Logger
 
 T = TypeVar("T")
 
@@ -102,6 +103,7 @@ class Serving:
     def __init__(self, spec: GatewaySpec, client: AsyncClient):
         self.spec, self.client = spec, client
         self.keys = load_keys(spec.api_keys_file) if spec.api_keys_file else []
+        self.log = Logger(spec.name, prefix=f"llamapool gateway {spec.name}")
 
     def endpoint(self, door: Door) -> Callable[[Request], Awaitable[Response]]:
         """The Starlette endpoint of ``door``: the API key checked, and every error in the API's shape."""

@@ -98,6 +98,8 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         d["input"] = d.pop("inputs")
     if isinstance(msg, (Generate, Embed, Tokenize, Detokenize)) and msg.model is None:
         del d["model"]
+    if isinstance(msg, Chunk) and msg.prompt_tokens is None:  # only a prompt's first chunk has them
+        del d["prompt_tokens"], d["cached_tokens"]
     return d
 
 

@@ -127,6 +127,8 @@ class Chunk:
     text: str
     tokens: int
     logprobs: list[Any] | None = None  # per token of ``text``: [token, logprob, bytes, top] (docs/protocol.md)
+    prompt_tokens: int | None = None  # on a prompt's first chunk: its prompt tokens (else not sent)
+    cached_tokens: int | None = None  # on a prompt's first chunk: of those, served from the prefix cache
 
 
 @dataclass(slots=True)
@@ -288,12 +290,15 @@ class Abort:
 
 
 class Delta(NamedTuple):
-    """New text of a running sequence: ``[rid, text, tokens]`` on the wire."""
+    """New text of a running sequence: ``[rid, text, tokens, logprobs, prompt_tokens, cached_tokens]`` on
+    the wire (the trailing ones optional)."""
 
     rid: int
     text: str
     tokens: int  # tokens generated so far
     logprobs: list[Any] | None = None
+    prompt_tokens: int = 0  # the prompt's tokens (the router passes them on with the first chunk)
+    cached_tokens: int = 0  # of which served from the prefix cache
 
 
 class Done(NamedTuple):

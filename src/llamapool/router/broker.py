@@ -610,7 +610,8 @@ class Router:
                 w.orphans.add(rid)  # with (a partition): its client had its final reply; free the slot
                 self._send_worker(w, Abort(rid))
             if job is not None and job.status is RequestStatus.RUNNING:
-                if job.delivered == 0:
+                first = job.delivered == 0
+                if first:
                     self.metrics.of(job.model).ttft.observe(now - job.queued_at)
                 elif ntok > job.delivered:
                     n = ntok - job.delivered
@@ -618,7 +619,8 @@ class Router:
                 job.delivered, job.last_token = ntok, now
                 if not job.first_at:
                     job.first_at = now
-                self._reply(job.client, Chunk(job.id, job.index, text, ntok, d.logprobs))
+                self._reply(job.client, Chunk(job.id, job.index, text, ntok, d.logprobs,
+                                              *((d.prompt_tokens, d.cached_tokens) if first else (None, None))))
         for entry in step.done:
             done = Done(*entry)  # a named tuple from the codec (a plain list from a test)
             self.metrics.tokens(w.name, done.prompt_tokens, done.completion_tokens, w.model)

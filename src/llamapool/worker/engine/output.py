@@ -38,7 +38,7 @@ class Output:
         if seq.text.stopped:
             return delta
         if delta and seq.stream:
-            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq)))
+            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
         return None
 
     def logprob_entry(self, seq: Sequence, tok: int, row: int = -1) -> list[Any]:
@@ -56,7 +56,7 @@ class Output:
         """The sequence's last text and its result (tool calls parsed out of the text) into ``out``."""
         delta += seq.text.finish()
         if delta and seq.stream:
-            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq)))
+            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
         text, calls = seq.text.text, None
         if seq.params.tools and seq.params.tool_choice != "none" and reason != "cancelled":
             content, found = self.tool_format.parse(text, seq.params.tools)
