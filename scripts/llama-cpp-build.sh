@@ -33,6 +33,17 @@ sdist() {  # the pinned sdist's path (downloaded into the cache once)
     echo "$f"
 }
 
+apply_one() {  # apply patch $2 in folder $1: a failed hunk, fuzz, or a patch already in is an error
+    if command -v patch >/dev/null; then
+        local out
+        out=$(patch -d "$1" -p1 --forward --batch --no-backup-if-mismatch < "$2" 2>&1) || { echo "$out"; return 1; }
+        echo "$out"
+        ! grep -qi "FAILED\|with fuzz" <<<"$out"
+    else  # no patch(1): git apply (exact context, no fuzz) works outside a repository too
+        (cd "$1" && git apply -p1 "$2")
+    fi
+}
+
 unpack() {  # unpack the sdist into $1 (emptied first) and apply the patches; prints the source folder
     local dest=$1 archive src p
     archive=$(sdist)
@@ -41,9 +52,7 @@ unpack() {  # unpack the sdist into $1 (emptied first) and apply the patches; pr
     src="$dest/llama_cpp_python-$version"
     [ -d "$src/vendor/llama.cpp" ] || { echo "llama-cpp-build: $archive has no vendor/llama.cpp" >&2; exit 1; }
     for p in "${patches[@]}"; do
-        # --forward: a patch that is already in (or reversed) is an error, not a silent skip
-        if ! out=$(patch -d "$src/vendor/llama.cpp" -p1 --forward --batch --no-backup-if-mismatch < "$p" 2>&1) \
-                || grep -qi "FAILED\|with fuzz" <<<"$out"; then
+        if ! out=$(apply_one "$src/vendor/llama.cpp" "$p" 2>&1); then
             echo "llama-cpp-build: $(basename "$p") does not apply cleanly to llama-cpp-python $version:" >&2
             echo "$out" >&2
             exit 1
