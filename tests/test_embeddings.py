@@ -157,7 +157,8 @@ def test_tokenize_detokenize_round_trip(daemon: tuple[Daemon, str], model_path: 
     r = httpx.post(url + "/tokenize", json={"content": text, "model": "gen"})
     assert r.json() == {"tokens": plain}
     r = httpx.post(url + "/detokenize", json={"tokens": plain, "model": "gen"})
-    assert r.json() == {"content": llm.detokenize(plain, special=True).decode().removeprefix(" ")}
+    content = llm.detokenize(plain, special=True).decode().removeprefix(" ")
+    assert r.json() == {"content": content, "prompt": content}  # llama-server's key, and vLLM's
     r = httpx.post(url + "/tokenize", json={"content": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "content"
 
@@ -195,3 +196,14 @@ def test_config_keys_are_checked(tmp_path: Path) -> None:
         from_dict({"models": [{"path": "m.gguf", "pooling": "cls"}]})
     cfg = from_dict({"models": [{"path": "m.gguf", "name": "a"}, {"path": "m.gguf", "name": "b", "embedding": True}]})
     assert [m.embedding for m in cfg.models] == [False, True] and cfg.models[1].pooling == ""
+
+
+def test_without_a_model_embeddings_go_to_the_first_embedding_model(daemon: tuple[Daemon, str]) -> None:
+    """The pool's first model is a generation model: a body without ``model`` goes to the first embedding
+    model, not to it (and the bare path, as llama-server and vLLM serve it, is the same endpoint)."""
+    url = daemon[1]
+    named = httpx.post(url + "/v1/embeddings", json={"model": "emb", "input": "a quiet wind"}, timeout=60)
+    for path in ("/v1/embeddings", "/embeddings"):
+        r = httpx.post(url + path, json={"input": "a quiet wind"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "emb" and r.json()["data"] == named.json()["data"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,17 @@ class GatewaySpec:
     cors_origins: list[str] = field(default_factory=list)  # [http] cors_origins
     min_ready_workers: int = 1  # /ready is 200 with this many workers serving (gateway/pod.py)
     vllm_metric_names: bool = False  # /metrics also names the pod's gauges as vLLM does ([metrics])
+    # the pool's models as configured: {"name", "path", "embedding", "ctx_per_slot", "chat_template"} each
+    # (/v1/embeddings without a model takes the first embedding model; /tokenizer_info reads the GGUF)
+    models: list[dict[str, Any]] = field(default_factory=list)
+
+    def embedding_model(self) -> str | None:
+        """The pool's first embedding model, None when it has none."""
+        return next((m["name"] for m in self.models if m.get("embedding")), None)
+
+    def model_info(self, name: str | None) -> dict[str, Any] | None:
+        """A model's configuration (None: the pool's first)."""
+        return next((m for m in self.models if m["name"] == (name or self.model)), None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

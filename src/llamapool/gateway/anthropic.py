@@ -242,7 +242,9 @@ def parse_messages(body: Any, count_only: bool = False) -> Generation:
         raise bad(field, e.message.replace("'response_format'", "'output_config'")) from None
     stream = stream_flag(body) and not count_only
     messages = _messages(body)
-    return Generation([messages], sent, stream, False, model_name(body))  # type: ignore[list-item]
+    return Generation([messages], sent, stream, False, model_name(body),  # type: ignore[list-item]
+                      renames={"response_format.json_schema": "output_config.format",
+                               "response_format": "output_config"})
 
 
 # ---------------------------------------------------------------- responses

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from llamapool.client.aio import AsyncClient
-from llamapool.gateway import GatewaySpec, anthropic, tokens
+from llamapool.gateway import GatewaySpec, anthropic, tokenizer_info, tokens
 from llamapool.gateway.errors import ApiError, openai_error
 from llamapool.gateway.openai import chat, completions, embeddings, models, responses
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
@@ -55,18 +55,20 @@ class Gateway(Serving):
 
     def app(self) -> Starlette:
         api = self.endpoint
+        openai_routes = [  # served at /v1/... and, as llama-server and vLLM do, without the /v1
+            ("/models", Door(models.handle_list), "GET"), ("/models/{model_id:path}", Door(models.handle_one), "GET"),
+            ("/completions", Door(completions.handle), "POST"), ("/chat/completions", Door(chat.handle), "POST"),
+            ("/responses", Door(responses.handle), "POST"), ("/embeddings", Door(embeddings.handle), "POST"),
+        ]
         return Starlette(routes=[
             *self.pod.routes(),
-            Route("/v1/models", api(Door(models.handle_list)), methods=["GET"]),
-            Route("/v1/models/{model_id:path}", api(Door(models.handle_one)), methods=["GET"]),
-            Route("/v1/completions", api(Door(completions.handle)), methods=["POST"]),
-            Route("/v1/chat/completions", api(Door(chat.handle)), methods=["POST"]),
-            Route("/v1/responses", api(Door(responses.handle)), methods=["POST"]),
+            *(Route(prefix + path, api(door), methods=[method])
+              for prefix in ("/v1", "") for path, door, method in openai_routes),
             Route("/v1/messages", api(anthropic.MESSAGES), methods=["POST"]),
             Route("/v1/messages/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
-            Route("/v1/embeddings", api(Door(embeddings.handle)), methods=["POST"]),
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),
+            Route("/tokenizer_info", api(Door(tokenizer_info.handle)), methods=["GET"]),
         ], exception_handlers={HTTPException: http_error, Exception: server_error},
             middleware=[Middleware(OriginGuard, policy=OriginPolicy.make(
                 self.spec.host, self.spec.allowed_hosts, self.spec.cors_origins))])

@@ -24,6 +24,17 @@ class Generation:
     model: str | None = None  # the model the body names; None: the pool's first
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
+    # a contract parameter the body gave under another name -> that name (errors name it so)
+    renames: dict[str, str] = field(default_factory=dict)
+
+    def renamed(self, e: ApiError) -> ApiError:
+        """``e`` naming the body's field where it names a renamed parameter."""
+        for ours, theirs in self.renames.items():
+            if e.param is not None and (e.param == ours or e.param.startswith(ours + ".")):
+                e.message = e.message.replace(f"'{e.param}'", f"'{theirs}{e.param[len(ours):]}'")
+                e.param = theirs + e.param[len(ours):]
+                break
+        return e
 
 
 def json_body(raw: bytes) -> Any:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -52,9 +52,13 @@ class Call:
     chat: bool = False
     n_prompts: int = 1
     messages: Messages = "messages"
+    # a contract parameter the body gave under another name: its name there (``response_format.json_schema``
+    # -> ``text.format``)
+    renames: dict[str, str] = field(default_factory=dict)
 
     def api_error(self, e: LlamapoolError) -> ApiError:
-        return from_llamapool(e, self.chat, self.n_prompts, self.messages)
+        return Generation([], {}, False, renames=self.renames).renamed(
+            from_llamapool(e, self.chat, self.n_prompts, self.messages))
 
 
 Handler = Callable[["Serving", Call], Awaitable[Response]]
@@ -145,7 +149,7 @@ class Serving:
         the router would pass it."""
         raw = await read_body(call.request, self.spec.max_message_bytes)
         req = parse(json_body(raw))
-        call.n_prompts = len(req.prompts)
+        call.n_prompts, call.renames = len(req.prompts), req.renames
         if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
             self._check_encoded(req)
         return req

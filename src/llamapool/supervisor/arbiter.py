@@ -257,6 +257,9 @@ class Supervisor:
                               allowed_hosts=list(http.allowed_hosts), cors_origins=list(http.cors_origins),
                               min_ready_workers=max(1, self._ready_needed),
                               vllm_metric_names=self.cfg.metrics is not None and self.cfg.metrics.vllm_compatible_names,
+                              models=[{"name": m.name, "path": m.path, "embedding": m.embedding,
+                                       "ctx_per_slot": m.ctx_per_slot, "chat_template": m.chat_template}
+                                      for m in self.cfg.models],
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
                       {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})

@@ -53,7 +53,7 @@ def _content(m: dict[str, Any], at: str, role: str) -> str:
 
 
 def parse(body: Any) -> Generation:
-    sent, stream, include_usage = generation.common(body, 1 << 20)  # until end of turn or the context
+    sent, stream, include_usage, renames = generation.common(body, 1 << 20)  # until end of turn or the context
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -75,7 +75,7 @@ def parse(body: Any) -> Generation:
             if role == "tool" and m.get(key) is not None:
                 msg[key] = m[key]
         out.append(msg)
-    return Generation([out], sent, stream, include_usage, model_name(body))  # type: ignore[list-item]
+    return Generation([out], sent, stream, include_usage, model_name(body), renames=renames)  # type: ignore[list-item]
 
 
 async def handle(s: Serving, call: Call) -> Response:

@@ -27,7 +27,7 @@ def _logprobs(body: Any) -> Any:
 
 def parse(body: Any) -> Generation:
     body = _logprobs(body)
-    sent, stream, include_usage = generation.common(body, 16)
+    sent, stream, include_usage, renames = generation.common(body, 16)
     p = body.get("prompt")
     prompts: list[Prompt]
     if isinstance(p, str):
@@ -44,7 +44,7 @@ def parse(body: Any) -> Generation:
                             "or a list of lists of token ids (none of them empty)")
     if any(isinstance(x, list) and any(isinstance(t, int) and t < 0 for t in x) for x in prompts):
         raise bad("prompt", "token ids must be >= 0")
-    return Generation(prompts, sent, stream, include_usage, model_name(body))
+    return Generation(prompts, sent, stream, include_usage, model_name(body), renames=renames)
 
 
 async def handle(s: Serving, call: Call) -> Response:

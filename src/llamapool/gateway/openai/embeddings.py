@@ -51,8 +51,23 @@ def body(req: EmbeddingsRequest, model: str, vectors: list[list[float]], raw: li
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
+def default_model(s: Serving) -> str | None:
+    """The model of a request that names none: the pool's first embedding model (not its first model, a
+    generation model in most pools); a pool without one is a 400 naming ``model``."""
+    if not s.spec.models:  # a spec without the pool's models: the router's default
+        return None
+    name = s.spec.embedding_model()
+    if name is None:
+        known = ", ".join(m["name"] for m in s.spec.models)
+        raise bad("model", f"the pool has no embedding model (its models: {known}); embeddings need a model "
+                           f"with embedding = true in its [[models]] table")
+    return name
+
+
 async def handle(s: Serving, call: Call) -> Response:
     req = parse(await s.body(call))
+    if req.model is None:
+        req.model = default_model(s)
     try:
         vecs = await unless_gone(call.request, s.client.embed(req.inputs, timeout=s.spec.request_timeout,
                                                               model=req.model))

@@ -82,11 +82,31 @@ def include_usage(body: dict[str, Any]) -> bool:
     return bool(v)
 
 
-def common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool]:
-    """A chat or completions body's parameters, ``stream`` and ``stream_options.include_usage``."""
+# llama-server's {"type": "json_object", "schema": {...}}: OpenAI's json_schema under another name
+JSON_OBJECT_SCHEMA = {"response_format.json_schema.schema": "response_format.schema"}
+
+
+def json_object_schema(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body with llama-server's ``json_object`` + ``schema`` as the ``json_schema`` it means, and the
+    renames that make errors name ``response_format.schema``."""
+    rf = body.get("response_format")
+    if not isinstance(rf, dict) or rf.get("type") != "json_object" or rf.get("schema") is None:
+        return body, {}
+    return {**body, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "json_object", "schema": rf["schema"]}}}, JSON_OBJECT_SCHEMA
+
+
+def common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool, dict[str, str]]:
+    """A chat or completions body's parameters, ``stream``, ``stream_options.include_usage``, and the
+    renames of parameters the body gave under other names."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    return sampling(body, default_max_tokens), stream_flag(body), include_usage(body)
+    body, renames = json_object_schema(body)
+    try:
+        sent = sampling(body, default_max_tokens)
+    except ApiError as e:
+        raise Generation([], {}, False, renames=renames).renamed(e) from None
+    return sent, stream_flag(body), include_usage(body), renames
 
 
 async def serve(s: Serving, call: Call, req: Generation, chat: bool) -> Response:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llamapool import __version__
 from llamapool.client.types import Completion
 from llamapool.gateway.errors import ApiError
 from llamapool.gateway.parsing import Generation
+
+# OpenAI's system_fingerprint names the backend configuration that served a reply: here, llamapool's version
+SYSTEM_FINGERPRINT = f"fp_llamapool_{__version__}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -60,10 +64,10 @@ def totals(done: list[Completion], n: int) -> tuple[int, int, int]:
 
 def completion_body(req: Generation, model: str, done: list[Completion], pt: int, ct: int,
                     cached: int = 0) -> dict[str, Any]:
+    choices = [{"text": c.text, "index": i, "logprobs": completion_logprobs(c.logprobs),
+                "finish_reason": finish(c.finish_reason)} for i, c in enumerate(done)]
     return {"id": f"cmpl-{req.id}", "object": "text_completion", "created": req.created, "model": model,
-            "choices": [{"text": c.text, "index": i, "logprobs": completion_logprobs(c.logprobs),
-                         "finish_reason": finish(c.finish_reason)} for i, c in enumerate(done)],
-            "usage": usage(pt, ct, cached)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": usage(pt, ct, cached)}
 
 
 def chat_body(req: Generation, model: str, done: list[Completion], pt: int, ct: int,
@@ -77,7 +81,7 @@ def chat_body(req: Generation, model: str, done: list[Completion], pt: int, ct: 
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(c.logprobs),
                         "finish_reason": finish(c.finish_reason)})
     return {"id": f"chatcmpl-{req.id}", "object": "chat.completion", "created": req.created, "model": model,
-            "choices": choices, "usage": usage(pt, ct, cached)}
+            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": usage(pt, ct, cached)}
 
 
 class ChunkWriter:
@@ -90,7 +94,7 @@ class ChunkWriter:
         obj = "chat.completion.chunk" if chat else "text_completion"
         ident = f"chatcmpl-{req.id}" if chat else f"cmpl-{req.id}"
         self._head = (f'data: {{"id":"{ident}","object":"{obj}","created":{req.created},'
-                      f'"model":{json.dumps(model)},"choices":[')
+                      f'"model":{json.dumps(model)},"system_fingerprint":"{SYSTEM_FINGERPRINT}","choices":[')
 
     def first(self, index: int) -> bytes:
         """Chat streams open with the assistant role."""
