@@ -130,13 +130,17 @@ def test_pod_gauges_on_the_gateway_are_pod_level_gauges_under_both_names(start_d
     d: Daemon = start_daemon(workers={"cpu_workers": 2, "slots": 2}, http={"listen": f"127.0.0.1:{port}"},
                              metrics={"listen": "", "vllm_compatible_names": True}, model={"ctx_per_slot": 2048})
     assert "metrics: http://" not in d.log_text()  # listen = "": no listener of its own
-    idle = families(httpx.get(url + "/metrics").text)
+    blocks = str(2 * 2 * 2048 // BLOCK_SIZE)  # both workers' cells (the snapshot may predate the second)
+    end = time.monotonic() + 5
+    while (idle := families(httpx.get(url + "/metrics").text))["vllm:cache_config_info"].samples[0].labels[
+            "num_gpu_blocks"] != blocks and time.monotonic() < end:
+        time.sleep(0.02)
     for prefix in ("llamapool", "vllm"):
         for name in POD_GAUGES:
             fam = idle[f"{prefix}:{name}"]
             assert fam.type == "gauge" and len(fam.samples) == 1 and fam.documentation, fam
     assert idle["llamapool:num_requests_running"].samples[0].value == 0
-    assert idle["vllm:cache_config_info"].samples[0].labels["num_gpu_blocks"] == str(2 * 2 * 2048 // BLOCK_SIZE)
+    assert idle["vllm:cache_config_info"].samples[0].labels["num_gpu_blocks"] == blocks
     assert "llamapool_generated_tokens_total" in httpx.get(url + "/metrics").text  # the router's too
 
     with d.client() as c:

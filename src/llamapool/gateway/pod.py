@@ -109,6 +109,8 @@ class PodView:
     async def ready(self, request: Request) -> Response:
         """Readiness: 200 only with ``min_ready_workers`` workers serving and no drain under way."""
         g, silent, need = self.snap.gauges, self._silence(), self.spec.min_ready_workers
+        if g is None and silent <= STALE_AFTER:  # the gateway has just started
+            return JSONResponse({"status": "loading", "error": "no answer from the router yet"}, status_code=503)
         if g is None or silent > STALE_AFTER:
             why = f"the router has not answered for {silent:.1f}s ({self.snap.error or 'no answer yet'})"
             return JSONResponse({"status": "unavailable", "error": why}, status_code=503)
