@@ -107,7 +107,7 @@ def test_an_hf_model_gets_the_token_secret_and_the_hub_cache(tools: Path) -> Non
     assert volumes["hf-cache"]["persistentVolumeClaim"] == {"claimName": "hub-cache"} and "model" not in volumes
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])  # the CPU values: no GPU
     config = tomllib.loads(of_kind(objs, "ConfigMap")[0]["data"]["llamapool.toml"])
-    assert config["model"]["path"] == "hf:unsloth/gemma-3-270m-it-GGUF:Q4_K_M"
+    assert config["model"]["path"] == "hf:unsloth/gemma-3-1b-it-GGUF:Q4_K_M"
     assert config["workers"]["devices"] == "cpu"
 
 
