@@ -179,6 +179,20 @@ def test_responses_stream_with_the_client(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(final.output_text), CITY)
 
 
+def test_responses_parse_gives_the_pydantic_model(client: openai.OpenAI) -> None:
+    """``responses.parse(text_format=Model)`` (what the Agents SDK's ``output_type`` sends): a strict
+    json_schema format, the reply parsed into the model."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Capital(pydantic.BaseModel):
+        city: str
+        country: str
+
+    r = client.responses.parse(model=model(client), input="What is the capital of Italy?", text_format=Capital,
+                               max_output_tokens=60, temperature=0)
+    assert r.status == "completed" and isinstance(r.output_parsed, Capital)
+
+
 def test_a_forced_call_then_its_output_is_the_chat_with_tool_messages(client: openai.OpenAI) -> None:
     m = model(client)
     ask = "What is the weather in Paris?"
