@@ -162,15 +162,17 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
-def launch(folder: Path, model_file: str, env: dict[str, str] | None = None, **sections: Any) -> Daemon:
-    """``llamapool serve`` as a subprocess, with its config, runtime dir and log in ``folder``."""
+def launch(folder: Path, model_file: str, env: dict[str, str] | None = None,
+           preexec: Callable[[], None] | None = None, **sections: Any) -> Daemon:
+    """``llamapool serve`` as a subprocess, with its config, runtime dir and log in ``folder``
+    (``preexec`` runs in the child before the exec, e.g. to set resource limits)."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = write_config(folder / "llamapool.toml", model_file, folder / "run", **sections)
     log = folder / "daemon.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
-                                stdout=fh, stderr=subprocess.STDOUT, env=full_env)
+                                stdout=fh, stderr=subprocess.STDOUT, env=full_env, preexec_fn=preexec)
     return Daemon(proc, cfg, f"ipc://{folder / 'run' / 'frontend.sock'}", log)
 
 

@@ -121,6 +121,12 @@ class HttpConfig:
     # cross-site protection (gateway/origins.py, docs/security.md)
     allowed_hosts: tuple[str, ...] = ()  # Host names besides localhost and the listen address; ["*"]: any
     cors_origins: tuple[str, ...] = ()  # web origins allowed to call the API (CORS); others' requests: 403
+    # connection hygiene (gateway/connections.py, docs/security.md)
+    idle_timeout: float = 30.0  # seconds a connection may hold no request (before its first, between two)
+    read_timeout: float = 30.0  # seconds a request's head and body may take to arrive, from its first byte
+    max_connections: int = 0  # per gateway process; 0: the fd limit less 64, at most 4096. Past it the oldest idle goes
+    send_timeout: float = 30.0  # seconds a client may read nothing of its reply; then it is cut, its request cancelled
+    send_buffer_bytes: int = 256 * 1024  # a reply's unread bytes held for a client; past it: cut, request cancelled
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -231,7 +237,8 @@ _POSITIVE = {
     "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
-    "workers.flap_limit", "http.processes", "http.request_timeout",
+    "workers.flap_limit", "http.processes", "http.request_timeout", "http.idle_timeout", "http.read_timeout",
+    "http.send_timeout", "http.send_buffer_bytes",
 }
 
 
@@ -306,7 +313,7 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
     if rule in _POSITIVE and value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value!r}")
     if rule in ("workers.threads", "model.threads", "server.affinity_slack", "model.max_batch_tokens",
-                "model.prefill_cublas_min_rows") and value < 0:
+                "model.prefill_cublas_min_rows", "http.max_connections") and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
 

@@ -31,6 +31,12 @@ class GatewaySpec:
     max_message_bytes: int = 4 * 1024 * 1024
     allowed_hosts: list[str] = field(default_factory=list)  # [http] allowed_hosts (gateway/origins.py)
     cors_origins: list[str] = field(default_factory=list)  # [http] cors_origins
+    # [http] connection limits (gateway/connections.py)
+    idle_timeout: float = 30.0
+    read_timeout: float = 30.0
+    max_connections: int = 0
+    send_timeout: float = 30.0
+    send_buffer_bytes: int = 256 * 1024
     min_ready_workers: int = 1  # /ready is 200 with this many workers serving (gateway/pod.py)
     vllm_metric_names: bool = False  # /metrics also names the pod's gauges as vLLM does ([metrics])
     # the pool's models as configured: {"name", "path", "embedding", "ctx_per_slot", "chat_template"} each

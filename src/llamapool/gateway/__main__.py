@@ -33,9 +33,15 @@ async def serve(spec: GatewaySpec) -> int:
 
     from llamapool.client.aio import AsyncClient
     from llamapool.gateway.app import Gateway
+    from llamapool.gateway.connections import ConnectionLimits, Tracker, protocol_class, raise_fd_limit
     from llamapool.log import Logger
 
     log = Logger(spec.name, prefix=f"llamapool gateway {spec.name}")
+    fd_limit = raise_fd_limit()
+    limits, warning = ConnectionLimits(spec.idle_timeout, spec.read_timeout, spec.max_connections,
+                                       spec.send_timeout, spec.send_buffer_bytes).resolved(fd_limit)
+    if warning:
+        log.warning(warning)
     try:
         sock = listen(spec.host, spec.port)
     except OSError as e:
@@ -49,11 +55,14 @@ async def serve(spec: GatewaySpec) -> int:
                            client_key=spec.key_file if curve else None) as client:
         gateway = Gateway(spec, client)
         gateway.pod.start()  # the probes' and /metrics' snapshot of the router (gateway/pod.py)
-        config = uvicorn.Config(gateway.app(), loop="none", http="httptools", lifespan="off",
-                                access_log=False, log_level="warning", timeout_keep_alive=30,
+        http = protocol_class(Tracker(limits, log.warning))  # uvicorn's httptools protocol, guarded
+        config = uvicorn.Config(gateway.app(), loop="none", http=http, lifespan="off",
+                                access_log=False, log_level="warning",
+                                timeout_keep_alive=max(1, round(spec.idle_timeout)),
                                 timeout_graceful_shutdown=max(1, round(spec.drain_timeout)))
         server = uvicorn.Server(config)
-        log.info(f"listening on http://{spec.host}:{spec.port}")
+        log.info(f"listening on http://{spec.host}:{spec.port} (at most {limits.max_connections} connections; "
+                 f"fd limit {fd_limit})")
         lifeline.report("listening")
         watch = asyncio.create_task(_exit_with_supervisor(spec.name))
         try:

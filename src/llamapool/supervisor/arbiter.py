@@ -260,6 +260,9 @@ class Supervisor:
                               models=[{"name": m.name, "path": m.path, "embedding": m.embedding,
                                        "ctx_per_slot": m.ctx_per_slot, "chat_template": m.chat_template}
                                       for m in self.cfg.models],
+                              idle_timeout=http.idle_timeout, read_timeout=http.read_timeout,
+                              max_connections=http.max_connections, send_timeout=http.send_timeout,
+                              send_buffer_bytes=http.send_buffer_bytes,
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
                       {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})

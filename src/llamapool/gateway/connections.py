@@ -1,0 +1,373 @@
+"""Connection hygiene for the gateway's HTTP server: timeouts, a cap on open connections, and
+clients that stop reading.
+
+uvicorn's httptools protocol closes a keep-alive connection after ``timeout_keep_alive``, but never
+one that sends nothing or stops half-way through a request (slowloris), has no cap below the fd
+limit (past it, accept() fails and every new client is locked out), and its ``send`` waits for a
+client that does not read for ever, while that stream's replies pile up in the gateway. This module
+subclasses that protocol (uvicorn takes the class as ``Config(http=...)``) and adds:
+
+- ``idle_timeout``: a connection with no request in progress (before its first, between two) is closed;
+- ``read_timeout``: a request's head and body must arrive within it from its first byte (else 408
+  and close, or a disconnect when the body is late);
+- ``max_connections``: past it, a new connection closes the oldest idle one (no request in
+  progress, or one still arriving); when every one has a request in progress, the new one gets 503;
+- ``send_buffer_bytes``: each connection's kernel send buffer is fixed at this size (rather than
+  autotuned up to 4 MiB), and the gateway holds at most as much again for a client: the app's writes
+  are not held back meanwhile (so a stream's replies never queue up in the gateway), and past it
+  the client is disconnected, which cancels its request on the worker;
+- ``send_timeout``: a client that has taken none of its waiting reply for this long (TCP_INFO's
+  bytes acked) is disconnected too.
+
+Sheds, refusals and disconnects are logged, at most one line per reason every 10 s (with the count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import resource
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+RESERVED_FDS = 64  # for the router connection, the listening socket, stdio, uvloop's own
+AUTO_MAX_CONNECTIONS = 4096  # per gateway process when the fd limit allows more
+LOG_QUIET = 10.0  # seconds between two lines of one kind
+TCPI_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info (since 4.1)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The ``[http]`` settings this module enforces (docs/security.md)."""
+
+    idle_timeout: float = 30.0
+    read_timeout: float = 30.0
+    max_connections: int = 0  # 0: the fd limit less RESERVED_FDS, at most AUTO_MAX_CONNECTIONS
+    send_timeout: float = 30.0
+    send_buffer_bytes: int = 256 * 1024
+
+    def resolved(self, fd_limit: int) -> tuple[ConnectionLimits, str]:
+        """These limits with ``max_connections`` fitted under ``fd_limit``, and a warning ("" if none)."""
+        room = max(1, fd_limit - RESERVED_FDS)
+        if not self.max_connections:
+            n, warning = min(room, AUTO_MAX_CONNECTIONS), ""
+        elif self.max_connections > room:
+            n, warning = room, (f"http.max_connections = {self.max_connections} does not fit the fd limit "
+                                f"({fd_limit}, {RESERVED_FDS} kept for the gateway itself): using {room}")
+        else:
+            n, warning = self.max_connections, ""
+        return ConnectionLimits(self.idle_timeout, self.read_timeout, n, self.send_timeout,
+                                self.send_buffer_bytes), warning
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no request in progress (before the first, between two)
+    READING = "reading"  # a request's first byte has come, not all of it yet
+    ACTIVE = "active"  # a request read whole, its response not finished
+
+
+class Notes:
+    """Rate-limited log lines: the first of a kind at once, then one every ``LOG_QUIET`` seconds
+    saying how many more there were."""
+
+    def __init__(self, warn: Callable[[str], None]):
+        self.warn = warn
+        self.quiet: dict[str, int] = {}  # kind -> events since its last line, while its quiet period runs
+
+    def note(self, kind: str, line: str, summary: Callable[[int], str]) -> None:
+        if kind in self.quiet:
+            self.quiet[kind] += 1
+            return
+        self.warn(line)
+        self.quiet[kind] = 0
+        asyncio.get_running_loop().call_later(LOG_QUIET, self._flush, kind, summary)
+
+    def _flush(self, kind: str, summary: Callable[[int], str]) -> None:
+        n = self.quiet.pop(kind, 0)
+        if n:
+            self.warn(summary(n))
+
+
+class Tracker:
+    """This process's open connections; the idle ones (and those whose request is still arriving)
+    in the order they became so, oldest first."""
+
+    def __init__(self, limits: ConnectionLimits, warn: Callable[[str], None]):
+        self.limits = limits
+        self.notes = Notes(warn)
+        self.open: set[GuardedProtocol] = set()
+        self.idle: dict[GuardedProtocol, None] = {}  # insertion-ordered
+        self.shed = self.refused = 0  # totals, for tests and status
+
+    def admit(self, conn: GuardedProtocol) -> bool:
+        """A new connection, idle; False: refused (503), every other one has a request in progress."""
+        self.open.add(conn)
+        self.idle[conn] = None
+        cap = self.limits.max_connections
+        while len(self.open) > cap:
+            victim = next(iter(self.idle))
+            if victim is conn:
+                self.forget(conn)
+                self.refused += 1
+                self.notes.note("refused", f"refused a connection from {conn.peer}: {cap} connections open, each "
+                                f"with a request in progress (http.max_connections)",
+                                lambda n: f"refused {n} more connections in the last {LOG_QUIET:.0f} s: "
+                                          f"{cap} busy connections open (http.max_connections)")
+                conn.refuse()
+                return False
+            self.shed += 1
+            self.notes.note("shed", f"{cap} connections open (http.max_connections): closed the oldest idle one, "
+                            f"from {victim.peer}, {victim.phase.value} for {victim.age():.1f} s",
+                            lambda n: f"closed {n} more idle connections in the last {LOG_QUIET:.0f} s to stay "
+                                      f"within http.max_connections = {cap}")
+            victim.drop()
+        return True
+
+    def forget(self, conn: GuardedProtocol) -> None:
+        self.open.discard(conn)
+        self.idle.pop(conn, None)
+
+    def phase(self, conn: GuardedProtocol, old: Phase, new: Phase) -> None:
+        if new is Phase.ACTIVE:
+            self.idle.pop(conn, None)
+        elif new is Phase.IDLE or old is Phase.ACTIVE:  # a new idle period: to the back of the line
+            self.idle.pop(conn, None)
+            if conn in self.open:
+                self.idle[conn] = None
+
+    def counts(self) -> dict[str, int]:
+        phases = [c.phase for c in self.open]
+        return {"open": len(self.open), **{p.value: phases.count(p) for p in Phase},
+                "shed": self.shed, "refused": self.refused}
+
+
+class BoundedFlow(FlowControl):
+    """uvicorn's flow control, except that the app's writes are not held back while the client's
+    unread bytes stay within ``limit`` (a stream's replies then wait here as bytes, never as
+    replies queued in the gateway); past it ``overflow`` is called once and writes stop for good.
+
+    uvicorn's response cycle reads ``write_paused`` before each write, and then awaits ``drain``."""
+
+    def __init__(self, transport: asyncio.Transport, limit: int, overflow: Callable[[], None]):
+        self.behind = False  # the transport's buffer is over its high-water mark
+        self.cut = False
+        self.limit, self.overflow = limit, overflow
+        super().__init__(transport)
+
+    @property  # type: ignore[override]
+    def write_paused(self) -> bool:
+        if not self.cut and self.behind and self._transport.get_write_buffer_size() > self.limit:
+            self.cut = True
+            self._is_writable_event.clear()  # drain() waits for release()
+            self.overflow()
+        return self.cut
+
+    @write_paused.setter
+    def write_paused(self, value: bool) -> None:  # FlowControl.__init__
+        pass
+
+    def pause_writing(self) -> None:
+        self.behind = True
+
+    def resume_writing(self) -> None:  # by the transport; uvicorn's connection_lost() too
+        self.behind = False
+
+    def release(self) -> None:
+        """The connection is gone: a write waiting in drain() goes on (and finds it gone)."""
+        self._is_writable_event.set()
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol under this process's :class:`Tracker` (see :func:`protocol_class`)."""
+
+    tracker: ClassVar[Tracker]
+    phase: Phase = Phase.IDLE
+    peer = "?"
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limits = self.tracker.limits
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a fixed kernel buffer: past it, unread bytes show in the transport's
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
+        high = min(64 * 1024, limits.send_buffer_bytes // 4)  # then send_timeout runs
+        transport.set_write_buffer_limits(high=high, low=high // 4)
+        self.flow = BoundedFlow(transport, limits.send_buffer_bytes, self._overflow)
+        self.peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+        self.phase, self.begun, self.responded = Phase.IDLE, 0, 0
+        self.reading = self.head_done = False
+        self.since = self.loop.time()
+        self.timer: asyncio.TimerHandle | None = None
+        self.stall: asyncio.TimerHandle | None = None
+        self.acked: int | None = None  # the client's bytes taken when the stall timer was armed
+        self.what = ""  # the request being answered, for the log
+        if self.tracker.admit(self):
+            self._arm(limits.idle_timeout, self._idle_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for handle in (self.timer, self.stall):
+            if handle is not None:
+                handle.cancel()
+        self.tracker.forget(self)
+        super().connection_lost(exc)  # marks the request's cycle disconnected
+        if isinstance(self.flow, BoundedFlow):
+            self.flow.release()
+
+    def age(self) -> float:
+        return self.loop.time() - self.since
+
+    # ---------------------------------------------------------------- phases
+
+    def _update(self) -> None:
+        answering = self.begun - self.responded - self.reading  # requests read whole, not yet answered
+        new = Phase.ACTIVE if answering > 0 else Phase.READING if self.reading else Phase.IDLE
+        if new is self.phase:
+            return
+        old, self.phase, self.since = self.phase, new, self.loop.time()
+        self.tracker.phase(self, old, new)
+        limits = self.tracker.limits
+        if new is Phase.IDLE:
+            self._arm(limits.idle_timeout, self._idle_expired)
+        elif new is Phase.READING:
+            self._arm(limits.read_timeout, self._read_expired)
+        else:
+            self._arm(None, None)
+
+    def _arm(self, delay: float | None, then: Callable[[], None] | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = None if delay is None or then is None else self.loop.call_later(delay, then)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.reading, self.head_done = True, False
+        self.begun += 1
+        self._update()
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        super().on_headers_complete()
+        self.what = f"{self.scope.get('method', '?')} {self.scope.get('path', '?')}"
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.reading = False
+        self._update()
+
+    def on_response_complete(self) -> None:
+        self.responded += 1
+        super().on_response_complete()
+        self._update()
+
+    # ---------------------------------------------------------------- closing
+
+    def _idle_expired(self) -> None:
+        self.transport.close()
+
+    def _read_expired(self) -> None:
+        limits, notes = self.tracker.limits, self.tracker.notes
+        notes.note("read_timeout", f"closed a connection from {self.peer}: its request did not arrive within "
+                   f"{limits.read_timeout:g} s of its first byte (http.read_timeout)",
+                   lambda n: f"closed {n} more connections in the last {LOG_QUIET:.0f} s whose request did not "
+                             f"arrive within {limits.read_timeout:g} s (http.read_timeout)")
+        if not self.head_done:
+            self._answer(408, "Request Timeout", f"the request did not arrive within {limits.read_timeout:g} s "
+                         "(http.read_timeout)", "request_timeout")
+        else:  # the app reads the body: it sees the client go
+            self.transport.abort()
+
+    def _answer(self, status: int, reason: str, message: str, code: str, extra: str = "") -> None:
+        """A JSON error in OpenAI's shape, then close (only while no response has started)."""
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": code}}).encode()
+        head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                f"connection: close\r\n{extra}\r\n").encode()
+        if not self.transport.is_closing():
+            self.transport.write(head + body)
+            self.transport.close()
+
+    def refuse(self) -> None:
+        self._answer(503, "Service Unavailable", "too many connections, each with a request in progress "
+                     "(http.max_connections): try again", "too_many_connections", "retry-after: 1\r\n")
+
+    def drop(self) -> None:
+        """Shed: close at once (nothing is owed to an idle connection)."""
+        self.tracker.forget(self)
+        self.transport.abort()
+
+    def pause_writing(self) -> None:
+        """The client's unread bytes passed the high-water mark: it has ``send_timeout`` to read some."""
+        super().pause_writing()
+        if self.stall is None:
+            self.acked = self._acked()
+            self.stall = self.loop.call_later(self.tracker.limits.send_timeout, self._stalled)
+
+    def _acked(self) -> int | None:
+        """The bytes the client's side has taken (TCP_INFO's tcpi_bytes_acked), None where unknown."""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return int(struct.unpack_from("Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128),
+                                          TCPI_BYTES_ACKED)[0])
+        except (AttributeError, OSError, struct.error):
+            return None
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.stall is not None:
+            self.stall.cancel()
+            self.stall = None
+
+    def _stalled(self) -> None:
+        t = self.tracker.limits.send_timeout
+        acked = self._acked()
+        if acked is not None and self.acked is not None and acked > self.acked:  # slow, but reading
+            self.acked = acked
+            self.stall = self.loop.call_later(t, self._stalled)
+            return
+        self.stall = None
+        self._disconnect("send_timeout", f"it read nothing for {t:g} s while {self._waiting()} waited "
+                         "(http.send_timeout)",
+                         lambda n: f"disconnected {n} more clients in the last {LOG_QUIET:.0f} s that read nothing "
+                                   f"for {t:g} s (http.send_timeout)")
+
+    def _overflow(self) -> None:
+        limit = self.tracker.limits.send_buffer_bytes
+        self._disconnect("send_buffer", f"{self._waiting()} of its reply waited unread, over http.send_buffer_bytes "
+                         f"= {limit}", lambda n: f"disconnected {n} more clients in the last {LOG_QUIET:.0f} s "
+                                                 f"whose unread reply passed http.send_buffer_bytes = {limit}")
+
+    def _waiting(self) -> str:
+        return f"{self.transport.get_write_buffer_size() / 1024:.0f} KiB"
+
+    def _disconnect(self, kind: str, why: str, summary: Callable[[int], str]) -> None:
+        """Cut a client that does not read: the app sees it go (and cancels its request)."""
+        self.tracker.notes.note(kind, f"disconnected {self.peer} ({self.what or 'no request'}): {why}; its "
+                                "request is cancelled", summary)
+        self.transport.abort()
+
+
+def protocol_class(tracker: Tracker) -> type[GuardedProtocol]:
+    """The protocol class to give uvicorn (``Config(http=...)``), bound to this process's tracker."""
+    attrs: dict[str, Any] = {"tracker": tracker}
+    return type("GuardedProtocol", (GuardedProtocol,), attrs)
