@@ -36,6 +36,13 @@ def slow_load_env(folder: Path, seconds: float) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)}
 
 
+def wait_ready(url: str) -> None:
+    end = time.monotonic() + 30
+    while (r := get(url + "/ready")) is None or r.status_code != 200:
+        assert time.monotonic() < end, r.text if r is not None else "no answer"
+        time.sleep(0.02)
+
+
 def families(text: str) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
@@ -130,6 +137,7 @@ def test_pod_gauges_on_the_gateway_are_pod_level_gauges_under_both_names(start_d
     d: Daemon = start_daemon(workers={"cpu_workers": 2, "slots": 2}, http={"listen": f"127.0.0.1:{port}"},
                              metrics={"listen": "", "vllm_compatible_names": True}, model={"ctx_per_slot": 2048})
     assert "metrics: http://" not in d.log_text()  # listen = "": no listener of its own
+    wait_ready(url)
     blocks = str(2 * 2 * 2048 // BLOCK_SIZE)  # both workers' cells (the snapshot may predate the second)
     end = time.monotonic() + 5
     while (idle := families(httpx.get(url + "/metrics").text))["vllm:cache_config_info"].samples[0].labels[
@@ -156,3 +164,35 @@ def test_pod_gauges_on_the_gateway_are_pod_level_gauges_under_both_names(start_d
         for s in streams:
             s.close()
     assert busy == {"num_requests_waiting": 2, "num_requests_running": 4, "kv_cache_usage_perc": 1.0}, busy
+
+
+def test_a_scrape_during_a_worker_restart_is_a_full_exposition(start_daemon: Any) -> None:
+    """kill -9 one of two workers and scrape every 20 ms until it is back: every scrape is a 200
+    that parses whole, with the router's figures and each pod gauge (one series); the gauges follow
+    the restart (the lost worker's slots leave the cache info, then come back)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    d: Daemon = start_daemon(workers={"cpu_workers": 2, "slots": 2}, http={"listen": f"127.0.0.1:{port}"})
+    wait_ready(url)
+    victim = d.status()["workers"][0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    blocks: set[str] = set()
+    rows: list[dict[str, Any]] = []
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        r = httpx.get(url + "/metrics", timeout=5)
+        assert r.status_code == 200, r.text
+        fams = families(r.text)  # the parser raises on a partial or malformed exposition
+        assert "llamapool_worker_restarts" in fams and "llamapool_generated_tokens" in fams
+        for name in POD_GAUGES:
+            assert len(fams[f"llamapool:{name}"].samples) == 1, name
+        blocks.add(fams["llamapool:cache_config_info"].samples[0].labels["num_gpu_blocks"])
+        rows = d.status()["workers"]
+        back = all(w["state"] == "ready" for w in rows) and victim["pid"] not in {w.get("pid") for w in rows}
+        if back and len(blocks) > 1:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"the worker did not come back, or the gauges never saw it go: {blocks} {rows}\n"
+                             f"{d.log_text()}")
+    assert blocks >= {str(2 * 512 // BLOCK_SIZE), str(2 * 2 * 512 // BLOCK_SIZE)}, blocks
