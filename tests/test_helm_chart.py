@@ -71,6 +71,7 @@ def test_each_values_file_lints_and_renders_valid_objects(tools: Path, values: s
     for pool in pools:
         assert pool["apiVersion"] == f"{POOL_SCHEMA['group']}/{POOL_SCHEMA['version']}"
         jsonschema.validate(pool, POOL_SCHEMA["openAPIV3Schema"])
+        assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9002}  # required by GIE v1.5.0's CRD
         assert pool["spec"]["selector"]["matchLabels"].items() <= \
             of_kind(objs, "Deployment")[0]["spec"]["template"]["metadata"]["labels"].items()
         assert pool["spec"]["targetPorts"] == [{"number": 8000}]
