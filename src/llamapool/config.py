@@ -74,6 +74,7 @@ class ModelConfig:
     tensor_split: list[float] = field(default_factory=list)  # per GPU of a group; [] -> llama.cpp's split
     embedding: bool = False  # an embedding model: its workers answer /v1/embeddings (and embed), not generation
     pooling: str = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
+    grammar_cache_mb: int = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
 
     @property
     def groups(self) -> list[list[Device]] | None:
@@ -313,7 +314,8 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
     if rule in _POSITIVE and value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value!r}")
     if rule in ("workers.threads", "model.threads", "server.affinity_slack", "model.max_batch_tokens",
-                "model.prefill_cublas_min_rows", "http.max_connections") and value < 0:
+                "model.prefill_cublas_min_rows", "http.max_connections", "model.grammar_cache_mb") \
+            and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
 

@@ -13,6 +13,7 @@ with the same message wherever it arrives.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,7 +96,18 @@ def _text(name: str, v: Any) -> str:
 def _object(name: str, v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise ParamError(name, f"'{name}' must be an object (a JSON schema), got {type(v).__name__}")
+    _within(name, v)
     return v
+
+
+def _within(name: str, v: Any) -> None:
+    """A schema (or tool list) of at most ``MAX_GRAMMAR_CHARS`` characters as JSON: its grammar's size."""
+    try:
+        size = len(json.dumps(v, separators=(",", ":")))
+    except (TypeError, ValueError) as e:
+        raise ParamError(name, f"'{name}' is not JSON: {e}") from None
+    if size > MAX_GRAMMAR_CHARS:
+        raise ParamError(name, f"'{name}' has {size} characters as JSON; the limit is {MAX_GRAMMAR_CHARS}")
 
 
 def check_response_format(name: str, v: Any) -> dict[str, Any]:
@@ -148,6 +160,7 @@ def check_tools(name: str, v: Any) -> list[dict[str, Any]]:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         _object(f"{at}.function.parameters", params)
         out.append({"type": "function", "function": {"name": fname, "description": desc, "parameters": params}})
+    _within(name, out)
     return out
 
 
@@ -261,10 +274,11 @@ def parse(raw: dict[str, Any], *, known_names: str = "") -> SamplingParams:
 
 
 def consistent(p: SamplingParams) -> None:
-    """Checks across parameters: one constraint at a time; a tool choice names a given tool."""
+    """Checks across parameters: one constraint at a time (tools go with a response format: a reply is a
+    call or an answer in the format); a tool choice names a given tool."""
     given = [k for k in CONSTRAINTS if getattr(p, k) is not None
              and not (k == "response_format" and p.response_format == {"type": "text"})]
-    if p.tools and p.tool_choice != "none":
+    if p.tools and p.tool_choice != "none" and not set(given) & {"response_format", "json_schema"}:
         given.append("tools")
     if len(given) > 1:
         raise ParamError(given[1], f"'{given[0]}' and '{given[1]}' both constrain the output; give one of them")

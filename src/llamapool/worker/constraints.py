@@ -1,7 +1,11 @@
 """Constrained decoding with llguidance: grammars compiled off the engine thread, masks filled in parallel.
 
-- :class:`Grammars` turns a request's parameters into an llguidance grammar, compiles each distinct
-  grammar once (a cache of compiled matchers; a sequence gets a copy) on a small thread pool, and
+- :func:`spec_of` turns a request's parameters into an llguidance grammar: a JSON schema bounded first
+  (:mod:`~llamapool.worker.schemas`), a GBNF/Lark grammar, a regex, or the tool calls of the chat
+  template's format (with a ``response_format`` too: a call or an answer in the format).
+- :class:`Grammars` compiles each distinct grammar once on a small thread pool, keeps the compiled
+  matchers in a cache bounded in bytes (``model.grammar_cache_mb``; a sequence gets a copy), finds
+  how many tokens the shortest reply of each grammar takes (:mod:`~llamapool.worker.closing`), and
   reports a grammar that does not compile as a :class:`~llamapool.protocol.params.ParamError`.
 - :class:`Masks` fills the next-token bitmask of every constrained sequence with llguidance's parallel
   executor on a background thread (it releases the GIL), while the GPU runs the step: the next mask
@@ -12,6 +16,7 @@ The tokenizer comes straight from llama.cpp's vocabulary (``llguidance.llamacpp`
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -22,9 +27,29 @@ from typing import Any
 import numpy as np
 
 from llamapool.protocol.params import ParamError, SamplingParams
+from llamapool.worker.closing import PLAN_LIMIT, WINDOW, Closer, Closing
+from llamapool.worker.schemas import COMPACT, bounded
 from llamapool.worker.tools import ToolFormat
 
-CACHE_SIZE = 64  # compiled grammars kept (the schema of a tool list is sent again and again)
+# What a compiled grammar holds, estimated from its source: llguidance's lexer and parser tables grow
+# with it (measured on Gemma 3's vocabulary: a 1 MB regex of alternatives holds 40 to 110 MB, 100 kB
+# holds 3 to 6 MB; small grammars well under a megabyte).
+COST_BASE = 64 << 10
+COST_PER_CHAR = 48
+
+
+def default_cache_bytes() -> int:
+    """The compiled-grammar cache's default bound: 1/64 of the machine's memory, 64 MiB to 1 GiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return max(64 << 20, min(1 << 30, total // 64))
+
+
+def grammar_cost(grammar: str) -> int:
+    """The bytes a compiled grammar is taken to hold (the cache's unit)."""
+    return COST_BASE + COST_PER_CHAR * len(grammar)
 
 
 @dataclass(frozen=True)
@@ -39,47 +64,69 @@ def spec_of(p: SamplingParams, tool_format: ToolFormat | None) -> Spec | None:
     """The constraint of ``p`` (None: unconstrained). Tool calls use the chat template's format."""
     import llguidance
 
-    rf = p.response_format
-    if rf is not None and rf["type"] == "json_object":
-        return Spec(_json({"type": "object"}, "response_format"), "response_format")
-    if rf is not None and rf["type"] == "json_schema":
-        return Spec(_json(rf["json_schema"]["schema"], "response_format.json_schema.schema"),
-                    "response_format.json_schema.schema")
-    if p.json_schema is not None:
-        return Spec(_json(p.json_schema, "json_schema"), "json_schema")
+    answer = _answer(p)
+    if p.tools and p.tool_choice != "none" and tool_format is not None:
+        schema = None if answer is None else bounded(answer[1])
+        return Spec(tool_format.grammar(p.tools, p.tool_choice or "auto", p.parallel_tool_calls, schema), "tools")
+    if answer is not None:
+        return Spec(_json(answer[1], answer[0]), answer[0])
     if p.grammar is not None:
         try:
             return Spec(llguidance.grammar_from("grammar", p.grammar), "grammar")
         except ValueError as e:
             raise ParamError("grammar", f"'grammar' is not a valid GBNF or Lark grammar: {e}") from None
     if p.regex is not None:
+        if (len(p.regex) - len(p.regex.rstrip("\\"))) % 2:  # llguidance would drop the lone backslash
+            raise ParamError("regex", "'regex' ends with an unfinished escape (a lone '\\'); write '\\\\' "
+                                      "for a backslash")
         return Spec(llguidance.grammar_from("regex", p.regex), "regex")
-    if p.tools and p.tool_choice != "none" and tool_format is not None:
-        return Spec(tool_format.grammar(p.tools, p.tool_choice or "auto", p.parallel_tool_calls), "tools")
+    return None
+
+
+def _answer(p: SamplingParams) -> tuple[str, dict[str, Any]] | None:
+    """The JSON schema a reply's answer follows, and its field (None: no format)."""
+    rf = p.response_format
+    if rf is not None and rf["type"] == "json_object":
+        return "response_format", {"type": "object"}
+    if rf is not None and rf["type"] == "json_schema":
+        return "response_format.json_schema.schema", rf["json_schema"]["schema"]
+    if p.json_schema is not None:
+        return "json_schema", p.json_schema
     return None
 
 
 def _json(schema: dict[str, Any], field: str) -> str:
     import llguidance
 
-    try:  # compact JSON, as OpenAI writes it: no runs of whitespace for a model to wander in
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    try:  # compact JSON, as OpenAI writes it, with bounds where the schema gives none
+        return llguidance.LLMatcher.grammar_from_json_schema(bounded(schema), defaults=COMPACT)
     except ValueError as e:
         raise ParamError(field, f"'{field}' is not a usable JSON schema: {e}") from None
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled grammar: its matcher (shared: each sequence gets a copy), and the tokens its shortest
+    reply takes, as :class:`~llamapool.worker.closing.Closer` finds it (None: not found)."""
+
+    matcher: Any
+    closing: int | None
 
 
 class Grammars:
     """Compiled grammars of one worker: tokenizer, cache and compile pool (any thread may submit)."""
 
-    def __init__(self, vocab: Any, n_vocab: int, eog: frozenset[int]):
+    def __init__(self, vocab: Any, n_vocab: int, eog: frozenset[int], cache_bytes: int = 0):
         self._vocab, self._n_vocab, self._eog = vocab, n_vocab, eog
+        self.cache_bytes = cache_bytes or default_cache_bytes()
         self._tokenizer: Any = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
+        self._cache: OrderedDict[str, Future[Compiled]] = OrderedDict()
+        self._held = 0  # the cache's bytes (grammar_cost of each entry)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
         # built before the worker says it is ready (a second or more for a large vocabulary), so that the
         # first constrained requests do not wait for it
-        self.tokenizer()
+        self.closer = Closer(self.tokenizer(), n_vocab, min(eog) if eog else -1)
 
     def tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built once (about a second for 262k tokens)."""
@@ -93,9 +140,15 @@ class Grammars:
                                                              eos_token=sorted(self._eog) or None)
             return self._tokenizer
 
-    def compile(self, spec: Spec) -> Future[Any]:
-        """A future of a compiled matcher for ``spec`` (shared: copy it per sequence with ``deep_copy``);
-        it raises :class:`ParamError` naming ``spec.field`` when the grammar does not compile."""
+    @property
+    def held(self) -> int:
+        """The bytes the cache's grammars are taken to hold."""
+        return self._held
+
+    def compile(self, spec: Spec) -> Future[Compiled]:
+        """A future of the compiled grammar of ``spec``; it raises :class:`ParamError` naming ``spec.field``
+        when the grammar does not compile. The least recently used grammars leave the cache while it
+        holds more than ``cache_bytes`` (the newest always stays: the request waits on it)."""
         with self._lock:
             fut = self._cache.get(spec.grammar)
             if fut is not None:
@@ -103,19 +156,29 @@ class Grammars:
                 return fut
             fut = self._pool.submit(self._build, spec)
             self._cache[spec.grammar] = fut
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._held += grammar_cost(spec.grammar)
+            while self._held > self.cache_bytes and len(self._cache) > 1:
+                self._drop(next(iter(self._cache)))
             return fut
 
-    def _build(self, spec: Spec) -> Any:
+    def _drop(self, grammar: str) -> None:
+        if self._cache.pop(grammar, None) is not None:
+            self._held -= grammar_cost(grammar)
+
+    def _build(self, spec: Spec) -> Compiled:
         import llguidance
 
         matcher = llguidance.LLMatcher(self.tokenizer(), spec.grammar, log_level=0)
         if matcher.is_error():
             with self._lock:
-                self._cache.pop(spec.grammar, None)
+                self._drop(spec.grammar)
             raise ParamError(spec.field, f"'{spec.field}' cannot be compiled: {matcher.get_error()}")
-        return matcher
+        plan = self.closer.plan(matcher, PLAN_LIMIT)
+        return Compiled(matcher, None if plan is None else len(plan))
+
+    def start(self, compiled: Compiled, budget: int) -> Closing:
+        """A sequence's own copy of ``compiled``, closing within ``budget`` tokens."""
+        return Closing(compiled.matcher.deep_copy(), self.closer, budget, (compiled.closing or 0) + WINDOW)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -29,6 +29,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.params import ParamError, SamplingParams
+from llamapool.worker.closing import Closing
 from llamapool.worker.constraints import Masks
 
 PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
@@ -37,14 +38,19 @@ PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
 @dataclass(eq=False)
 class SeqSampling:
     """One sequence's sampling: its host chain (None: the slot's greedy chain in the graph samples it),
-    whether its chain runs in the graph, and its grammar matcher (None: unconstrained)."""
+    whether its chain runs in the graph, and its grammar (None: unconstrained): the matcher, with the
+    budget it must close within."""
 
     slot: int
     params: SamplingParams
     chain: Any
     in_graph: bool
-    matcher: Any = None
+    closing: Closing | None = None
     masked: bool = False  # its mask for the next token is filled, or being filled
+
+    @property
+    def matcher(self) -> Any:
+        return None if self.closing is None else self.closing.matcher
 
     @property
     def host_greedy(self) -> bool:
@@ -100,7 +106,7 @@ class Sampling:
 
     # ------------------------------------------------------------ a sequence's lifetime
 
-    def admit(self, slot: int, p: SamplingParams, matcher: Any = None) -> SeqSampling:
+    def admit(self, slot: int, p: SamplingParams, closing: Closing | None = None) -> SeqSampling:
         """The sampling of a sequence starting in ``slot`` (llama.cpp may refuse a chain: it raises)."""
         in_graph = self.in_graph(p)
         chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
@@ -111,8 +117,8 @@ class Sampling:
                 if chain is not None:
                     L.llama_sampler_free(chain)
                 raise
-        state = SeqSampling(slot, p, chain, in_graph, matcher)
-        if matcher is not None and self.masks is None:
+        state = SeqSampling(slot, p, chain, in_graph, closing)
+        if closing is not None and self.masks is None:
             self.masks = Masks(self._slots, self.n_vocab)
         self.states[slot] = state
         return state
@@ -227,9 +233,9 @@ class Sampling:
                 logits = self._logits(idx)
                 logits[~self.masks.allowed(s.slot)] = -np.inf
                 tok = int(L.llama_sampler_sample(s.chain, self.ctx, idx))
-        s.matcher.consume_token(tok)
+        assert s.closing is not None
         s.masked = False
-        return tok
+        return s.closing.take(tok)  # the token, or in a reply's last tokens one that closes it in time
 
     def logprobs(self, idx: int, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
         """``tok``'s log-probability in output row ``idx`` and the ``top`` likeliest tokens with theirs:

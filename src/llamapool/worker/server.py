@@ -77,6 +77,7 @@ class WorkerSpec:
     tensor_split: list[float] = field(default_factory=list)  # a GPU group's layer shares
     embedding: bool = False  # an embedding model (model.embedding): worker/embedder.py, not the generation engine
     pooling: str = ""  # model.pooling: "mean" | "cls" | "last"; "" -> the GGUF's own
+    grammar_cache_mb: int = 0  # model.grammar_cache_mb: the compiled-grammar cache's bound (0: sized for the machine)
 
     @property
     def n_gpus(self) -> int:
@@ -197,7 +198,7 @@ def serve(spec: WorkerSpec) -> int:
         gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
         gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
         chat_template=spec.chat_template, n_gpus=max(1, spec.n_gpus),
-        tensor_split=tuple(spec.tensor_split),
+        tensor_split=tuple(spec.tensor_split), grammar_cache_mb=spec.grammar_cache_mb,
     )
     try:
         if spec.embedding:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamapool.worker.schemas import COMPACT, bounded
+
 FAMILIES = ("hermes", "llama3", "mistral", "generic")
 NAME_OPEN = '{"name": "'
 
@@ -55,22 +57,28 @@ class ToolFormat:
         """The text that opens a reply's calls (``auto`` constrains from here on)."""
         return self.block_open + self.call_open + NAME_OPEN
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
+    def grammar(self, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool,
+                answer: dict[str, Any] | None = None) -> str:
         """An llguidance Lark grammar: calls of the given tools (only the named one for a named choice),
-        after free text for ``auto``."""
+        after free text for ``auto``; with an ``answer`` schema (a ``response_format``), ``auto`` is a
+        call or an answer that follows the schema, and no free text. Arguments follow their function's
+        ``parameters`` bounded as :func:`~llamapool.worker.schemas.bounded` does, in compact JSON."""
         fns = [t["function"] for t in tools]
         if isinstance(choice, dict):
             fns = [f for f in fns if f["name"] == choice["function"]["name"]]
         close = self._lit("}" + self.call_close)
         rules = [f'fn_{i}: {self._lit(json.dumps(f["name"])[1:] + ", " + json.dumps(self.args_key) + ": ")} '
-                 f'%json {json.dumps(compact(f.get("parameters") or {"type": "object"}))} {close}'
+                 f'%json {json.dumps(compact(bounded(f.get("parameters") or {"type": "object"})))} {close}'
                  for i, f in enumerate(fns)]
         names = " | ".join(f"fn_{i}" for i in range(len(fns)))
         again = self._lit(self.sep + self.call_open + NAME_OPEN)
         more = f" ({again} call)*" if parallel else ""
         end = f" {self._lit(self.block_close)}" if self.block_close else ""
         head = ["%llguidance {}"]
-        if choice == "auto":
+        if choice == "auto" and answer is not None:
+            head += [f"start: answer | {self._lit(self.trigger)} call{more}{end}",
+                     f"answer: %json {json.dumps(compact(answer))}"]
+        elif choice == "auto":
             head += ["start: TEXT | opening call" + more + end, "opening[lazy]: TEXT " + self._lit(self.trigger),
                      "TEXT: /(.|\\n)*/"]
         else:
@@ -147,7 +155,7 @@ class ToolFormat:
 
 def compact(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with llguidance's option for compact JSON (no runs of whitespace to wander in)."""
-    return {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+    return {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
 
 
 def _json_objects(text: str) -> Iterator[tuple[int, Any]]:

@@ -67,7 +67,7 @@ class Engine:
         self.waiting: list[Waiting] = []  # runs beyond the free slots, in arrival order
         self.active: dict[int, Sequence] = {}
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
-        self.grammars = Grammars(self.vocab, self.n_vocab, self._eog)
+        self.grammars = Grammars(self.vocab, self.n_vocab, self._eog, cfg.grammar_cache_mb << 20)
         self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
         self._echoing: list[Sequence] = []  # sequences with prompt rows (echo's logprobs) in the batch in flight
         self._split = False  # the batch being built runs as several micro-batches
@@ -198,8 +198,8 @@ class Engine:
         # a prompt's logprobs: all computed
         seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
         try:
-            matcher = None if w.grammar is None else w.grammar.result().deep_copy()
-            sampling = self.sampling.admit(seq_id, p, matcher)
+            closing = None if w.grammar is None else self.grammars.start(w.grammar.result(), self._budget(w))
+            sampling = self.sampling.admit(seq_id, p, closing)
         except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
             self.kv.undo(seq_id)
             out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
@@ -314,13 +314,24 @@ class Engine:
         return first is None or not first.prefilling
 
     def _refuse_bad_grammars(self, out: Step) -> None:
-        """Waiting runs whose grammar did not compile fail (before they take a slot), naming the parameter."""
-        for w in [w for w in self.waiting if w.grammar is not None and w.grammar.done()
-                  and w.grammar.exception() is not None]:
-            self.waiting.remove(w)
-            e = w.grammar.exception() if w.grammar is not None else None
-            field = e.field if isinstance(e, ParamError) else None
-            out.failed.append(Failed(w.rid, ErrorCode.INVALID_REQUEST, str(e), field))
+        """Waiting runs whose grammar did not compile, or whose shortest reply takes more tokens than they
+        may generate, fail (before they take a slot), naming the parameter."""
+        for w, g in [(w, w.grammar) for w in self.waiting if w.grammar is not None and w.grammar.done()]:
+            e = g.exception()
+            need = None if e is not None else g.result().closing
+            if need is not None and need > self._budget(w):
+                mt, fit = w.run.params.max_tokens, self._budget(w)
+                e = ParamError("max_tokens", f"'max_tokens' is {mt}" + (f" ({fit} fit the context)" if fit < mt else "")
+                               + f"; the shortest reply that the request's constraint allows takes {need} tokens")
+            w.checked = e is None
+            if e is not None:
+                self.waiting.remove(w)
+                field = e.field if isinstance(e, ParamError) else None
+                out.failed.append(Failed(w.rid, ErrorCode.INVALID_REQUEST, str(e), field))
+
+    def _budget(self, w: Waiting) -> int:
+        """The most tokens the run may generate: ``max_tokens``, or fewer where the context ends first."""
+        return max(0, min(w.run.params.max_tokens, self.cfg.ctx_per_slot - len(w.tokens)))
 
     def _build(self, out: Step) -> list[Sequence]:
         """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
@@ -412,8 +423,9 @@ class Engine:
         tok = self.sampling.pick(seq.sampling, seq.out_idx)
         p = seq.params
         matcher = seq.sampling.matcher
+        closed = "length" if seq.sampling.closing is not None and seq.sampling.closing.forced else "stop"
         if (not p.ignore_eos or matcher is not None) and tok in self._eog:
-            self._finish(seq, "stop", out)
+            self._finish(seq, closed, out)
             return None
         if p.logprobs:
             seq.logprobs.append(self.output.logprob_entry(seq, tok))
@@ -421,8 +433,8 @@ class Engine:
         seq.last = tok
         if tok in self.chat.tool_format.special.values() and p.tools:
             seq.text.mark_here()  # a call opens with a control token (no text)
-        if matcher is not None and matcher.is_stopped():  # the grammar is complete
-            self._finish(seq, "stop", out, seq.text.push(self.output.piece(tok)))
+        if matcher is not None and matcher.is_stopped():  # the grammar is complete (closed early: length)
+            self._finish(seq, closed, out, seq.text.push(self.output.piece(tok)))
             return None
         if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
             self._finish(seq, "length", out, seq.text.push(self.output.piece(tok)))

@@ -36,6 +36,7 @@ class EngineConfig:
     chat_template: str = ""  # a Jinja2 chat template file, used instead of the GGUF's
     n_gpus: int = 1  # GPUs this process sees (with gpu): more than one splits the layers between them
     tensor_split: tuple[float, ...] = ()  # each GPU's share of the layers; () -> llama.cpp's (by free memory)
+    grammar_cache_mb: int = 0  # the compiled grammars kept, in MiB (0: sized for the machine)
 
 
 def model_params(cfg: EngineConfig) -> tuple[Any, Any]:

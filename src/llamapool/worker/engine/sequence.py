@@ -58,6 +58,7 @@ class Waiting:
     tokens: np.ndarray
     arrived: int
     grammar: Future[Any] | None = None  # the compiled constraint (a matcher to copy), compiling meanwhile
+    checked: bool = False  # its compiled grammar was checked against its budget (Engine._refuse_bad_grammars)
 
     @property
     def rid(self) -> int:
@@ -65,5 +66,5 @@ class Waiting:
 
     @property
     def ready(self) -> bool:
-        """Its constraint (if any) is compiled: it may take a slot."""
-        return self.grammar is None or (self.grammar.done() and self.grammar.exception() is None)
+        """Its constraint (if any) is compiled and was checked: it may take a slot."""
+        return self.grammar is None or self.checked

@@ -1,0 +1,178 @@
+"""Budget-aware closing: a constrained reply that runs out of ``max_tokens`` still ends as its grammar allows.
+
+:class:`Closer` finds, from a matcher's state, a short sequence of tokens that completes the grammar
+(a *plan*): the forced bytes llguidance knows (a required key, the rest of a literal), and otherwise
+the first of a few closing tokens the state takes. Inside a JSON string: one that ends it (``"}``,
+``"``), else a separator a format needs (``@``, ``-``, ``:``, ``.``, each a few times at most: a
+hostname takes dots without end), else a letter or a digit. Elsewhere: one that ends the open
+object or array (``}}``, ``]``), else the smallest value (``""``, ``0``, ``false``, ``null``), a
+comma, a quote. Failing those, the allowed token likeliest to close (one with ``"``, ``}`` or ``]``
+in it, then the shortest). Whether the state is inside a string is followed from the bytes of the
+tokens taken (:func:`in_string`). The plan is greedy, so its length is an upper bound on the
+shortest completion; it is found with llguidance's ``try_consume_tokens`` and undone with
+``rollback``, a few microseconds a token.
+
+:class:`Closing` is one sequence's use of it. Far from the end of its budget it consumes the sampled
+token and nothing more. In the last ``window`` tokens it checks each sampled token: the state's plan
+still closes after it (one ``try_consume_tokens``), or a new plan fits in the tokens left; otherwise
+the token is replaced by the first token of the plan of the state before it (which fitted), so that
+the reply closes by the budget's last token (the engine reports ``length``, not ``stop``). A grammar
+whose plan from its start does not fit ``max_tokens`` is refused before the request takes a slot
+(:attr:`~llamapool.worker.constraints.Compiled.closing`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PLAN_LIMIT = 256  # the longest plan looked for (a grammar needing more is not closed: none is refused)
+WINDOW = 64  # tokens before the end of a reply's budget (beyond its start's plan) where each token is checked
+SEPARATOR_USES = 4  # times one plan may write a format's separator (a.b.c.d)
+
+_CLOSERS = ["".join(p) for n in (4, 3, 2, 1) for p in itertools.product("}]", repeat=n)]
+_IN_STRING = ['"' + c for c in _CLOSERS] + ['"']
+_SEPARATORS = ["@", "-", ":", ".", "T", "Z", "+", "/", "P", "D"]
+_FILLERS = ["a", "0", "1"]
+_OUTSIDE = [*_CLOSERS, '""', "0", "false", "null", "true", "[]", "{}", ",", '"', "{", "["]
+
+
+OUT, IN, ESCAPE = 0, 1, 2  # where JSON text is: outside strings, inside one, just after a backslash in one
+
+
+def in_string(piece: bytes, state: int) -> int:
+    """Where JSON text is after ``piece`` (``OUT``, ``IN`` or ``ESCAPE``), if it was at ``state`` before."""
+    if b'"' not in piece and (state == OUT or (state == IN and b"\\" not in piece)):
+        return state
+    for c in piece:
+        if state == ESCAPE:
+            state = IN
+        elif c == 0x22:  # a quote
+            state = OUT if state == IN else IN
+        elif c == 0x5C and state == IN:  # a backslash
+            state = ESCAPE
+    return state
+
+
+class Closer:
+    """How to close a grammar from any state, for one vocabulary (built once per worker)."""
+
+    def __init__(self, tokenizer: Any, n_vocab: int, eos: int):
+        self.eos = eos
+        self.n_vocab = n_vocab
+        self.pieces = [tokenizer.decode_bytes([t]) for t in range(n_vocab)]
+        single = {p: t for t, p in enumerate(self.pieces) if p and t != eos}  # text -> a token that is exactly it
+
+        def tokens(texts: list[str]) -> list[int]:
+            return [single[s.encode()] for s in texts if s.encode() in single]
+
+        self.in_string = tokens(_IN_STRING)
+        self.separators = tokens(_SEPARATORS)
+        self.fillers = tokens(_FILLERS)
+        self.outside = tokens(_OUTSIDE)
+        # the fallback's order: a token with a closing byte first, then the shortest, then the lowest id
+        rank = [(0 if any(c in p for c in b'"}]') else 1 << 20) + len(p) for p in self.pieces]
+        self.rank = np.asarray(rank, dtype=np.int64)
+        if 0 <= eos < n_vocab:
+            self.rank[eos] = 1 << 40
+
+    def plan(self, m: Any, limit: int = PLAN_LIMIT, where: int = OUT) -> list[int] | None:
+        """Tokens that complete the grammar from ``m``'s state, at most ``limit`` of them ([]: the text so
+        far is complete; None: none found within ``limit``); ``where``: in a JSON string or not
+        (:func:`in_string`). ``m`` is left as it was."""
+        out: list[int] = []
+        uses: dict[int, int] = {}
+        try:
+            while not m.is_accepting():
+                if m.is_error() or m.is_stopped() or len(out) >= limit:
+                    return None
+                ff = m.compute_ff_tokens()[: limit - len(out)]
+                took = ff[: m.try_consume_tokens(ff)] if ff else self._step(m, where != OUT, uses)
+                if not took:
+                    return None
+                out += took
+                for t in took:
+                    where = in_string(self.pieces[t], where)
+            return out
+        finally:
+            if out:
+                m.rollback(len(out))
+
+    def _step(self, m: Any, inside: bool, uses: dict[int, int]) -> list[int]:
+        """One closing token, consumed ([] when the state takes none)."""
+        if inside:
+            for tok in self.in_string:
+                if m.try_consume_tokens([tok]) == 1:
+                    return [tok]
+            for tok in self.separators:
+                if uses.get(tok, 0) < SEPARATOR_USES and m.try_consume_tokens([tok]) == 1:
+                    uses[tok] = uses.get(tok, 0) + 1
+                    return [tok]
+        for tok in self.fillers if inside else self.outside:
+            if m.try_consume_tokens([tok]) == 1:
+                return [tok]
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.n_vocab])
+        if not ids.size:
+            return []
+        tok = int(ids[self.rank[ids].argmin()])
+        return [tok] if m.try_consume_tokens([tok]) == 1 else []
+
+
+@dataclass(eq=False)
+class Closing:
+    """One constrained sequence's budget: ``left`` tokens it may still take; checked in the last ``window``."""
+
+    matcher: Any
+    closer: Closer
+    left: int
+    window: int
+    plan: list[int] | None = None  # the plan of the matcher's state, once in the window (None: not known)
+    forced: bool = False  # a token was replaced to close in time
+    where: int = OUT  # where the text so far ends: in a JSON string or not (in_string)
+
+    def take(self, tok: int) -> int:
+        """Consume ``tok`` (its mask allowed it), or the plan's next token when, after ``tok``, the grammar
+        could no longer close in the tokens left; the token consumed."""
+        m = self.matcher
+        self.left -= 1
+        if self.left >= self.window:
+            self._consume(tok)
+            return tok
+        before = self.plan if self.plan is not None else self.closer.plan(m, self.left + 1, self.where)
+        if before is not None and before[:1] == [tok]:
+            self._consume(tok)
+            self.plan = before[1:]
+            return tok
+        was = self.where
+        self._consume(tok)
+        if before is not None and len(before) <= self.left and self._closes(before):
+            return tok  # the plan still closes it (a string written on, a digit more): no search
+        after = self.closer.plan(m, self.left, self.where)
+        if after is not None or before is None:  # it fits (or nothing is known that would)
+            self.plan = after
+            return tok
+        m.rollback(1)
+        self.where = was
+        forced = before[0] if before else self.closer.eos
+        self._consume(forced)
+        self.plan, self.forced = before[1:], True
+        return forced
+
+    def _consume(self, tok: int) -> None:
+        if self.matcher.is_accepting():  # free text (before a tool call's opening): quotes in it mean nothing
+            self.where = OUT
+        self.matcher.consume_token(tok)
+        if 0 <= tok < len(self.closer.pieces):
+            self.where = in_string(self.closer.pieces[tok], self.where)
+
+    def _closes(self, plan: list[int]) -> bool:
+        """Whether ``plan`` completes the grammar from the matcher's state (which is left as it was)."""
+        n = self.matcher.try_consume_tokens(plan)
+        done = n == len(plan) and self.matcher.is_accepting()
+        if n:
+            self.matcher.rollback(n)
+        return done

@@ -1,0 +1,280 @@
+"""Constrained replies that parse by construction (issue 33 item 3), and grammar limits (issue 29 items 2, 4).
+
+The guarantees: a schema's objects take no properties it does not declare (unless it says
+``additionalProperties: true``), its integers, numbers and strings get bounds where it gives none;
+whatever tokens a model picks, a reply constrained by a JSON schema (or a forced tool call) that
+runs out of ``max_tokens`` still parses and validates, ending by ``length``; a request whose
+shortest reply cannot fit ``max_tokens`` is a 400 naming ``max_tokens``; the closing only acts in a
+reply's last tokens; ``response_format`` goes with ``tools``; an invalid regex and a schema over the
+size limit are 400s naming the field; and the worker's compiled grammars are bounded in bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from llamapool.protocol.params import MAX_GRAMMAR_CHARS, parse
+from llamapool.worker.closing import Closing
+from llamapool.worker.constraints import spec_of
+from llamapool.worker.engine import Engine, EngineConfig
+from llamapool.worker.schemas import INT_BOUND, MAX_STRING, NUMBER_BOUND, bounded
+
+from .conftest import Daemon
+from .test_gateway import start_gateway
+
+STR = {"type": "string"}
+INT = {"type": "integer"}
+
+
+def obj(props: dict[str, Any], required: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    """An object schema as users write them: no ``additionalProperties``."""
+    return {"type": "object", "properties": props, "required": required or list(props), **kw}
+
+
+SCHEMAS = [
+    obj({"name": STR, "age": INT}),
+    obj({"city": STR, "population": INT, "area": {"type": "number"}}),
+    obj({"tags": {"type": "array", "items": STR, "minItems": 2}, "ok": {"type": "boolean"}}),
+    obj({"who": obj({"first": STR, "last": STR}), "when": {"type": "string", "format": "date"}}),
+    obj({"colour": {"enum": ["red", "green", "blue"]}, "note": {"anyOf": [STR, {"type": "null"}]}}),
+    obj({"email": {"type": "string", "format": "email"}, "id": {"type": "string", "format": "uuid"}}),
+    {"type": "array", "items": obj({"k": STR, "v": INT})},
+    {"type": "object"},
+]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": obj({"city": STR, "days": INT})}}
+
+
+# ---------------------------------------------------------------- bounds added to schemas
+
+
+def test_objects_take_only_declared_properties_unless_the_schema_says_otherwise() -> None:
+    s = bounded(obj({"a": obj({"b": STR}), "properties": STR}))  # a property named "properties"
+    assert s["additionalProperties"] is False and s["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in s["properties"]["properties"]
+    assert bounded(obj({"a": STR}, additionalProperties=True))["additionalProperties"] is True
+    assert "additionalProperties" not in bounded({"type": "object"})  # a free object stays free
+    merged = bounded({"allOf": [obj({"a": STR}), obj({"b": STR})]})  # allOf's branches are merged: left alone
+    assert all("additionalProperties" not in b for b in merged["allOf"])
+    defs = bounded({"$defs": {"p": obj({"a": STR})}, "$ref": "#/$defs/p"})
+    assert defs["$defs"]["p"]["additionalProperties"] is False
+
+
+def test_numbers_and_strings_get_bounds_where_the_schema_gives_none() -> None:
+    s = bounded(obj({"i": INT, "n": {"type": "number"}, "s": STR, "own": {"type": "integer", "maximum": 5},
+                     "long": {"type": "string", "maxLength": 99999}, "e": {"enum": ["x"]}}))["properties"]
+    assert (s["i"]["minimum"], s["i"]["maximum"]) == (-INT_BOUND, INT_BOUND) and INT_BOUND < 2**63
+    assert s["n"]["maximum"] == NUMBER_BOUND and s["n"]["multipleOf"] == 1e-6
+    assert s["s"]["maxLength"] == MAX_STRING and s["long"]["maxLength"] == 99999
+    assert s["own"] == {"type": "integer", "maximum": 5, "minimum": -INT_BOUND}
+    assert s["e"] == {"enum": ["x"]}
+
+
+# ---------------------------------------------------------------- closing, whatever the model picks
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> Iterator[Engine]:
+    eng = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=1024, max_batch_tokens=256, n_ubatch=256))
+    yield eng
+    eng.close()
+
+
+def random_reply(eng: Engine, closing: Closing, rng: random.Random) -> list[int]:
+    """Tokens a "model" that picks any token the grammar allows writes, closed by ``closing``."""
+    tokenizer, out = eng.grammars.tokenizer(), []
+    m = closing.matcher
+    while closing.left > 0 and not m.is_stopped():
+        bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: eng.n_vocab])
+        tok = closing.take(int(rng.choice(ids)))
+        if tok in eng._eog:
+            break
+        out.append(tok)
+    assert tokenizer is not None
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_any_tokens_close_within_the_budget(engine: Engine, i: int) -> None:
+    spec = spec_of(parse({"json_schema": SCHEMAS[i]}), None)
+    assert spec is not None
+    compiled = engine.grammars.compile(spec).result(timeout=60)
+    assert compiled.closing is not None
+    rng = random.Random(i)
+    for budget in [compiled.closing, compiled.closing + 1, *rng.sample(range(compiled.closing + 2, 120), 6)]:
+        closing = engine.grammars.start(compiled, budget)
+        toks = random_reply(engine, closing, rng)
+        text = engine.grammars.tokenizer().decode_str(toks)
+        assert len(toks) <= budget
+        jsonschema.validate(json.loads(text), SCHEMAS[i])
+
+
+def test_a_forced_tool_call_closes_within_the_budget(engine: Engine) -> None:
+    tf = engine.chat.tool_format
+    spec = spec_of(parse({"tools": [WEATHER], "tool_choice": "required"}), tf)
+    assert spec is not None
+    compiled = engine.grammars.compile(spec).result(timeout=60)
+    assert compiled.closing is not None
+    rng = random.Random(1)
+    for budget in range(compiled.closing, compiled.closing + 30, 3):
+        toks = random_reply(engine, engine.grammars.start(compiled, budget), rng)
+        _, calls = tf.parse(engine.grammars.tokenizer().decode_str(toks), [WEATHER])
+        assert len(calls) == 1
+        jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_the_closing_looks_at_nothing_before_the_last_tokens(engine: Engine) -> None:
+    spec = spec_of(parse({"json_schema": SCHEMAS[0]}), None)
+    assert spec is not None
+    compiled = engine.grammars.compile(spec).result(timeout=60)
+    closing = engine.grammars.start(compiled, 500)
+    calls = []
+    plan = engine.grammars.closer.plan
+    engine.grammars.closer.plan = lambda *a: calls.append(a) or plan(*a)  # type: ignore[method-assign]
+    try:
+        tokenizer = engine.grammars.tokenizer()
+        for tok in tokenizer.tokenize_str('{"name":"' + "ab" * 100):
+            closing.take(tok)
+        assert closing.left > closing.window and not calls  # far from the end: no plan looked for
+        while closing.left > 0 and not closing.matcher.is_stopped():
+            closing.take(tokenizer.tokenize_str("ab")[0])
+        assert calls and closing.forced
+    finally:
+        del engine.grammars.closer.plan
+
+
+# ---------------------------------------------------------------- through the daemon
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator[tuple[Daemon, openai.OpenAI]]:
+    d, url = start_gateway(tmp_path_factory.mktemp("closing"), model_path, model={"ctx_per_slot": 1024},
+                           workers={"slots": 8, "cpu_workers": 1})
+    yield d, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    d.stop(signal.SIGQUIT, timeout=30)
+
+
+def ask(c: openai.OpenAI, **kw: Any) -> Any:
+    name = c.models.list().data[0].id
+    return c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Answer"}], **kw)
+
+
+def streamed(c: openai.OpenAI, **kw: Any) -> tuple[str, dict[int, dict[str, str]], str]:
+    text, calls, reason = "", {}, ""
+    for chunk in ask(c, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        text += ch.delta.content or ""
+        for tc in ch.delta.tool_calls or ():
+            call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            call["name"] += tc.function.name or ""
+            call["arguments"] += tc.function.arguments or ""
+        reason = ch.finish_reason or reason
+    return text, calls, reason
+
+
+@pytest.mark.parametrize("max_tokens", [40, 53, 70])
+def test_a_reply_cut_by_max_tokens_still_parses(tiny: tuple[Daemon, openai.OpenAI], max_tokens: int) -> None:
+    c = tiny[1]
+    for schema in SCHEMAS[:3]:
+        rf = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+        r = ask(c, response_format=rf, max_tokens=max_tokens, temperature=0)
+        text = r.choices[0].message.content or ""
+        jsonschema.validate(json.loads(text), schema)
+        assert r.usage.completion_tokens <= max_tokens
+        assert r.choices[0].finish_reason in ("length", "stop")
+        assert streamed(c, response_format=rf, max_tokens=max_tokens, temperature=0)[0] == text
+
+
+def test_a_budget_below_the_shortest_reply_is_a_400_naming_max_tokens(tiny: tuple[Daemon, openai.OpenAI]) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMAS[3]}}
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(tiny[1], response_format=rf, max_tokens=3)
+    assert e.value.body["param"] == "max_tokens", e.value.body  # type: ignore[index]
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_streamed_or_not(tiny: tuple[Daemon, openai.OpenAI]) -> None:
+    c = tiny[1]
+    kw: dict[str, Any] = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 90, "temperature": 0}
+    r = ask(c, **kw)
+    calls = r.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    _, scalls, reason = streamed(c, **kw)
+    assert scalls == {0: {"name": "get_weather", "arguments": calls[0].function.arguments}}
+    assert reason == r.choices[0].finish_reason
+
+
+def test_response_format_goes_with_tools(tiny: tuple[Daemon, openai.OpenAI]) -> None:
+    answer = obj({"answer": STR})
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
+    for seed in range(4):
+        r = ask(tiny[1], tools=[WEATHER], response_format=rf, max_tokens=40, temperature=1.0, seed=seed)
+        msg = r.choices[0].message
+        if msg.tool_calls:
+            jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
+        else:
+            jsonschema.validate(json.loads(msg.content or ""), answer)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"regex": "ab\\"}, "regex"),
+    ({"regex": "\\"}, "regex"),
+    ({"regex": "a(b"}, "regex"),
+    ({"grammar": "start: foo"}, "grammar"),
+    ({"json_schema": {"type": "hiccup"}}, "json_schema"),
+    ({"json_schema": {"type": "object", "description": "x" * MAX_GRAMMAR_CHARS}}, "json_schema"),
+])
+def test_bad_or_oversized_constraints_are_400s_naming_the_field(tiny: tuple[Daemon, openai.OpenAI],
+                                                                extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(tiny[1], max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body  # type: ignore[index]
+
+
+def test_an_escaped_backslash_is_a_valid_regex(tiny: tuple[Daemon, openai.OpenAI]) -> None:
+    with tiny[0].client() as sdk:
+        assert sdk.generate("x", regex="a\\\\", max_tokens=4, temperature=0).text == "a\\"
+
+
+# ---------------------------------------------------------------- the grammar cache, in bytes
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_many_large_regexes_hold_memory_within_the_cache_bound(tmp_path: Path, model_path: str) -> None:
+    d, _ = start_gateway(tmp_path, model_path, model={"ctx_per_slot": 256, "grammar_cache_mb": 20},
+                         workers={"slots": 2, "cpu_workers": 1})
+    try:
+        pid = d.status()["workers"][0]["pid"]
+        rng = random.Random(0)
+        words = ["".join(rng.choice("abcdefghij") for _ in range(10)) for _ in range(7000)]  # ~77 kB a regex
+        with d.client() as sdk:
+            sdk.generate("x", regex="(" + "|".join(words) + ")", max_tokens=16)
+            before = rss_mb(pid)
+            t0 = time.monotonic()
+            for i in range(24):  # distinct: each compiled anew, ~3.7 MB each (as estimated), 4x the bound in all
+                rng.shuffle(words)
+                sdk.generate("x", regex=f"{i}(" + "|".join(words) + ")", max_tokens=16)
+            grew = rss_mb(pid) - before
+        assert grew < 20 + 20, f"the worker grew by {grew:.0f} MB ({time.monotonic() - t0:.1f} s)"
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
