@@ -196,3 +196,25 @@ def test_a_scrape_during_a_worker_restart_is_a_full_exposition(start_daemon: Any
         raise AssertionError(f"the worker did not come back, or the gauges never saw it go: {blocks} {rows}\n"
                              f"{d.log_text()}")
     assert blocks >= {str(2 * 512 // BLOCK_SIZE), str(2 * 2 * 512 // BLOCK_SIZE)}, blocks
+
+
+def test_ready_needs_min_ready_workers(start_daemon: Any, tmp_path: Path) -> None:
+    """server.min_ready_workers = 2: one worker serving is not enough (cpu1 starts 3 s late)."""
+    slow = tmp_path / "slow1"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import time\nif b'\"cpu1\"' in open('/proc/self/cmdline', 'rb').read():\n    time.sleep(3.0)\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(slow), os.environ.get("PYTHONPATH", "")) if p)}
+    d: Daemon = start_daemon(wait_workers=None, http={"listen": f"127.0.0.1:{port}"}, server={"min_ready_workers": 2},
+                             workers={"cpu_workers": 2, "slots": 2, "env": env})
+    one_ready: list[dict[str, Any]] = []
+    end = time.monotonic() + 60
+    while (r := get(url + "/ready")) is None or r.status_code != 200:
+        assert time.monotonic() < end, d.log_text()
+        if r is not None and r.json().get("workers_ready") == 1:
+            one_ready.append(r.json())
+        time.sleep(0.02)
+    assert one_ready and one_ready[-1]["status"] == "loading" and one_ready[-1]["min_ready_workers"] == 2, one_ready
+    assert r.json()["workers_ready"] == 2
