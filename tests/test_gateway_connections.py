@@ -4,6 +4,7 @@ stay open, and clients that never read their stream are cut and their requests c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import resource
 import signal
@@ -235,3 +236,37 @@ def test_settings() -> None:
     assert ConnectionLimits().resolved(1 << 20)[0].max_connections == 4096
     limits, warning = ConnectionLimits(max_connections=5000).resolved(1024)
     assert limits.max_connections == 960 and "does not fit the fd limit (1024" in warning
+
+
+def test_a_caller_that_falls_behind_its_queue_bound_is_cancelled(sends: tuple[Daemon, str]) -> None:
+    """The gateway's router client holds at most QUEUED_REPLIES replies a request's handler has not
+    taken (it only falls behind when the process cannot keep up): the SDK's ``max_queued``."""
+    from llamapool import AsyncClient, OverloadedError
+
+    d = sends[0]
+
+    async def main() -> tuple[int, str]:
+        async with AsyncClient(d.endpoint, max_queued=16) as ac:
+            kw: dict[str, Any] = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
+            stream = ac.stream("Hello", **kw)
+            got = [await stream.__anext__()]
+            await asyncio.sleep(1.5)  # the caller looks away; replies keep coming
+            with pytest.raises(OverloadedError, match=r"fell 16 replies behind .*max_queued.*cancelled"):
+                async for chunk in stream:
+                    got.append(chunk)
+            unbounded = AsyncClient(d.endpoint)  # the default: no bound
+            async with unbounded:
+                s2 = unbounded.stream("Hello", **{**kw, "max_tokens": 100})
+                first = await s2.__anext__()
+                await asyncio.sleep(1.0)
+                rest = [c async for c in s2]
+            return len(got), f"{len([first, *rest])} {s2.completion.finish_reason if s2.completion else None}"
+
+    n, full = asyncio.run(main())
+    assert n <= 17 and full.endswith("length"), (n, full)
+    end = time.monotonic() + 5
+    while d.status()["running"] and time.monotonic() < end:
+        time.sleep(0.1)
+    assert d.status()["running"] == 0
+    with pytest.raises(ValueError, match="max_queued"):
+        AsyncClient(d.endpoint, max_queued=0)

@@ -38,7 +38,7 @@ from llamapool.client.calls import (
     status_of,
     task_frame,
 )
-from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
+from llamapool.client.errors import LlamapoolError, OverloadedError, RequestTimeoutError, UnavailableError
 from llamapool.client.sync import CLOSE_LINGER_MS, closed_error, shared_async_context
 from llamapool.client.types import Completion, Embeddings, StreamChunk
 from llamapool.protocol import codec
@@ -59,12 +59,21 @@ P = TypeVar("P", Pending, TaskPending)  # what a request's replies are folded in
 _CLOSED = Error(None, "closed", "")  # put in the queue of each waiting request by close(): raises closed_error
 
 
-async def _read(sock: zmq.asyncio.Socket, waiting: dict[str, asyncio.Queue[Message]]) -> None:
+_BEHIND = Error(None, "overloaded", "")  # put in a request's queue when its caller fell max_queued replies behind
+
+
+async def _read(sock: zmq.asyncio.Socket, link: _Link) -> None:
     """Hand each reply to the queue of the request that waits for it (ends when the socket closes)."""
+    waiting, limit = link.waiting, link.max_queued
     while True:
         msg = decode_reply(await sock.recv_multipart())
-        q = waiting.get(getattr(msg, "id", None) or "")
-        if q is not None:
+        rid = getattr(msg, "id", None) or ""
+        q = waiting.get(rid)
+        if q is None:
+            continue
+        if limit is not None and q.qsize() >= limit:
+            link.fell_behind(rid, q)
+        else:
             q.put_nowait(msg)
 
 
@@ -85,8 +94,9 @@ class _Link:
     client (nor does the reader task), so a client dropped unclosed is freed, and its finaliser closes
     this: from the loop's thread at once, from another thread through the loop, never waiting."""
 
-    def __init__(self, endpoint: str, keys: tuple[bytes, bytes, bytes] | None):
+    def __init__(self, endpoint: str, keys: tuple[bytes, bytes, bytes] | None, max_queued: int | None = None):
         self.pid = os.getpid()
+        self.max_queued = max_queued
         self.closed = False
         self.sock: zmq.asyncio.Socket = shared_async_context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
@@ -107,7 +117,7 @@ class _Link:
             raise closed_error("AsyncClient")
         if self.reader is None or self.reader.done():
             self.loop = asyncio.get_running_loop()
-            self.reader = self.loop.create_task(_read(self.sock, self.waiting))
+            self.reader = self.loop.create_task(_read(self.sock, self))
         return self.sock
 
     def cancel(self, rid: str) -> None:
@@ -118,6 +128,11 @@ class _Link:
             if not self.sock.closed and self.pid == os.getpid():
                 self.sock.send(codec.encode(Cancel(rid)), zmq.NOBLOCK).add_done_callback(  # type: ignore[attr-defined]
                     _retrieve)
+
+    def fell_behind(self, rid: str, q: asyncio.Queue[Message]) -> None:
+        """``rid``'s caller has ``max_queued`` replies it has not taken: cancel it, and tell the caller."""
+        q.put_nowait(_BEHIND)
+        self.cancel(rid)
 
     def close(self) -> None:
         """Stop the reader, close the socket and end the calls waiting on it. Idempotent; from any thread;
@@ -194,18 +209,24 @@ class AsyncStream:
 class AsyncClient:
     """One DEALER socket; a reader task hands each reply to the request that waits for it.
 
-    ``model``, ``server_public_key`` and ``client_key``: as for :class:`llamapool.Client`. ``await close()``
+    ``model``, ``server_public_key`` and ``client_key``: as for :class:`llamapool.Client`. ``max_queued``: the
+    most replies held for a request whose caller has not taken them (a stream not iterated, a loop too
+    busy); past it the request is cancelled and its call raises :class:`OverloadedError` (default: no
+    bound). ``await close()``
     (or ``async with``) closes the socket and ends the calls waiting on it; a client dropped unclosed
     closes it when it is freed. It cannot be used in a process forked after it was made.
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float | None = DEFAULT_TIMEOUT,
                  server_public_key: KeySource | None = None, client_key: KeySource | None = None,
-                 model: str | None = None):
+                 model: str | None = None, max_queued: int | None = None):
         self.endpoint = endpoint or default_frontend()
         self.timeout = timeout
         self.model = model
-        self._link = _Link(self.endpoint, curve_keys(self.endpoint, server_public_key, client_key))
+        if max_queued is not None and (isinstance(max_queued, bool) or not isinstance(max_queued, int)
+                                       or max_queued < 1):
+            raise ValueError(f"max_queued must be a positive integer or None, got {max_queued!r}")
+        self._link = _Link(self.endpoint, curve_keys(self.endpoint, server_public_key, client_key), max_queued)
         weakref.finalize(self, self._link.close).atexit = False
 
     @property
@@ -246,6 +267,9 @@ class AsyncClient:
             raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline") from None
         if msg is _CLOSED:
             raise closed_error("AsyncClient")
+        if msg is _BEHIND:
+            raise OverloadedError("overloaded", f"this client fell {self._link.max_queued} replies behind the request "
+                                  "(AsyncClient max_queued): it was cancelled")
         return msg
 
     async def _run(self, prompts: list[Prompt], batch: bool, timeout: float | None,

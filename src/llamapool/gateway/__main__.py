@@ -16,6 +16,11 @@ import sys
 from llamapool import lifeline
 from llamapool.gateway import GatewaySpec
 
+# A request's replies the gateway has not yet handled. Its handlers are never held back by a slow HTTP
+# client (gateway/connections.py), so this fills only when the process cannot keep up with the
+# router: past it the request is cancelled (an error event ends its stream) rather than hold memory.
+QUEUED_REPLIES = 2048
+
 
 def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -50,7 +55,7 @@ async def serve(spec: GatewaySpec) -> int:
     curve = bool(spec.server_key)  # a tcp:// frontend with CURVE: the supervisor's internal key
     # one client for the process, closed on the way out whatever happens (a request still running on the
     # daemon after the drain is cancelled there)
-    async with AsyncClient(spec.frontend, timeout=spec.request_timeout,
+    async with AsyncClient(spec.frontend, timeout=spec.request_timeout, max_queued=QUEUED_REPLIES,
                            server_public_key=spec.server_key.encode() if curve else None,
                            client_key=spec.key_file if curve else None) as client:
         gateway = Gateway(spec, client)
