@@ -3,7 +3,7 @@
 It renders the chart (deploy/helm/llamapool, the CPU values file, with the InferencePool's endpoint
 picker config), takes the Deployment's container command and arguments and the ConfigMap's
 llamapool.toml, and starts llamapool with them (the tiny model for the pod's model, this machine's
-port and runtime dir; a worker that takes 2 s to start, as a real model's load does). Then:
+port and runtime dir, 16 slots; a worker that takes 2 s to start, as a real model's load does). Then:
 
 - as the kubelet, it polls the startup, readiness and liveness probes the manifest names: /ready is
   503 ("loading") until the worker serves, /health 200 all along;
@@ -220,9 +220,11 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     stop, drained, accepted = mp.Event(), mp.Event(), mp.Value("i", -1)
     mine, theirs = mp.Pipe()
     scraper = mp.Process(target=scrape_forever, args=(pod.url, {k: pod.engine[k] for k in SPECS}, stop, drained,
-                                                      accepted, theirs))
+                                                      accepted, theirs), daemon=True)
     scraper.start()
+    end = time.monotonic() + 30
     while accepted.value == -1:  # its first scrape: the idle pod
+        assert time.monotonic() < end and scraper.is_alive(), "the scraper did not start"
         time.sleep(0.01)
     results: list[tuple[str | None, int]] = []
     loader = threading.Thread(target=load, args=(pod.url, model, results))
@@ -250,6 +252,7 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     loader.join()
     t_done = time.monotonic()
     stop.set()
+    assert mine.poll(30), "the scraper sent nothing back"
     scrapes: Scrapes = mine.recv()
     scraper.join(5)
     code = pod.proc.wait(pod.grace - pod.container["lifecycle"]["preStop"]["sleep"]["seconds"])

@@ -119,7 +119,9 @@ class PodView:
         if g.draining:
             return JSONResponse({"status": "draining", **body}, status_code=503)
         if g.ready < need:
-            loading = any(g.states.get(s) for s in ("starting", "joining", "backoff"))
+            # no worker known yet (the supervisor has not published them, or no node has joined) or one
+            # on its way: loading; every worker failed, stopped or lost: unavailable
+            loading = not g.workers or any(g.states.get(s) for s in ("starting", "joining", "backoff"))
             return JSONResponse({"status": "loading" if loading else "unavailable", **body}, status_code=503)
         return JSONResponse({"status": "ready", **body})
 
