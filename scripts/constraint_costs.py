@@ -4,8 +4,11 @@
 
 Prints one JSON line: the time to compile a 10-function tool grammar and a JSON schema (first time,
 and from the cache), the time to fill ``rows`` next-token masks in parallel (p50/p99 over 50 steps
-of matchers advanced along a valid JSON text), and the time of the per-row checks the sampler makes
-(a bit test when the sampled token is allowed; the full-row mask when it is refused).
+of matchers advanced along a valid JSON text), the time of the per-row checks the sampler makes
+(a bit test when the sampled token is allowed; the full-row mask when it is refused), and what the
+budget-aware closing costs a token along a reply of the schema: the matcher's own ``consume_token``
+(what a token cost before it), ``Closing.take`` far from the end of the budget (every token but a
+reply's last ones), and ``take`` where every token is checked (a reply's last tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.params import SamplingParams
-from llamapool.worker.constraints import Grammars, Masks, spec_of
+from llamapool.worker.constraints import Compiled, Grammars, Masks, spec_of
 from llamapool.worker.tools import ToolFormat
 
 
@@ -29,6 +32,33 @@ def tools(n: int) -> list[dict[str, object]]:
                                          "days": {"type": "integer", "minimum": 1, "maximum": 14},
                                          "tags": {"type": "array", "items": {"type": "string"}}},
         "required": ["city", "unit"], "additionalProperties": False}}} for i in range(n)]
+
+
+def closing_costs(grammars: Grammars, compiled: Compiled) -> dict[str, float]:
+    """Microseconds a token (p50, p99) of a reply of the schema, three ways (see the docstring)."""
+    reply = '{"text":"' + "a long free string, with words in it " * 6 + '","list":["one","two","three"],"n":42}'
+    toks = grammars.tokenizer().tokenize_str(reply)
+    out: dict[str, float] = {"closing_plan_from_start_tokens": float(compiled.closing or -1), "reply_tokens": len(toks)}
+    for name in ("consume", "take_far", "take_checked"):
+        times: list[float] = []
+        for _ in range(20):
+            m = compiled.matcher.deep_copy()
+            budget = 1 << 20 if name == "take_far" else len(toks)
+            closing = grammars.start(compiled, budget)
+            closing.matcher = m
+            for tok in toks:
+                t = time.perf_counter()
+                if name == "consume":
+                    m.consume_token(tok)
+                else:
+                    closing.take(tok)
+                times.append(time.perf_counter() - t)
+            assert not m.is_error() and m.is_accepting()
+        times.sort()
+        out[f"{name}_p50_us"] = round(times[len(times) // 2] * 1e6, 2)
+        out[f"{name}_p99_us"] = round(times[int(0.99 * (len(times) - 1))] * 1e6, 2)
+        out[f"{name}_mean_us"] = round(statistics.fmean(times) * 1e6, 2)
+    return out
 
 
 def main() -> None:
@@ -60,7 +90,7 @@ def main() -> None:
         grammars.compile(spec).result()
         out[f"compile_{name}_ms"] = round(first * 1e3, 2)
         out[f"cached_{name}_ms"] = round((time.perf_counter() - t) * 1e3, 3)
-    template = grammars.compile(js).result()
+    template = grammars.compile(js).result().matcher
     matchers = [template.deep_copy() for _ in range(args.rows)]
     text = '{"text": "' + "a long free string " * 20
     toks = grammars.tokenizer().tokenize_str(text)
@@ -86,6 +116,7 @@ def main() -> None:
     for _ in range(100):
         int(np.where(masks.allowed(0), logits, -np.inf).argmax())
     out["masked_argmax_row_ms"] = round((time.perf_counter() - t) * 10, 3)
+    out.update(closing_costs(grammars, grammars.compile(js).result()))
     print(json.dumps(out))
     masks.close()
     grammars.close()

@@ -222,7 +222,7 @@ def test_response_format_goes_with_tools(tiny: tuple[Daemon, openai.OpenAI]) -> 
     answer = obj({"answer": STR})
     rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": answer}}
     for seed in range(4):
-        r = ask(tiny[1], tools=[WEATHER], response_format=rf, max_tokens=40, temperature=1.0, seed=seed)
+        r = ask(tiny[1], tools=[WEATHER], response_format=rf, max_tokens=90, temperature=1.0, seed=seed)
         msg = r.choices[0].message
         if msg.tool_calls:
             jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 PLAN_LIMIT = 256  # the longest plan looked for (a grammar needing more is not closed: none is refused)
-WINDOW = 64  # tokens before the end of a reply's budget (beyond its start's plan) where each token is checked
+WINDOW = 24  # tokens before the end of a reply's budget (beyond its start's plan) where each token is checked
 SEPARATOR_USES = 4  # times one plan may write a format's separator (a.b.c.d)
+SLACK = 4  # tokens to spare for string content to be taken without a check (a pattern may lengthen the plan)
 
 _CLOSERS = ["".join(p) for n in (4, 3, 2, 1) for p in itertools.product("}]", repeat=n)]
 _IN_STRING = ['"' + c for c in _CLOSERS] + ['"']
@@ -70,9 +71,11 @@ class Closer:
             return [single[s.encode()] for s in texts if s.encode() in single]
 
         self.in_string = tokens(_IN_STRING)
+        self.enders = frozenset(self.in_string)  # tokens that end a string (and maybe more)
         self.separators = tokens(_SEPARATORS)
         self.fillers = tokens(_FILLERS)
-        self.outside = tokens(_OUTSIDE)
+        self.closers = tokens(_CLOSERS)
+        self.outside = tokens(_OUTSIDE[len(_CLOSERS):])
         # the fallback's order: a token with a closing byte first, then the shortest, then the lowest id
         rank = [(0 if any(c in p for c in b'"}]') else 1 << 20) + len(p) for p in self.pieces]
         self.rank = np.asarray(rank, dtype=np.int64)
@@ -89,8 +92,7 @@ class Closer:
             while not m.is_accepting():
                 if m.is_error() or m.is_stopped() or len(out) >= limit:
                     return None
-                ff = m.compute_ff_tokens()[: limit - len(out)]
-                took = ff[: m.try_consume_tokens(ff)] if ff else self._step(m, where != OUT, uses)
+                took = self._step(m, where != OUT, uses, limit - len(out))
                 if not took:
                     return None
                 out += took
@@ -101,12 +103,16 @@ class Closer:
             if out:
                 m.rollback(len(out))
 
-    def _step(self, m: Any, inside: bool, uses: dict[int, int]) -> list[int]:
-        """One closing token, consumed ([] when the state takes none)."""
+    def _step(self, m: Any, inside: bool, uses: dict[int, int], room: int) -> list[int]:
+        """The next closing tokens (at most ``room``), consumed ([] when the state takes none): a token
+        that ends what is open, else the bytes the grammar forces, else the other candidates."""
+        for tok in self.in_string if inside else self.closers:
+            if m.try_consume_tokens([tok]) == 1:
+                return [tok]
+        ff = m.compute_ff_tokens()[:room]
+        if ff:
+            return ff[: m.try_consume_tokens(ff)]
         if inside:
-            for tok in self.in_string:
-                if m.try_consume_tokens([tok]) == 1:
-                    return [tok]
             for tok in self.separators:
                 if uses.get(tok, 0) < SEPARATOR_USES and m.try_consume_tokens([tok]) == 1:
                     uses[tok] = uses.get(tok, 0) + 1
@@ -149,14 +155,24 @@ class Closing:
             return tok
         was = self.where
         self._consume(tok)
+        self.plan = before
+        if before is not None and len(before) + SLACK <= self.left and was == self.where == IN \
+                and before[0] in self.closer.enders:
+            return tok  # more of a string the plan ends: the same plan (checked again before it is used)
         if before is not None and len(before) <= self.left and self._closes(before):
-            return tok  # the plan still closes it (a string written on, a digit more): no search
+            return tok  # the plan still closes it (a digit more, a key's next token): no search
         after = self.closer.plan(m, self.left, self.where)
         if after is not None or before is None:  # it fits (or nothing is known that would)
             self.plan = after
             return tok
         m.rollback(1)
         self.where = was
+        if not self._closes(before):  # a plan kept over string content that no longer closes: anew
+            before = self.closer.plan(m, self.left + 1, was)
+            if before is None:  # nothing closes in time any more: the model's token after all
+                self._consume(tok)
+                self.plan = None
+                return tok
         forced = before[0] if before else self.closer.eos
         self._consume(forced)
         self.plan, self.forced = before[1:], True

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from llamapool.protocol.params import ParamError, SamplingParams
-from llamapool.worker.closing import PLAN_LIMIT, WINDOW, Closer, Closing
+from llamapool.worker.closing import IN, PLAN_LIMIT, WINDOW, Closer, Closing
 from llamapool.worker.schemas import COMPACT, bounded
 from llamapool.worker.tools import ToolFormat
 
@@ -54,10 +54,13 @@ def grammar_cost(grammar: str) -> int:
 
 @dataclass(frozen=True)
 class Spec:
-    """What a request constrains: llguidance grammar text, and the parameter to name when it is bad."""
+    """What a request constrains: llguidance grammar text, the parameter to name when it is bad, and the
+    text that opens a branch whose shortest completion may be longer than the start's (a tool call's
+    opening: the closing must watch from that far before the end)."""
 
     grammar: str
     field: str
+    opening: str = ""
 
 
 def spec_of(p: SamplingParams, tool_format: ToolFormat | None) -> Spec | None:
@@ -67,7 +70,8 @@ def spec_of(p: SamplingParams, tool_format: ToolFormat | None) -> Spec | None:
     answer = _answer(p)
     if p.tools and p.tool_choice != "none" and tool_format is not None:
         schema = None if answer is None else bounded(answer[1])
-        return Spec(tool_format.grammar(p.tools, p.tool_choice or "auto", p.parallel_tool_calls, schema), "tools")
+        return Spec(tool_format.grammar(p.tools, p.tool_choice or "auto", p.parallel_tool_calls, schema), "tools",
+                    tool_format.trigger)
     if answer is not None:
         return Spec(_json(answer[1], answer[0]), answer[0])
     if p.grammar is not None:
@@ -106,11 +110,14 @@ def _json(schema: dict[str, Any], field: str) -> str:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A compiled grammar: its matcher (shared: each sequence gets a copy), and the tokens its shortest
-    reply takes, as :class:`~llamapool.worker.closing.Closer` finds it (None: not found)."""
+    """A compiled grammar: its matcher (shared: each sequence gets a copy), the tokens its shortest reply
+    takes, as :class:`~llamapool.worker.closing.Closer` finds it (None: not found), and how many a
+    reply through its ``opening`` branch takes (at least ``closing``): the closing watches a reply's
+    last ``reach + WINDOW`` tokens."""
 
     matcher: Any
     closing: int | None
+    reach: int = 0
 
 
 class Grammars:
@@ -174,11 +181,25 @@ class Grammars:
                 self._drop(spec.grammar)
             raise ParamError(spec.field, f"'{spec.field}' cannot be compiled: {matcher.get_error()}")
         plan = self.closer.plan(matcher, PLAN_LIMIT)
-        return Compiled(matcher, None if plan is None else len(plan))
+        closing = None if plan is None else len(plan)
+        return Compiled(matcher, closing, max(closing or 0, self._reach(matcher, spec.opening)))
+
+    def _reach(self, matcher: Any, opening: str) -> int:
+        """Tokens a reply that starts with ``opening`` takes at least (0: no opening, or none found)."""
+        if not opening:
+            return 0
+        toks = self.tokenizer().tokenize_str(opening, parse_special=True)
+        n = matcher.try_consume_tokens(toks)
+        try:
+            plan = self.closer.plan(matcher, PLAN_LIMIT, IN) if n == len(toks) else None
+            return 0 if plan is None else n + len(plan)
+        finally:
+            if n:
+                matcher.rollback(n)
 
     def start(self, compiled: Compiled, budget: int) -> Closing:
         """A sequence's own copy of ``compiled``, closing within ``budget`` tokens."""
-        return Closing(compiled.matcher.deep_copy(), self.closer, budget, (compiled.closing or 0) + WINDOW)
+        return Closing(compiled.matcher.deep_copy(), self.closer, budget, compiled.reach + WINDOW)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
