@@ -85,6 +85,8 @@ class PodView:
                 st = await self.client.status(timeout=QUERY_TIMEOUT)
             except LlamapoolError as e:
                 self.snap = Snapshot(self.snap.gauges, self.snap.at, self.snap.text, e.message)
+            except Exception as e:  # a bug here must not stop the snapshot: the probes show it
+                self.snap = Snapshot(self.snap.gauges, self.snap.at, self.snap.text, f"{type(e).__name__}: {e}")
             else:
                 g = PodGauges.from_status(st)
                 self.snap = Snapshot(g, time.monotonic(), g.render(self.spec.vllm_metric_names))
