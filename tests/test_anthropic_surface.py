@@ -74,6 +74,17 @@ def test_messages_parse_with_a_pydantic_output_format(gw: tuple[Daemon, str], cl
     assert isinstance(m.parsed_output, City)
 
 
+def test_output_config_together_with_tools(gw: tuple[Daemon, str], client: anthropic.Anthropic) -> None:
+    """A call whose input follows its schema, or text in the format."""
+    m = client.messages.create(model=name(gw), max_tokens=60, messages=ASK, extra_body=GREEDY, tools=[WEATHER],
+                               output_config={"format": {"type": "json_schema", "schema": CITY}})
+    calls = [b for b in m.content if b.type == "tool_use"]
+    for call in calls:
+        jsonschema.validate(call.input, WEATHER["input_schema"])
+    if not calls:
+        jsonschema.validate(json.loads(text_of(m)), CITY)
+
+
 def test_a_bad_output_config_is_a_400_naming_it(gw: tuple[Daemon, str], client: anthropic.Anthropic) -> None:
     for fmt, field in (({"type": "json_schema", "schema": 5}, "output_config.format.schema"),
                        ({"type": "yaml"}, "output_config.format.type")):

@@ -193,6 +193,23 @@ def test_responses_parse_gives_the_pydantic_model(client: openai.OpenAI) -> None
     assert r.status == "completed" and isinstance(r.output_parsed, Capital)
 
 
+@pytest.mark.parametrize("ask", ["What is the capital of Italy?", "What is the weather in Rome?"])
+def test_a_format_together_with_tools_gives_a_call_or_an_answer_in_the_format(client: openai.OpenAI,
+                                                                               ask: str) -> None:
+    """``text.format`` with ``tools`` (what the Agents SDK sends for an ``output_type`` with tools): the
+    reply is a call whose arguments follow its schema, or text in the format."""
+    r = client.responses.create(model=model(client), input=ask, tools=[WEATHER], parallel_tool_calls=False,
+                                text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+                                max_output_tokens=60, temperature=0)
+    assert r.status == "completed" and r.parallel_tool_calls is False
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) <= 1  # parallel_tool_calls false, without a tool_choice too
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    if not calls:
+        jsonschema.validate(json.loads(r.output_text), CITY)
+
+
 def test_a_forced_call_then_its_output_is_the_chat_with_tool_messages(client: openai.OpenAI) -> None:
     m = model(client)
     ask = "What is the weather in Paris?"

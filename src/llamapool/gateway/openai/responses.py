@@ -173,6 +173,8 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
         except ApiError as e:  # tools[0].function.name -> tools[0].name
             at = (e.param or "tools").replace(".function", "")
             raise bad(at, e.message.replace(e.param or "tools", at)) from None
+    if body.get("parallel_tool_calls") is not None:
+        sent["parallel_tool_calls"] = checked("parallel_tool_calls", body["parallel_tool_calls"])
     choice = body.get("tool_choice")
     if choice is None:
         return
@@ -184,8 +186,6 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
             raise bad("tool_choice.name", "'tool_choice.name' must name one of 'tools'")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     sent["tool_choice"] = checked("tool_choice", choice)
-    if body.get("parallel_tool_calls") is not None:
-        sent["parallel_tool_calls"] = checked("parallel_tool_calls", body["parallel_tool_calls"])
 
 
 def _format(body: dict[str, Any], sent: dict[str, Any]) -> None:
