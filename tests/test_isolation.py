@@ -155,3 +155,31 @@ def test_the_issue_reproduction_tool_mode_reply_with_an_object_name(start_daemon
             r = c.generate(msgs, tools=TOOLS, echo=True, max_tokens=4, temperature=0, timeout=30)
             assert r.finish_reason == "length"  # (the echoed tool listing parses as a call: its text is cut there)
     assert {w["id"]: w["pid"] for w in d.status()["workers"]} == pids
+
+
+def test_the_issue_reproduction_on_smollm2(tmp_path, smollm2: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 29's reproduction as found: SmolLM2-135M-Instruct with tools (auto) and a three-turn chat
+    whose earlier assistant turns are JSON with an object ``name``; it answers in kind. Before: the
+    parser raised, each worker died in turn (6 deaths in 30 s) and the client got ``unavailable``."""
+    from tests.conftest import launch
+
+    d = launch(tmp_path / "smol", smollm2, model={"path": smollm2, "ctx_per_slot": 1024},
+               workers={"cpu_workers": 1})
+    try:
+        d.wait_ready(1, timeout=120)
+        pid = d.status()["workers"][0]["pid"]
+        tools = [{"type": "function", "function": {"name": "extract_person", "parameters": {
+            "type": "object", "properties": {"name": {"type": "object"}}}}}]
+        msgs: list[dict[str, Any]] = []
+        for who, job in (("Ann Lee", "doctor"), ("Bob Stone", "pilot")):
+            first, last = who.split()
+            msgs += [{"role": "user", "content": f"Extract the person: {who} is a {job}."},
+                     {"role": "assistant", "content": json.dumps({"name": {"first": first, "last": last}})}]
+        msgs.append({"role": "user", "content": "Extract the person: Carl Fox is a cook."})
+        with d.client() as c:
+            r = c.chat(msgs, tools=tools, max_tokens=40, temperature=0, timeout=120)
+        assert '{"name": {"first": "Carl"' in r.text and r.finish_reason == "stop", r
+        assert d.status()["workers"][0]["pid"] == pid
+        assert "FATAL" not in d.log.read_text(errors="replace")
+    finally:
+        d.stop()
