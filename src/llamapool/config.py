@@ -66,6 +66,10 @@ class ModelConfig:
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
     chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
+    # Chat contents are tokenized as text: a user's "<end_of_turn>" stays text, only the template's own
+    # special-token text becomes control tokens. true: contents' special-token text is parsed too
+    # (callers that are trusted to write control tokens); docs/security.md.
+    parse_special_in_content: bool = False
     devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] (a worker per GPU) | [[0, 1], [2, 3]] (per group)
     # | "remote": no local worker, `llamapool node` hosts serve it (a router host without GPUs)
     cpu_workers: int = 2  # CPU workers when devices = "cpu" or no GPU is found

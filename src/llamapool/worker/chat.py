@@ -4,8 +4,9 @@ The template is the GGUF's ``tokenizer.chat_template``, or the file ``model.chat
 the config. It is compiled once per worker, in a sandboxed Jinja2 environment with what Hugging
 Face templates expect: ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``,
 ``raise_exception(msg)``, ``strftime_now(fmt)``, the ``tojson`` filter, loop controls and the
-``{% generation %}`` tag. The rendered text is tokenized with special-token parsing on, so
-``<|im_start|>`` in it becomes the control token.
+``{% generation %}`` tag. Special-token text that the template writes (``<|im_start|>``) becomes the
+control token; the messages' contents are tokenized as text (worker/content_text.py), unless the
+model's ``parse_special_in_content`` says its callers are trusted.
 
 The Jinja part needs no llama.cpp, so the supervisor can check a configured template
 (:func:`compile_template`) without loading CUDA libraries; only :meth:`ChatFormatter.load` and
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llamapool.protocol.messages import ChatMessage, ErrorCode
+from llamapool.worker.content_text import ControlTexts, chat_tokens
 from llamapool.worker.tools import ToolFormat, detect
 
 CONFIG_KEY = "model.chat_template"
@@ -130,16 +132,20 @@ class ChatFormatter:
 
     def __init__(self, template: ChatTemplate | None, missing: str,
                  tokenize: Callable[[str], list[int]], bos: int, add_bos: bool,
-                 tool_format: ToolFormat | None = None):
+                 tool_format: ToolFormat | None = None, *, raw: Callable[[str], list[int]] | None = None,
+                 controls: ControlTexts | None = None, parse_special_in_content: bool = False):
         self.template = template
         self.tool_format = tool_format or ToolFormat("generic", native=False)  # how its calls are written
         self.missing = missing  # the no_chat_template message when ``template`` is None
         self._tokenize = tokenize  # text -> tokens, special tokens parsed, nothing added
+        self._raw = raw or tokenize  # text -> tokens, special-token text read as text, nothing added
+        self.controls = controls or ControlTexts.of({})  # the vocabulary's control tokens, by text
+        self.parse_special_in_content = parse_special_in_content  # trusted callers: contents parsed too
         self.bos = bos
         self.add_bos = add_bos
 
     @classmethod
-    def load(cls, model: Any, vocab: Any, path: str = "") -> ChatFormatter:
+    def load(cls, model: Any, vocab: Any, path: str = "", parse_special_in_content: bool = False) -> ChatFormatter:
         """The template of ``path`` (a file; it wins) or of the model's GGUF metadata.
 
         A configured file that cannot be read or compiled is a permanent worker error; a GGUF
@@ -156,6 +162,9 @@ class ChatFormatter:
 
         def tokenize(s: str) -> list[int]:  # the template writes BOS itself; its special tokens are parsed
             return llama_tokenize(vocab, s, add_special=False, parse_special=True)
+
+        def as_text(s: str) -> list[int]:  # a content's text: special-token text stays text
+            return llama_tokenize(vocab, s, add_special=False, parse_special=False)
 
         def make(source: str) -> ChatTemplate:
             return ChatTemplate(source, text(bos), text(eos))
@@ -186,20 +195,45 @@ class ChatFormatter:
 
         tool_format = detect(template.source, special) if template is not None else None
         return cls(template, missing, tokenize, bos, bool(L.llama_vocab_get_add_bos(vocab)) and bos >= 0,
-                   tool_format)
+                   tool_format, raw=as_text, controls=control_texts(vocab),
+                   parse_special_in_content=parse_special_in_content)
 
     def render(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text, with ``tools`` (and earlier calls and results) as the template's family
         writes them (tools.ToolFormat.messages)."""
-        if self.template is None:
+        msgs, render = self._renderer(messages, tools)
+        return render(msgs)
+
+    def _renderer(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None
+                  ) -> tuple[list[dict[str, Any]], Callable[[list[dict[str, Any]]], str]]:
+        """The messages as the template takes them, and the template's rendering of such messages."""
+        template = self.template
+        if template is None:
             raise ChatError(self.missing, ErrorCode.NO_CHAT_TEMPLATE)
         fmt = self.tool_format
-        msgs = fmt.messages(list(messages), tools)
-        return self.template.render(msgs, tools=tools if tools and fmt.native else None)
+        native = tools if tools and fmt.native else None
+        return fmt.messages(list(messages), tools), lambda msgs: template.render(msgs, tools=native)
 
     def tokens(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's tokens: rendered, special tokens parsed, BOS added once when the model wants one."""
-        tokens = self._tokenize(self.render(messages, tools))
+        """The prompt's tokens: rendered, special tokens parsed where the template writes them (in the
+        contents too with ``parse_special_in_content``), BOS added once when the model wants one."""
+        msgs, render = self._renderer(messages, tools)
+        if self.parse_special_in_content:
+            tokens = self._tokenize(render(msgs))
+        else:
+            tokens = chat_tokens(msgs, render, self.controls, self._tokenize, self._raw)
         if self.add_bos and (not tokens or tokens[0] != self.bos):
             tokens.insert(0, self.bos)
         return tokens
+
+
+def control_texts(vocab: Any) -> ControlTexts:
+    """The vocabulary's tokens that only special-token parsing reads (control and unknown), by text."""
+    import llama_cpp as L
+
+    gated = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNKNOWN
+    texts: dict[str, int] = {}
+    for tok in range(L.llama_vocab_n_tokens(vocab)):
+        if L.llama_vocab_get_attr(vocab, tok) & gated:
+            texts.setdefault(L.llama_vocab_get_text(vocab, tok).decode(errors="replace"), tok)
+    return ControlTexts.of(texts)

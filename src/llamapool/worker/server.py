@@ -69,6 +69,7 @@ class WorkerSpec:
     target_step: str = "auto"  # model.target_step: how much prompt work a step takes (worker/scheduler.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
     chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
+    parse_special_in_content: bool = False  # model.parse_special_in_content: trusted callers' contents parsed
     server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
     key_file: str = ""  # with server_key: this worker's secret key file (llamapool keygen format)
     node: str = ""  # the node it belongs to (`llamapool node`): its name is "<node>/<slot>"
@@ -197,8 +198,8 @@ def serve(spec: WorkerSpec) -> int:
         max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
         gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
         gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
-        chat_template=spec.chat_template, n_gpus=max(1, spec.n_gpus),
-        tensor_split=tuple(spec.tensor_split), grammar_cache_mb=spec.grammar_cache_mb,
+        chat_template=spec.chat_template, parse_special_in_content=spec.parse_special_in_content,
+        n_gpus=max(1, spec.n_gpus), tensor_split=tuple(spec.tensor_split), grammar_cache_mb=spec.grammar_cache_mb,
     )
     try:
         if spec.embedding:

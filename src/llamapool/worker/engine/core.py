@@ -56,7 +56,7 @@ class Engine:
             )
         self.sampling.bind(self.ctx)
         try:
-            self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template)
+            self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template, cfg.parse_special_in_content)
         except TemplateFileError as e:
             raise EngineError(str(e)) from None
         self.prompts = Prompts(self.vocab, self.n_vocab, self.chat, cfg.ctx_per_slot)

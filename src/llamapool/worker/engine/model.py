@@ -34,6 +34,7 @@ class EngineConfig:
     backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
     kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see below)
     chat_template: str = ""  # a Jinja2 chat template file, used instead of the GGUF's
+    parse_special_in_content: bool = False  # chat contents' special-token text read as those tokens (trusted)
     n_gpus: int = 1  # GPUs this process sees (with gpu): more than one splits the layers between them
     tensor_split: tuple[float, ...] = ()  # each GPU's share of the layers; () -> llama.cpp's (by free memory)
     grammar_cache_mb: int = 0  # the compiled grammars kept, in MiB (0: sized for the machine)
