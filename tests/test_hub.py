@@ -3,12 +3,15 @@ API for a repo holding the tiny GGUF; HF_ENDPOINT points at it, HF_HOME is a tem
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,12 +32,14 @@ REF = f"hf:{REPO}:F32"
 class FakeHub:
     """One repo at one commit: ``FILE`` (the tiny GGUF) and decoys. ``mode``: "ok"; "cut" (the first
     transfer stops halfway, then Range requests are served); "short" (a body shorter than the size
-    announced); "corrupt" (the right size, other bytes)."""
+    announced); "corrupt" (the right size, other bytes); "silent" (the repo's listing is answered, its
+    file never: the connection is held open)."""
 
     data: bytes
     mode: str = "ok"
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, Range)
     server: ThreadingHTTPServer | None = None
+    hang: threading.Event = field(default_factory=threading.Event)  # "silent": set to let go
 
     @property
     def url(self) -> str:
@@ -52,6 +57,9 @@ class FakeHub:
 
             def _file(self, head: bool) -> None:
                 fake.seen.append((self.command, self.path, self.headers.get("Range", "")))
+                if fake.mode == "silent":
+                    fake.hang.wait(60)
+                    return
                 if not self.path.endswith(f"/{REPO}/resolve/main/{FILE}"):
                     self.send_error(404)
                     return
@@ -107,6 +115,7 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        self.hang.set()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -117,6 +126,24 @@ def fake_hub(model_path: str) -> Iterator[FakeHub]:
     h = FakeHub(Path(model_path).read_bytes()).start()
     yield h
     h.stop()
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A black-holed Hub: a TCP server that accepts connections and never answers."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(srv.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()
+    for s in held:
+        s.close()
 
 
 def _env(tmp_path: Path, endpoint: str) -> dict[str, str]:
@@ -215,3 +242,49 @@ def test_a_daemon_serves_a_model_by_its_hf_reference(fake_hub: FakeHub, tmp_path
         assert log.index("downloaded") < log.index("started pid"), log  # before any worker
     finally:
         assert d.stop() == 0
+
+
+# ------------------------------------------------------------ a Hub that never answers (issue 29, item 8)
+
+QUICK = {"LLAMAPOOL_HUB_TIMEOUT": "2"}  # the timeout lowered, so that each test takes seconds
+
+
+def test_serve_with_a_silent_hub_exits_78_naming_the_reference(tmp_path: Path, silent_endpoint: str) -> None:
+    """Before: `serve` waited past 120 s without a word. Now: within the timeout, the reference named."""
+    cfg = write_config(tmp_path / "c.toml", REF, tmp_path / "run")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
+                       env={**_env(tmp_path, silent_endpoint), **QUICK}, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 78, r.stderr
+    assert REF in r.stderr and "no answer within 2 s, LLAMAPOOL_HUB_TIMEOUT" in r.stderr, r.stderr
+    assert took < 20, f"{took:.1f}s"
+
+
+def test_a_download_that_never_starts_fails_naming_the_reference(fake_hub: FakeHub, tmp_path: Path) -> None:
+    fake_hub.mode = "silent"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "fetch-model", REF],
+                       env={**_env(tmp_path, fake_hub.url), **QUICK}, capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == 1 and REF in r.stderr, r.stderr
+    assert [p for m, p, _ in fake_hub.seen if "/resolve/" in p], fake_hub.seen  # it got as far as the file
+    assert took < 45, f"{took:.1f}s"
+
+
+def test_the_cache_answers_when_the_hub_is_silent(fake_hub: FakeHub, tmp_path: Path, silent_endpoint: str) -> None:
+    first = _fetch(_env(tmp_path, fake_hub.url))
+    assert first.returncode == 0, first.stderr
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "fetch-model", REF],
+                       env={**_env(tmp_path, silent_endpoint), **QUICK}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == first.stdout.strip() and "using the cached" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_bad_timeout_setting_is_named(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "llamapool.cli", "fetch-model", REF],
+                       env={**_env(tmp_path, "http://127.0.0.1:9"), "LLAMAPOOL_HUB_TIMEOUT": "soon"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "LLAMAPOOL_HUB_TIMEOUT='soon'" in r.stderr, r.stderr

@@ -5,6 +5,11 @@ A reference is downloaded once, with ``huggingface_hub``, into its shared cache 
 size; a fresh file's sha256 is checked against the Hub's (the etag of a Git LFS file) and its GGUF magic.
 ``HF_TOKEN`` opens gated and private repos, ``HF_ENDPOINT`` names a mirror.
 
+Every Hub call has a connect and read timeout (``LLAMAPOOL_HUB_TIMEOUT`` seconds, default 20; the
+download's own reads wait at most ``HF_HUB_DOWNLOAD_TIMEOUT``, huggingface_hub's, default 10): an
+endpoint that accepts connections and never answers is a :class:`HubError` naming the reference
+(or the cached file is used) within a minute, not a silent wait.
+
 - :func:`cached` finds a reference in the cache without the network (config loading uses it, so a
   SIGHUP reload or a second start needs no network);
 - :func:`fetch` asks the Hub which file a reference names and downloads what the cache lacks; when
@@ -27,6 +32,8 @@ from typing import Any
 
 PREFIX = "hf:"
 DEFAULT_ENDPOINT = "https://huggingface.co"
+TIMEOUT_ENV = "LLAMAPOOL_HUB_TIMEOUT"
+DEFAULT_TIMEOUT = 20.0  # seconds to connect, and between bytes of an answer, for each Hub call
 _PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -111,6 +118,18 @@ def endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
+def timeout() -> float:
+    """Seconds a Hub call waits to connect and for each part of an answer (``LLAMAPOOL_HUB_TIMEOUT``)."""
+    raw = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        raise HubError(f"{TIMEOUT_ENV}={raw!r}: expected seconds (a number > 0)") from None
+    if not value > 0:
+        raise HubError(f"{TIMEOUT_ENV}={raw!r}: expected seconds (a number > 0)")
+    return value
+
+
 def cache_dir() -> Path:
     """huggingface_hub's cache, as it finds it (read at each call: tests and the CLI may set it)."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -176,14 +195,15 @@ def fetch(ref: HubRef, say: Callable[[str], None] | None = None, progress: bool 
     ``say`` gets one line before and after a download; ``progress`` shows huggingface_hub's progress
     bars (default: when stderr is a terminal). Raises :class:`HubError`.
     """
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.errors import OfflineModeIsEnabled
 
     say = say or (lambda _line: None)
     token = os.environ.get("HF_TOKEN") or None
     net = (*_network_errors(), OfflineModeIsEnabled)
     try:
-        info = HfApi(endpoint=endpoint(), token=token).model_info(ref.repo, revision=ref.revision, files_metadata=True)
+        info = HfApi(endpoint=endpoint(), token=token).model_info(ref.repo, revision=ref.revision, files_metadata=True,
+                                                                  timeout=timeout())
     except Exception as e:
         failure = None if isinstance(e, net) else _hub_failure(ref, e)
         if failure is None and isinstance(e, (*net, OSError)):
@@ -208,6 +228,9 @@ def fetch(ref: HubRef, say: Callable[[str], None] | None = None, progress: bool 
     for n in names:
         fresh = n in todo
         try:
+            if fresh:  # asked first with our timeout: hf_hub_download retries a silent one for minutes
+                get_hf_file_metadata(hf_hub_url(ref.repo, n, revision=ref.revision, endpoint=endpoint()),
+                                     token=token, timeout=timeout())
             path = Path(_download(hf_hub_download, ref, n, token, show))
         except Exception as e:
             failure = _hub_failure(ref, e)
@@ -231,7 +254,7 @@ def _download(download: Any, ref: HubRef, name: str, token: str | None, progress
     (enable_progress_bars if progress else disable_progress_bars)()
     try:
         return str(download(ref.repo, name, revision=ref.revision, cache_dir=str(cache_dir()), endpoint=endpoint(),
-                            token=token))
+                            token=token, etag_timeout=timeout()))
     finally:
         (disable_progress_bars if was else enable_progress_bars)()
 
@@ -256,6 +279,8 @@ def _verify(ref: HubRef, path: Path) -> None:
 
 
 def _short(e: BaseException) -> str:
+    if "Timeout" in type(e).__name__ or isinstance(e, TimeoutError):  # httpx's ConnectTimeout, ReadTimeout, ...
+        return f"no answer within {timeout():g} s, {TIMEOUT_ENV}: {type(e).__name__}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
