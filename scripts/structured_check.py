@@ -207,8 +207,10 @@ def run(model: str, template: str, max_tokens: list[int], temperature: float, on
             _collect(eng.step(), pending, results, failures)
     finally:
         eng.close()
+    invalid = [f for f in failures if "refused" not in f]
     return {"model": model, "temperature": temperature, "max_tokens": max_tokens, "results": results,
-            "failures": failures[:12], "failure_count": len(failures)}
+            "invalid": invalid[:12], "refused": [f for f in failures if "refused" in f][:4],
+            "failure_count": len(failures)}
 
 
 def _collect(step: Step, pending: dict[int, Any], results: dict[str, dict[str, int]],

@@ -110,6 +110,35 @@ def test_json_object_on_gemma(gemma: tuple[Daemon, openai.OpenAI]) -> None:
     assert json.loads(r.choices[0].message.content or "") == {"city": "Paris", "country": "France"}
 
 
+# schemas as users write them (pydantic, zod): no additionalProperties, no bounds (held out of the closing's design)
+AS_WRITTEN = [
+    {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+     "required": ["city", "population"]},
+    {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+        "type": "string"}}, "score": {"type": "number"}}, "required": ["name", "tags", "score"]},
+    {"type": "object", "properties": {"title": {"type": "string"}, "author": {"type": "object", "properties": {
+        "name": {"type": "string"}, "born": {"type": "integer"}}, "required": ["name"]}}, "required": ["title"]},
+]
+
+
+@pytest.mark.parametrize("max_tokens", [16, 24, 48])
+def test_replies_cut_by_max_tokens_parse_on_gemma(gemma: tuple[Daemon, openai.OpenAI], max_tokens: int) -> None:
+    """A subset of scripts/structured_check.py: every reply parses and validates, or the request is a 400
+    naming max_tokens (too few for any valid reply)."""
+    c = gemma[1]
+    for i, schema in enumerate(AS_WRITTEN):
+        ask = f"Give me the data of a {['city', 'product', 'book'][i]} as JSON, with a long description."
+        try:
+            r = c.chat.completions.create(model=name_of(c), messages=[{"role": "user", "content": ask}],
+                                          response_format=schema_format(schema), max_tokens=max_tokens,
+                                          temperature=0)
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "max_tokens" and max_tokens < 24, e.body  # type: ignore[index]
+            continue
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+        assert r.usage is not None and r.usage.completion_tokens <= max_tokens
+
+
 def test_sampled_regex_and_grammars(tiny: tuple[Daemon, openai.OpenAI]) -> None:
     d = tiny[0]
     with d.client() as sdk:

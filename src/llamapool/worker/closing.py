@@ -64,8 +64,10 @@ class Closer:
     def __init__(self, tokenizer: Any, n_vocab: int, eos: int):
         self.eos = eos
         self.n_vocab = n_vocab
-        self.pieces = [tokenizer.decode_bytes([t]) for t in range(n_vocab)]
-        single = {p: t for t, p in enumerate(self.pieces) if p and t != eos}  # text -> a token that is exactly it
+        pieces = [tokenizer.decode_bytes([t]) for t in range(n_vocab)]
+        single = {p: t for t, p in enumerate(pieces) if p and t != eos}  # text -> a token that is exactly it
+        # the tokens that may move JSON text in or out of a string: with a quote or a backslash
+        self.quoting = {t: p for t, p in enumerate(pieces) if b'"' in p or b"\\" in p}
 
         def tokens(texts: list[str]) -> list[int]:
             return [single[s.encode()] for s in texts if s.encode() in single]
@@ -77,10 +79,17 @@ class Closer:
         self.closers = tokens(_CLOSERS)
         self.outside = tokens(_OUTSIDE[len(_CLOSERS):])
         # the fallback's order: a token with a closing byte first, then the shortest, then the lowest id
-        rank = [(0 if any(c in p for c in b'"}]') else 1 << 20) + len(p) for p in self.pieces]
+        rank = [(0 if any(c in p for c in b'"}]') else 1 << 20) + len(p) for p in pieces]
         self.rank = np.asarray(rank, dtype=np.int64)
         if 0 <= eos < n_vocab:
             self.rank[eos] = 1 << 40
+
+    def where_after(self, tok: int, where: int) -> int:
+        """Where JSON text is after token ``tok`` (:func:`in_string`), if it was at ``where``."""
+        piece = self.quoting.get(tok)
+        if piece is not None:
+            return in_string(piece, where)
+        return IN if where == ESCAPE else where
 
     def plan(self, m: Any, limit: int = PLAN_LIMIT, where: int = OUT) -> list[int] | None:
         """Tokens that complete the grammar from ``m``'s state, at most ``limit`` of them ([]: the text so
@@ -97,7 +106,7 @@ class Closer:
                     return None
                 out += took
                 for t in took:
-                    where = in_string(self.pieces[t], where)
+                    where = self.where_after(t, where)
             return out
         finally:
             if out:
@@ -182,8 +191,7 @@ class Closing:
         if self.matcher.is_accepting():  # free text (before a tool call's opening): quotes in it mean nothing
             self.where = OUT
         self.matcher.consume_token(tok)
-        if 0 <= tok < len(self.closer.pieces):
-            self.where = in_string(self.closer.pieces[tok], self.where)
+        self.where = self.closer.where_after(tok, self.where)
 
     def _closes(self, plan: list[int]) -> bool:
         """Whether ``plan`` completes the grammar from the matcher's state (which is left as it was)."""
