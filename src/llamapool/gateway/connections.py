@@ -16,8 +16,8 @@ subclasses that protocol (uvicorn takes the class as ``Config(http=...)``) and a
   autotuned up to 4 MiB), and the gateway holds at most as much again for a client: the app's writes
   are not held back meanwhile (so a stream's replies never queue up in the gateway), and past it
   the client is disconnected, which cancels its request on the worker;
-- ``send_timeout``: a client that has taken none of its waiting reply for this long (TCP_INFO's
-  bytes acked) is disconnected too.
+- ``send_timeout``: a client that has taken none of its waiting reply for this long (checked every
+  second from TCP_INFO: bytes acked, bytes not yet sent) is disconnected too.
 
 Sheds, refusals and disconnects are logged, at most one line per reason every 10 s (with the count).
 """
@@ -41,7 +41,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 RESERVED_FDS = 64  # for the router connection, the listening socket, stdio, uvloop's own
 AUTO_MAX_CONNECTIONS = 4096  # per gateway process when the fd limit allows more
 LOG_QUIET = 10.0  # seconds between two lines of one kind
-TCPI_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info (since 4.1)
+# Linux's struct tcp_info: the offsets of tcpi_bytes_acked (u64, since 4.1) and tcpi_notsent_bytes (u32, 4.6)
+TCPI_BYTES_ACKED, TCPI_NOTSENT_BYTES = 120, 144
 
 
 def raise_fd_limit() -> int:
@@ -118,9 +119,13 @@ class Tracker:
         self.open: set[GuardedProtocol] = set()
         self.idle: dict[GuardedProtocol, None] = {}  # insertion-ordered
         self.shed = self.refused = 0  # totals, for tests and status
+        self.tick = min(1.0, limits.send_timeout / 4)  # how often answering connections are checked
+        self.sweeper: asyncio.TimerHandle | None = None
 
     def admit(self, conn: GuardedProtocol) -> bool:
         """A new connection, idle; False: refused (503), every other one has a request in progress."""
+        if self.sweeper is None:
+            self._sweep()
         self.open.add(conn)
         self.idle[conn] = None
         cap = self.limits.max_connections
@@ -142,6 +147,14 @@ class Tracker:
                                       f"within http.max_connections = {cap}")
             victim.drop()
         return True
+
+    def _sweep(self) -> None:
+        """Every ``tick``: the connections answering a request check that their client reads."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for conn in [c for c in self.open if c.phase is Phase.ACTIVE]:
+            conn.check_progress(now)
+        self.sweeper = loop.call_later(self.tick, self._sweep)
 
     def forget(self, conn: GuardedProtocol) -> None:
         self.open.discard(conn)
@@ -211,7 +224,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if sock is not None:  # a fixed kernel buffer: past it, unread bytes show in the transport's
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limits.send_buffer_bytes)
-        high = min(64 * 1024, limits.send_buffer_bytes // 4)  # then send_timeout runs
+        high = min(64 * 1024, limits.send_buffer_bytes // 4)
         transport.set_write_buffer_limits(high=high, low=high // 4)
         self.flow = BoundedFlow(transport, limits.send_buffer_bytes, self._overflow)
         self.peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
@@ -219,16 +232,15 @@ class GuardedProtocol(HttpToolsProtocol):
         self.reading = self.head_done = False
         self.since = self.loop.time()
         self.timer: asyncio.TimerHandle | None = None
-        self.stall: asyncio.TimerHandle | None = None
-        self.acked: int | None = None  # the client's bytes taken when the stall timer was armed
+        self.token: int | None = None  # the client's progress at the last tick (see check_progress)
+        self.progress_at = self.since
         self.what = ""  # the request being answered, for the log
         if self.tracker.admit(self):
             self._arm(limits.idle_timeout, self._idle_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for handle in (self.timer, self.stall):
-            if handle is not None:
-                handle.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         self.tracker.forget(self)
         super().connection_lost(exc)  # marks the request's cycle disconnected
         if isinstance(self.flow, BoundedFlow):
@@ -253,6 +265,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._arm(limits.read_timeout, self._read_expired)
         else:
             self._arm(None, None)
+            self.token, self.progress_at = None, self.since
 
     def _arm(self, delay: float | None, then: Callable[[], None] | None) -> None:
         if self.timer is not None:
@@ -283,7 +296,10 @@ class GuardedProtocol(HttpToolsProtocol):
     # ---------------------------------------------------------------- closing
 
     def _idle_expired(self) -> None:
-        self.transport.close()
+        if self.transport.get_write_buffer_size():  # the end of a reply the client does not read
+            self._reset()
+        else:
+            self.transport.close()
 
     def _read_expired(self) -> None:
         limits, notes = self.tracker.limits, self.tracker.notes
@@ -314,57 +330,56 @@ class GuardedProtocol(HttpToolsProtocol):
     def drop(self) -> None:
         """Shed: close at once (nothing is owed to an idle connection)."""
         self.tracker.forget(self)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Close with a reset: what waits for the client in the kernel is dropped with the descriptor
+        (a plain close would leave the kernel sending it to a client that does not read)."""
+        sock = self.transport.get_extra_info("socket")
+        with contextlib.suppress(AttributeError, OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.transport.abort()
 
-    def pause_writing(self) -> None:
-        """The client's unread bytes passed the high-water mark: it has ``send_timeout`` to read some."""
-        super().pause_writing()
-        if self.stall is None:
-            self.acked = self._acked()
-            self.stall = self.loop.call_later(self.tracker.limits.send_timeout, self._stalled)
+    def check_progress(self, now: float) -> None:
+        """Every tick while a request is answered: cut a client that has taken none of its waiting
+        reply for ``send_timeout`` (progress: TCP_INFO's bytes acked, else the buffer shrinking)."""
+        acked, unsent = self._tcp_progress()
+        buffered = self.transport.get_write_buffer_size()
+        token = acked if acked is not None else -buffered
+        if not (buffered or unsent) or self.token is None or token > self.token:
+            self.progress_at = now
+        self.token = token
+        t = self.tracker.limits.send_timeout
+        if now - self.progress_at >= t:
+            self._disconnect("send_timeout", f"it took none of its reply for {t:g} s while "
+                             f"{(buffered + unsent) / 1024:.0f} KiB waited (http.send_timeout)",
+                             lambda n: f"disconnected {n} more clients in the last {LOG_QUIET:.0f} s that took "
+                                       f"none of their reply for {t:g} s (http.send_timeout)")
 
-    def _acked(self) -> int | None:
-        """The bytes the client's side has taken (TCP_INFO's tcpi_bytes_acked), None where unknown."""
+    def _tcp_progress(self) -> tuple[int | None, int]:
+        """The bytes the client's side has taken and those not yet sent to it, from TCP_INFO
+        (``None, 0`` where unknown: not Linux, not TCP)."""
         sock = self.transport.get_extra_info("socket")
         try:
-            return int(struct.unpack_from("Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128),
-                                          TCPI_BYTES_ACKED)[0])
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCPI_NOTSENT_BYTES + 4)
+            return (int(struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0]),
+                    int(struct.unpack_from("I", info, TCPI_NOTSENT_BYTES)[0]))
         except (AttributeError, OSError, struct.error):
-            return None
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.stall is not None:
-            self.stall.cancel()
-            self.stall = None
-
-    def _stalled(self) -> None:
-        t = self.tracker.limits.send_timeout
-        acked = self._acked()
-        if acked is not None and self.acked is not None and acked > self.acked:  # slow, but reading
-            self.acked = acked
-            self.stall = self.loop.call_later(t, self._stalled)
-            return
-        self.stall = None
-        self._disconnect("send_timeout", f"it read nothing for {t:g} s while {self._waiting()} waited "
-                         "(http.send_timeout)",
-                         lambda n: f"disconnected {n} more clients in the last {LOG_QUIET:.0f} s that read nothing "
-                                   f"for {t:g} s (http.send_timeout)")
+            return None, 0
 
     def _overflow(self) -> None:
         limit = self.tracker.limits.send_buffer_bytes
-        self._disconnect("send_buffer", f"{self._waiting()} of its reply waited unread, over http.send_buffer_bytes "
-                         f"= {limit}", lambda n: f"disconnected {n} more clients in the last {LOG_QUIET:.0f} s "
-                                                 f"whose unread reply passed http.send_buffer_bytes = {limit}")
-
-    def _waiting(self) -> str:
-        return f"{self.transport.get_write_buffer_size() / 1024:.0f} KiB"
+        waiting = self.transport.get_write_buffer_size() / 1024
+        self._disconnect("send_buffer", f"{waiting:.0f} KiB of its reply waited unread, over "
+                         f"http.send_buffer_bytes = {limit}",
+                         lambda n: f"disconnected {n} more clients in the last {LOG_QUIET:.0f} s "
+                                   f"whose unread reply passed http.send_buffer_bytes = {limit}")
 
     def _disconnect(self, kind: str, why: str, summary: Callable[[int], str]) -> None:
         """Cut a client that does not read: the app sees it go (and cancels its request)."""
         self.tracker.notes.note(kind, f"disconnected {self.peer} ({self.what or 'no request'}): {why}; its "
                                 "request is cancelled", summary)
-        self.transport.abort()
+        self._reset()
 
 
 def protocol_class(tracker: Tracker) -> type[GuardedProtocol]:
