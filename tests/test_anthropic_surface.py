@@ -155,6 +155,10 @@ def test_count_tokens_counts_what_create_computes(gw: tuple[Daemon, str], client
     count = client.messages.count_tokens(**ask)
     m = client.messages.create(max_tokens=2, extra_body=GREEDY, **ask)
     assert count.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    # a forced call or a format does not change the prompt, nor stop the count (its one step is unconstrained)
+    forced = {**ask, "tool_choice": {"type": "any"}, "output_config": {"format": {"type": "json_schema",
+                                                                                   "schema": CITY}}}
+    assert client.messages.count_tokens(**forced).input_tokens == count.input_tokens
     assert count.input_tokens > client.messages.count_tokens(model=name(gw), messages=ask["messages"]).input_tokens
 
 

@@ -234,6 +234,9 @@ def parse_messages(body: Any, count_only: bool = False) -> Generation:
     _thinking(body)
     _tools(body, sent)
     _format(body, sent)
+    if count_only:  # the prompt renders the same without a constraint (the tools stay: they are in it)
+        sent = {k: v for k, v in sent.items() if k not in ("response_format", "tool_choice", "parallel_tool_calls")}
+        sent.update(temperature=0.0, **({"tool_choice": "none"} if sent.get("tools") else {}))
     sent = {k: v for k, v in sent.items() if v is not None}
     try:
         params.parse(sent)  # the checks across parameters (a tool choice names one of the tools)
