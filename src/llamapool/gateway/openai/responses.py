@@ -241,7 +241,8 @@ def parse(body: Any) -> ResponsesRequest:
     sent = _sampling(body)
     messages, fields = _messages(body)
     gen = Generation([messages], sent, stream_flag(body), False, model_name(body),  # type: ignore[list-item]
-                     renames={"response_format.json_schema": "text.format", "response_format": "text.format"})
+                     renames={"response_format.json_schema": "text.format", "response_format": "text.format",
+                              "max_tokens": "max_output_tokens"})
     echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
