@@ -5,6 +5,7 @@ stay open, and clients that never read their stream are cut and their requests c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
 import signal
@@ -270,3 +271,34 @@ def test_a_caller_that_falls_behind_its_queue_bound_is_cancelled(sends: tuple[Da
     assert d.status()["running"] == 0
     with pytest.raises(ValueError, match="max_queued"):
         AsyncClient(d.endpoint, max_queued=0)
+
+
+def test_past_max_connections_the_oldest_idle_goes_and_busy_ones_stay(tmp_path: Path, model_path: str) -> None:
+    """max_connections = 3: a fourth connection sheds the oldest idle one (not a busy one, not a
+    younger idle one); when all three are busy, the fourth gets a 503 and they go on."""
+    d, url = start(tmp_path, model_path, http={"max_connections": 3}, model={"ctx_per_slot": 4096})
+    assert "at most 3 connections" in d.log_text()
+    port = int(url.rsplit(":", 1)[1])
+    old = socket.create_connection(("127.0.0.1", port))
+    time.sleep(0.1)
+    young = socket.create_connection(("127.0.0.1", port))
+    busy = never_reading_stream("127.0.0.1", port, 4000)  # a request in progress (seconds of it)
+    time.sleep(0.5)
+    assert served_in(url) < 5  # a fourth connection: the oldest idle one is shed
+    assert not is_open(old) and is_open(young)
+    d.wait_log("closed the oldest idle one")
+
+    young.close()
+    with contextlib.ExitStack() as stack:
+        two = [stack.enter_context(httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+            "prompt": "Hello", "max_tokens": 1500, "stream": True, "ignore_eos": True, "temperature": 0}))
+            for _ in range(2)]  # with `busy`, three requests in progress
+        assert all(r.status_code == 200 for r in two)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "too_many_connections" and "http.max_connections" in r.text
+        assert all(r.read().endswith(b"data: [DONE]\n\n") for r in two)  # the busy ones went on
+    busy.close()
+    d.wait_log("refused a connection from 127.0.0.1:")
+    assert served_in(url) < 5
+    d.stop(signal.SIGTERM)

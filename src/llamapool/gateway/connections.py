@@ -118,7 +118,6 @@ class Tracker:
         self.notes = Notes(warn)
         self.open: set[GuardedProtocol] = set()
         self.idle: dict[GuardedProtocol, None] = {}  # insertion-ordered
-        self.shed = self.refused = 0  # totals, for tests and status
         self.tick = min(1.0, limits.send_timeout / 4)  # how often answering connections are checked
         self.sweeper: asyncio.TimerHandle | None = None
 
@@ -133,14 +132,12 @@ class Tracker:
             victim = next(iter(self.idle))
             if victim is conn:
                 self.forget(conn)
-                self.refused += 1
                 self.notes.note("refused", f"refused a connection from {conn.peer}: {cap} connections open, each "
                                 f"with a request in progress (http.max_connections)",
                                 lambda n: f"refused {n} more connections in the last {LOG_QUIET:.0f} s: "
                                           f"{cap} busy connections open (http.max_connections)")
                 conn.refuse()
                 return False
-            self.shed += 1
             self.notes.note("shed", f"{cap} connections open (http.max_connections): closed the oldest idle one, "
                             f"from {victim.peer}, {victim.phase.value} for {victim.age():.1f} s",
                             lambda n: f"closed {n} more idle connections in the last {LOG_QUIET:.0f} s to stay "
@@ -168,10 +165,6 @@ class Tracker:
             if conn in self.open:
                 self.idle[conn] = None
 
-    def counts(self) -> dict[str, int]:
-        phases = [c.phase for c in self.open]
-        return {"open": len(self.open), **{p.value: phases.count(p) for p in Phase},
-                "shed": self.shed, "refused": self.refused}
 
 
 class BoundedFlow(FlowControl):
