@@ -158,4 +158,5 @@ def test_a_string_the_sdk_cannot_encode_is_a_bad_request() -> None:
 
     with pytest.raises(BadRequestError) as e:
         generate_frame("x", ["a lone surrogate \ud800"], False, False, None, {})
-    assert e.value.code == ErrorCode.INVALID_REQUEST and "cannot be encoded" in e.value.message
+    assert e.value.code == ErrorCode.INVALID_REQUEST and e.value.field == "prompt"
+    assert "lone surrogate U+D800 at character 17" in e.value.message

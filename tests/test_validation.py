@@ -70,3 +70,61 @@ def test_the_same_values_are_good_everywhere(http_daemon: tuple[Daemon, str]) ->
         assert c.generate("hi", **good).usage.completion_tokens <= 2
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", **good}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------ what the wire cannot carry (issue 29, item 4)
+
+BIG = 2**64  # JSON has no limit on integers; msgpack carries -2**63 to 2**64-1
+UNENCODABLE = [  # (route, body, param, start of the message)
+    ("completions", '{"prompt": [1, 2, 18446744073709551616], "max_tokens": 2}', "prompt[2]",
+     "'prompt[2]' must be a token id, an integer from 0 to 2147483647, got 18446744073709551616"),
+    ("completions", '{"prompt": [[1], [3, 18446744073709551616]], "max_tokens": 2}', "prompt[1][1]",
+     "'prompt[1][1]' must be a token id"),
+    ("completions", '{"prompt": "a \\ud800 b", "max_tokens": 2}', "prompt",
+     "'prompt' is not valid Unicode text: a lone surrogate U+D800 at character 2"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "a \\udc00"}],'
+     ' "max_tokens": 2}', "messages[1].content", "'messages[1].content' is not valid Unicode text"),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stop": ["ok", "\\ud800"], "max_tokens": 2}',
+     "stop[1]", "'stop[1]' is not valid Unicode text"),
+    ("embeddings", '{"model": "tiny", "input": ["a", "\\ud800"]}', "input[1]", "'input[1]' is not valid Unicode text"),
+]
+
+
+@pytest.mark.parametrize("route, body, param, message", UNENCODABLE, ids=[u[2] for u in UNENCODABLE])
+def test_what_the_wire_cannot_carry_is_a_400_naming_the_field(http_daemon: tuple[Daemon, str], route: str,
+                                                              body: str, param: str, message: str) -> None:
+    _, url = http_daemon
+    r = httpx.post(f"{url}/v1/{route}", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"].startswith(message), err
+
+
+def test_the_sdk_names_what_it_cannot_encode(http_daemon: tuple[Daemon, str]) -> None:
+    d, _ = http_daemon
+    with d.client() as c:
+        for call, field in [(lambda: c.generate([1, BIG]), "prompt[1]"),
+                            (lambda: c.chat([{"role": "user", "content": "\ud800"}]), "prompt[0].content"),
+                            (lambda: c.generate("x", stop=["\udfff"]), "params.stop[0]"),
+                            (lambda: c.embed(["a", "b\ud800"]), "input[1]"),
+                            (lambda: c.tokenize("\ud800"), "content")]:
+            with pytest.raises(BadRequestError) as e:
+                call()
+            assert e.value.field == field and e.value.message.startswith(f"'{field}' "), e.value
+
+
+def test_top_logprobs_without_logprobs_is_refused_as_openai_does(http_daemon: tuple[Daemon, str]) -> None:
+    d, url = http_daemon
+    message = "'top_logprobs' is only allowed when 'logprobs' is true"
+    for extra in ({}, {"logprobs": False}):
+        for top in (2, 0):
+            r = httpx.post(f"{url}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "top_logprobs": top, **extra},
+                timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+            assert r.json()["error"]["message"] == message
+    with d.client() as c:
+        with pytest.raises(BadRequestError) as e:
+            c.generate("x", top_logprobs=3)
+        assert (e.value.field, e.value.message) == ("top_logprobs", message)
+        assert c.generate("x", max_tokens=2, logprobs=True, top_logprobs=3).logprobs

@@ -133,12 +133,23 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
     try:
         frame = codec.encode_generate(rid, prompts, batch, stream, timeout, sent, model)
     except (OverflowError, TypeError, ValueError) as e:  # ValueError: a lone surrogate in a string
-        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
+        where = codec.unencodable(prompts if batch else prompts[0], "prompts" if batch else "prompt") or \
+            codec.unencodable(sent, "params") or codec.unencodable(model, "model")
+        raise _unencodable(where, e) from None
     if len(frame) > codec.TRANSPORT_MAX_FRAME:  # the router would drop the connection, not answer
         raise BadRequestError(ErrorCode.TOO_LARGE, f"request is {len(frame)} bytes; the router takes at most "
                               f"{codec.TRANSPORT_MAX_FRAME} (and answers too_large above server.max_message_bytes)",
                               field="prompt")
     return frame
+
+
+def _unencodable(where: tuple[str, str] | None, e: Exception) -> BadRequestError:
+    """The error for a request the codec cannot encode, naming the field (``prompt[3]``,
+    ``params.stop[0]``, ``messages[1].content``) when it can be found."""
+    if where is None:
+        return BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}")
+    field = where[0].lstrip(".")
+    return BadRequestError(ErrorCode.INVALID_REQUEST, f"'{field}' {where[1]}", field)
 
 
 @dataclass
@@ -245,7 +256,7 @@ def task_frame(msg: Embed | Tokenize | Detokenize) -> bytes:
     try:
         frame = codec.encode(msg)
     except (OverflowError, TypeError, ValueError) as e:
-        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"request cannot be encoded: {e}") from None
+        raise _unencodable(codec.unencodable(codec.to_dict(msg), ""), e) from None
     if len(frame) > codec.TRANSPORT_MAX_FRAME:
         raise BadRequestError(ErrorCode.TOO_LARGE, f"request is {len(frame)} bytes; the router takes at most "
                               f"{codec.TRANSPORT_MAX_FRAME}", field="input")

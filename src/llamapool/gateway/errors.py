@@ -107,6 +107,8 @@ def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1,
     param = param_name(e, chat, n_prompts, messages)
     headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
     message = e.message
+    if param and e.field and message.startswith(f"'{e.field}'"):  # the field as this API names it
+        message = f"'{param}'" + message[len(e.field) + 2:]
     if e.tokens_delivered is not None and "delivered" not in message:
         message += f" ({e.tokens_delivered} tokens had been delivered)"
     err = ApiError(status, message, type_=kind, param=param, code=_CODE.get(e.code, e.code), headers=headers)

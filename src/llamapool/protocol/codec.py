@@ -108,6 +108,35 @@ def encode(msg: Message | control.Command | control.ChildReport) -> bytes:
     return msgpack.packb(to_dict(msg), use_bin_type=True)
 
 
+def unencodable(value: Any, path: str) -> tuple[str, str] | None:
+    """The first part of ``value`` that msgpack cannot carry, as ``(its path, why)``: an integer outside
+    -2**63 .. 2**64-1, or text with a lone surrogate (JSON's ``"\\ud800"``); None when it all can."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        if -(1 << 63) <= value < 1 << 64:
+            return None
+        shown = str(value) if value.bit_length() <= 256 else f"an integer of {value.bit_length()} bits"
+        if path.startswith(("prompt", "input", "tokens")):
+            return path, f"must be a token id, an integer from 0 to {MAX_TOKEN_ID}, got {shown}"
+        return path, f"is out of range (integers are -2**63 to 2**64-1), got {shown}"
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            return path, (f"is not valid Unicode text: a lone surrogate U+{ord(value[e.start]):04X} at character "
+                          f"{e.start} (a JSON \\u escape of half a surrogate pair?)")
+        return None
+    items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple))
+             else ())
+    for k, v in items:
+        found = unencodable(k, path) if isinstance(value, dict) else None
+        found = found or unencodable(v, f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]")
+        if found is not None:
+            return found
+    return None
+
+
 def encode_generate(rid: str, prompts: list[Any], batch: bool, stream: bool, timeout: float | None,
                     params: dict[str, Any], model: str | None) -> bytes:
     """A client's ``generate`` request, with ``params`` as the caller gave them (the router checks them

@@ -268,6 +268,8 @@ def parse(raw: dict[str, Any], *, known_names: str = "") -> SamplingParams:
                 raise ParamError(k, f"'{k}' must not be null")
             continue
         kw[k] = check(k, v)
+    if "top_logprobs" in kw and kw.get("logprobs") is not True:  # given, even 0 (OpenAI's and vLLM's rule)
+        raise ParamError("top_logprobs", "'top_logprobs' is only allowed when 'logprobs' is true")
     p = SamplingParams(**kw)
     consistent(p)
     return p
