@@ -166,7 +166,6 @@ class Tracker:
                 self.idle[conn] = None
 
 
-
 class BoundedFlow(FlowControl):
     """uvicorn's flow control, except that the app's writes are not held back while the client's
     unread bytes stay within ``limit`` (a stream's replies then wait here as bytes, never as
