@@ -231,6 +231,18 @@ def test_generic_puts_tools_in_a_system_message_and_calls_in_the_turns(engines: 
     assert plain == "<|im_start|>user\n" + ASK[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("family", list(FILES))
+def test_earlier_arguments_that_do_not_decode_render_as_an_empty_object(engines: dict[str, Engine],
+                                                                        family: str) -> None:
+    # a client's history, not the model's: invalid JSON, or JSON nested past Python's recursion limit
+    # (which raised RecursionError in the worker: a 500 instead of a reply)
+    for args in ("{not json", '{"a": ' + "[" * 5000 + "]" * 5000 + "}"):
+        call = {"id": CALL_ID, "type": "function", "function": {"name": "book_table", "arguments": args}}
+        convo = [*CONVERSATION[:2], {"role": "assistant", "content": "", "tool_calls": [call]}, CONVERSATION[3]]
+        text = engines[family].chat.render(convo, TOOLS)
+        assert "book_table" in text.split("Book a table for two")[-1] and "[[[" not in text
+
+
 # ------------------------------------------------------------ parsing replies
 
 

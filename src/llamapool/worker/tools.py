@@ -189,11 +189,12 @@ def _as_call(o: Any, names: set[str]) -> dict[str, Any] | None:
 
 
 def _arguments(args: Any) -> Any:
-    """Arguments as an object (OpenAI sends them as JSON text; templates index them)."""
+    """Arguments as an object (OpenAI sends them as JSON text; templates index them); text that does not
+    decode (invalid, or nested deeper than Python's recursion limit) is an empty object."""
     if isinstance(args, str):
         try:
             return json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {}
     return args
 
