@@ -317,6 +317,22 @@ def test_a_router_too_large_is_413() -> None:
     assert (e.status, e.type, e.code, e.param) == (413, "invalid_request_error", "request_too_large", None)
 
 
+def test_an_error_message_names_the_field_as_the_client_sent_it() -> None:
+    """A codec error names a wire field (``prompts[0][1].tool_calls``); the HTTP error's message names the
+    request's own (``messages[1].tool_calls``, ``input[2].tool_calls``), as its ``param`` does."""
+    from llamapool.client.errors import BadRequestError
+    from llamapool.gateway import errors as oai
+
+    wire = BadRequestError("invalid_request", "'prompts[0][1].tool_calls' must be a list of tool calls",
+                           "prompts[0][1].tool_calls")
+    e = oai.from_llamapool(wire, chat=True)
+    assert (e.param, e.message) == ("messages[1].tool_calls", "'messages[1].tool_calls' must be a list of tool calls")
+    e = oai.from_llamapool(wire, chat=True, messages=["instructions", "input[2]"])
+    assert (e.param, e.message) == ("input[2].tool_calls", "'input[2].tool_calls' must be a list of tool calls")
+    e = oai.from_llamapool(BadRequestError("invalid_value", "'top_p' must be a number", "params.top_p"))
+    assert (e.param, e.message) == ("top_p", "'top_p' must be a number")
+
+
 OK_CHAT: list[Any] = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                       {"role": "assistant", "content": None},
                       {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "x"}]}]
