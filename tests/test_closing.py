@@ -135,6 +135,25 @@ def test_a_forced_tool_call_closes_within_the_budget(engine: Engine) -> None:
         jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 
+def test_a_whole_call_not_followed_by_one_that_cannot_fit_ends_by_stop(engine: Engine) -> None:
+    """A forced call that is whole, where the model starts a second one that the budget cannot hold: the
+    reply ends after the first (end of generation), not forced (``stop``: the chat's finish_reason is
+    ``tool_calls``, a Responses reply ``completed``; it was ``length``, and the Agents SDK failed on
+    ``incomplete``); a call cut inside its arguments still ends by ``length``."""
+    spec = spec_of(parse({"tools": [WEATHER], "tool_choice": "required"}), engine.chat.tool_format)
+    assert spec is not None
+    compiled = engine.grammars.compile(spec).result(timeout=60)
+    tokenizer = engine.grammars.tokenizer()
+    call = tokenizer.tokenize_str('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","days":2}}'
+                                  '\n</tool_call>')
+    closing = engine.grammars.start(compiled, len(call) + 3)
+    assert [closing.take(t) for t in call] == call and closing.matcher.is_accepting()
+    assert closing.take(tokenizer.tokenize_str("\n")[0]) in engine._eog and not closing.forced
+    closing = engine.grammars.start(compiled, len(call) - 2)  # cut inside the arguments
+    taken = [closing.take(t) for t in call[: len(call) - 2]]
+    assert taken != call[: len(call) - 2] and closing.forced
+
+
 def test_the_closing_looks_at_nothing_before_the_last_tokens(engine: Engine) -> None:
     spec = spec_of(parse({"json_schema": SCHEMAS[0]}), None)
     assert spec is not None

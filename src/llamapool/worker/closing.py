@@ -16,7 +16,8 @@ shortest completion; it is found with llguidance's ``try_consume_tokens`` and un
 token and nothing more. In the last ``window`` tokens it checks each sampled token: the state's plan
 still closes after it (one ``try_consume_tokens``), or a new plan fits in the tokens left; otherwise
 the token is replaced by the first token of the plan of the state before it (which fitted), so that
-the reply closes by the budget's last token (the engine reports ``length``, not ``stop``). A grammar
+the reply closes by the budget's last token (the engine reports ``length``, not ``stop``); a reply
+already whole whose next token would start more than fits (another tool call) ends there, by ``stop``. A grammar
 whose plan from its start does not fit ``max_tokens`` is refused before the request takes a slot
 (:attr:`~llamapool.worker.constraints.Compiled.closing`).
 """
@@ -184,7 +185,7 @@ class Closing:
                 return tok
         forced = before[0] if before else self.closer.eos
         self._consume(forced)
-        self.plan, self.forced = before[1:], True
+        self.plan, self.forced = before[1:], bool(before)  # no plan: the reply was whole (ends by stop)
         return forced
 
     def _consume(self, tok: int) -> None:
