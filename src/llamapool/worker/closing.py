@@ -8,13 +8,17 @@ hostname takes dots without end), else a letter or a digit. Elsewhere: one that 
 object or array (``}}``, ``]``), else the smallest value (``""``, ``0``, ``false``, ``null``), a
 comma, a quote. Failing those, the allowed token likeliest to close (one with ``"``, ``}`` or ``]``
 in it, then the shortest). Whether the state is inside a string is followed from the bytes of the
-tokens taken (:func:`in_string`). The plan is greedy, so its length is an upper bound on the
-shortest completion; it is found with llguidance's ``try_consume_tokens`` and undone with
-``rollback``, a few microseconds a token.
+tokens taken (:func:`scan`). The plan is greedy, so its length is an upper bound on the shortest
+completion; it is found with llguidance's ``try_consume_tokens`` and undone with ``rollback``, a
+few microseconds a token.
 
 :class:`Closing` is one sequence's use of it. Far from the end of its budget it consumes the sampled
-token and nothing more. In the last ``window`` tokens it checks each sampled token: the state's plan
-still closes after it (one ``try_consume_tokens``), or a new plan fits in the tokens left; otherwise
+token, and follows the bytes of the few tokens with a quote, a backslash or a bracket (whether the
+text is in a string, how many objects and arrays are open). In its last ``window`` tokens (the
+longest plan its grammar's start or a tool call's opening needs, plus ``WINDOW``, plus one for each
+object or array open) it checks each sampled token: the state's plan still closes after it (one
+``try_consume_tokens``; string content while a few tokens are to spare: nothing), or a new plan fits
+in the tokens left; otherwise
 the token is replaced by the first token of the plan of the state before it (which fitted), so that
 the reply closes by the budget's last token (the engine reports ``length``, not ``stop``); a reply
 already whole whose next token would start more than fits (another tool call) ends there, by ``stop``. A grammar
@@ -45,18 +49,24 @@ _OUTSIDE = [*_CLOSERS, '""', "0", "false", "null", "true", "[]", "{}", ",", '"',
 OUT, IN, ESCAPE = 0, 1, 2  # where JSON text is: outside strings, inside one, just after a backslash in one
 
 
-def in_string(piece: bytes, state: int) -> int:
-    """Where JSON text is after ``piece`` (``OUT``, ``IN`` or ``ESCAPE``), if it was at ``state`` before."""
-    if b'"' not in piece and (state == OUT or (state == IN and b"\\" not in piece)):
-        return state
+def scan(piece: bytes, where: int, depth: int) -> tuple[int, int]:
+    """Where JSON text is after ``piece`` (``OUT``, ``IN`` or ``ESCAPE``) and how many objects and arrays
+    are open, if it was at ``where`` with ``depth`` open before it."""
     for c in piece:
-        if state == ESCAPE:
-            state = IN
-        elif c == 0x22:  # a quote
-            state = OUT if state == IN else IN
-        elif c == 0x5C and state == IN:  # a backslash
-            state = ESCAPE
-    return state
+        if where == ESCAPE:
+            where = IN
+        elif where == IN:
+            if c == 0x22:  # a quote
+                where = OUT
+            elif c == 0x5C:  # a backslash
+                where = ESCAPE
+        elif c == 0x22:
+            where = IN
+        elif c in (0x7B, 0x5B):  # { [
+            depth += 1
+        elif c in (0x7D, 0x5D):  # } ]
+            depth = max(0, depth - 1)
+    return where, depth
 
 
 class Closer:
@@ -67,8 +77,8 @@ class Closer:
         self.n_vocab = n_vocab
         pieces = [tokenizer.decode_bytes([t]) for t in range(n_vocab)]
         single = {p: t for t, p in enumerate(pieces) if p and t != eos}  # text -> a token that is exactly it
-        # the tokens that may move JSON text in or out of a string: with a quote or a backslash
-        self.quoting = {t: p for t, p in enumerate(pieces) if b'"' in p or b"\\" in p}
+        # the tokens that may move JSON text in or out of a string, or open or close an object or array
+        self.structural = {t: p for t, p in enumerate(pieces) if any(c in p for c in b'"\\{}[]')}
 
         def tokens(texts: list[str]) -> list[int]:
             return [single[s.encode()] for s in texts if s.encode() in single]
@@ -85,17 +95,17 @@ class Closer:
         if 0 <= eos < n_vocab:
             self.rank[eos] = 1 << 40
 
-    def where_after(self, tok: int, where: int) -> int:
-        """Where JSON text is after token ``tok`` (:func:`in_string`), if it was at ``where``."""
-        piece = self.quoting.get(tok)
+    def after(self, tok: int, where: int, depth: int = 0) -> tuple[int, int]:
+        """Where JSON text is after token ``tok``, and its depth (:func:`scan`), if it was at ``where``."""
+        piece = self.structural.get(tok)
         if piece is not None:
-            return in_string(piece, where)
-        return IN if where == ESCAPE else where
+            return scan(piece, where, depth)
+        return (IN if where == ESCAPE else where), depth
 
     def plan(self, m: Any, limit: int = PLAN_LIMIT, where: int = OUT) -> list[int] | None:
         """Tokens that complete the grammar from ``m``'s state, at most ``limit`` of them ([]: the text so
         far is complete; None: none found within ``limit``); ``where``: in a JSON string or not
-        (:func:`in_string`). ``m`` is left as it was."""
+        (:func:`scan`). ``m`` is left as it was."""
         out: list[int] = []
         uses: dict[int, int] = {}
         try:
@@ -107,7 +117,7 @@ class Closer:
                     return None
                 out += took
                 for t in took:
-                    where = self.where_after(t, where)
+                    where = self.after(t, where)[0]
             return out
         finally:
             if out:
@@ -148,14 +158,15 @@ class Closing:
     window: int
     plan: list[int] | None = None  # the plan of the matcher's state, once in the window (None: not known)
     forced: bool = False  # a token was replaced to close in time
-    where: int = OUT  # where the text so far ends: in a JSON string or not (in_string)
+    where: int = OUT  # where the text so far ends: in a JSON string or not (scan)
+    depth: int = 0  # the objects and arrays it leaves open: the window grows with them
 
     def take(self, tok: int) -> int:
         """Consume ``tok`` (its mask allowed it), or the plan's next token when, after ``tok``, the grammar
         could no longer close in the tokens left; the token consumed."""
         m = self.matcher
         self.left -= 1
-        if self.left >= self.window:
+        if self.left >= self.window + self.depth:
             self._consume(tok)
             return tok
         before = self.plan if self.plan is not None else self.closer.plan(m, self.left + 1, self.where)
@@ -163,10 +174,10 @@ class Closing:
             self._consume(tok)
             self.plan = before[1:]
             return tok
-        was = self.where
+        was = self.where, self.depth
         self._consume(tok)
         self.plan = before
-        if before is not None and len(before) + SLACK <= self.left and was == self.where == IN \
+        if before is not None and len(before) + SLACK <= self.left and was[0] == self.where == IN \
                 and before[0] in self.closer.enders:
             return tok  # more of a string the plan ends: the same plan (checked again before it is used)
         if before is not None and len(before) <= self.left and self._closes(before):
@@ -176,9 +187,9 @@ class Closing:
             self.plan = after
             return tok
         m.rollback(1)
-        self.where = was
+        self.where, self.depth = was
         if not self._closes(before):  # a plan kept over string content that no longer closes: anew
-            before = self.closer.plan(m, self.left + 1, was)
+            before = self.closer.plan(m, self.left + 1, self.where)
             if before is None:  # nothing closes in time any more: the model's token after all
                 self._consume(tok)
                 self.plan = None
@@ -190,9 +201,9 @@ class Closing:
 
     def _consume(self, tok: int) -> None:
         if self.matcher.is_accepting():  # free text (before a tool call's opening): quotes in it mean nothing
-            self.where = OUT
+            self.where, self.depth = OUT, 0
         self.matcher.consume_token(tok)
-        self.where = self.closer.where_after(tok, self.where)
+        self.where, self.depth = self.closer.after(tok, self.where, self.depth)
 
     def _closes(self, plan: list[int]) -> bool:
         """Whether ``plan`` completes the grammar from the matcher's state (which is left as it was)."""
