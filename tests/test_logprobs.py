@@ -138,7 +138,7 @@ def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
         for i in range(1, len(tokens)):  # the prompt's own logprobs, computed in one batch as here
             row = np.array(llm.scores[i - 1], dtype=np.float64)
             want = row[tokens[i]] - (row.max() + np.log(np.exp(row - row.max()).sum()))
-            assert abs(echoed.logprobs[i][1] - want) < 1e-3
+            assert abs(echoed.logprobs[i].logprob - want) < 1e-3
         for _ in range(6):
             if generated:
                 llm.eval(generated[-1:])
@@ -147,8 +147,11 @@ def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
             generated.append(int(row.argmax()))
             entry = done.logprobs[len(generated) - 1] if done.logprobs else None
             assert entry is not None
-            assert bytes(entry[2]) == llm.detokenize([generated[-1]])  # the same token
-            assert abs(entry[1] - logsm[generated[-1]]) < 1e-3
-            assert entry[3][0][0] == entry[0] and len(entry[3]) == 5
+            assert bytes(entry.bytes) == llm.detokenize([generated[-1]])  # the same token
+            assert abs(entry.logprob - logsm[generated[-1]]) < 1e-3
+            assert entry.top[0].token == entry.token and len(entry.top) == 5
+            best = np.argsort(-logsm)[:5]  # the 5 likeliest, likeliest first, with their logprobs
+            assert [bytes(t.bytes) for t in entry.top] == [llm.detokenize([int(t)]) for t in best]
+            assert all(abs(t.logprob - logsm[int(b)]) < 1e-3 for t, b in zip(entry.top, best, strict=True))
     finally:
         llm.close()

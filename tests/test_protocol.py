@@ -25,6 +25,8 @@ from llamapool.protocol.messages import (
     StatusReply,
     StatusRequest,
     Step,
+    TokenLogprob,
+    TopLogprob,
 )
 
 
@@ -54,6 +56,28 @@ def gen(**kw: object) -> dict[str, object]:
 ])
 def test_every_message_round_trips(msg: object, types: dict) -> None:
     assert codec.decode([codec.encode(msg)], types) == msg  # type: ignore[arg-type]
+
+
+LP = [TokenLogprob("Hi", None, [72, 105], []),
+      TokenLogprob("!", -0.25, [33], [TopLogprob("!", -0.25, [33]), TopLogprob("?", -1.5, [63])])]
+
+
+@pytest.mark.parametrize("msg, types", [
+    (Chunk("a", 0, "Hi!", 2, LP), codec.REPLY_TYPES),
+    (Result("a", 0, "Hi!", "length", 1, 2, "cpu0", logprobs=LP), codec.REPLY_TYPES),
+    (Step([Delta(1, "Hi!", 2, LP)], [Done(1, "length", "Hi!", 1, 2, logprobs=LP)]), codec.WORKER_TYPES),
+])
+def test_logprob_records_travel_as_arrays_and_come_back_typed(msg: object, types: dict) -> None:
+    """A token's logprobs are one record from the sampler to the API shapes: ``[token, logprob, bytes,
+    top]`` on the wire (arrays, as compact as the untyped lists were), read back as records by name."""
+    frame = codec.encode(msg)  # type: ignore[arg-type]
+    raw = msgpack.unpackb(frame)
+    wire = raw["deltas"][0][3] if "deltas" in raw else raw["logprobs"]
+    assert wire == [["Hi", None, [72, 105], []], ["!", -0.25, [33], [["!", -0.25, [33]], ["?", -1.5, [63]]]]]
+    back = codec.decode([frame], types)
+    got = back.deltas[0].logprobs if isinstance(back, Step) else back.logprobs  # type: ignore[union-attr]
+    assert got == LP and type(got[1]) is TokenLogprob and type(got[1].top[0]) is TopLogprob
+    assert got[1].top[1].token == "?" and got[1].bytes == [33] and got[0].logprob is None
 
 
 def test_single_prompt_travels_as_prompt_and_a_batch_as_prompts() -> None:

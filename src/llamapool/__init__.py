@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "InternalError", "LlamapoolError",
-    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "UnavailableError", "UnknownModelError", "Usage",
+    "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "TokenLogprob", "TopLogprob",
+    "UnavailableError", "UnknownModelError", "Usage",
     "WorkerLostError", "__version__",
 ]
 

@@ -11,7 +11,7 @@ ignores EOS, so each request must return exactly ``max_tokens`` tokens.
 | ``long`` | 4,096 | 256 |
 | ``mixed`` | log-normal, median 512, sigma 0.8 | log-normal, median 128, sigma 0.6 |
 | ``json`` | 128 | 128, each request constrained by :data:`BENCH_SCHEMA` |
-| ``logprobs`` | 128 | 128, each token with its logprob and the 5 likeliest |
+| ``logprobs`` | 128 | 128, each token with its logprob and the 5 likeliest (``top_logprobs``: 0 to 20) |
 | ``n4`` | 128 | 4 x 128: each request asks for 4 choices (a quarter of the streams, as many sequences) |
 
 ``mixed`` draws each request's output length first, then its prompt length, both from log-normal
@@ -93,11 +93,13 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> int:
 
 
 def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = DEFAULT_CTX,
-                  prompt_tokens: int | None = None, gen_tokens: int | None = None) -> Workload:
+                  prompt_tokens: int | None = None, gen_tokens: int | None = None,
+                  top_logprobs: int | None = None) -> Workload:
     """``n`` requests of workload ``name``; the same arguments always give the same requests.
 
     ``prompt_tokens``/``gen_tokens`` override the fixed lengths of ``short``/``rag``/``long``, and
-    the medians of ``mixed``. A fixed-length request that does not fit ``ctx`` is an error.
+    the medians of ``mixed``; ``top_logprobs`` the alternatives of ``logprobs`` (default 5). A
+    fixed-length request that does not fit ``ctx`` is an error.
     """
     if name not in NAMES:
         raise ValueError(f"unknown workload {name!r}; one of {', '.join(NAMES)}")
@@ -122,7 +124,9 @@ def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = 
             p = min(max(_lognormal(rng, pm, MIXED_PROMPT_SIGMA), MIN_TOKENS), ctx - g)
             lengths.append((p, g))
     schema = BENCH_SCHEMA if name == "json" else None
-    top = 5 if name == "logprobs" else -1
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise ValueError(f"top_logprobs {top_logprobs}: 0 to 20")
+    top = (5 if top_logprobs is None else top_logprobs) if name == "logprobs" else -1
     reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g, schema, top,
                          CHOICES.get(name, 1)) for p, g in lengths)
     return Workload(name, reqs, seed, ctx)

@@ -13,9 +13,10 @@ from llamapool.client.errors import (
 )
 from llamapool.client.sync import Client, Stream
 from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall, Usage
+from llamapool.protocol.messages import TokenLogprob, TopLogprob
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "Embeddings", "InternalError",
-    "LlamapoolError", "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "ToolCall", "UnavailableError",
-    "UnknownModelError", "Usage", "WorkerLostError",
+    "LlamapoolError", "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "TokenLogprob", "ToolCall",
+    "TopLogprob", "UnavailableError", "UnknownModelError", "Usage", "WorkerLostError",
 ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from llamapool.protocol.messages import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ class Completion:
     model: str = ""  # the pool's model that served it
     tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls (``text``: the prose)
     stop: str = ""  # the stop string that ended it ("" for any other end)
-    logprobs: list[Any] | None = None  # with logprobs=True: per generated token [text, logprob, bytes, top]
-    # (``top``: [text, logprob, bytes] of the likeliest tokens); a stream's are in its chunks
+    logprobs: list[TokenLogprob] | None = None  # with logprobs=True: one record per generated token (with
+    # echo, per prompt token first); a stream's are in its chunks
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class StreamChunk:
     text: str
     tokens: int  # tokens generated so far
     index: int = 0
-    logprobs: list[Any] | None = None  # with logprobs=True: the entries of the tokens since the last chunk
+    logprobs: list[TokenLogprob] | None = None  # with logprobs=True: the records of the tokens since the last chunk
     prompt_tokens: int | None = None  # on a prompt's first chunk: its prompt tokens (None on the others)
     cached_tokens: int | None = None  # on a prompt's first chunk: of those, served from the prefix cache
 

@@ -42,6 +42,8 @@ from llamapool.protocol.messages import (
     Step,
     Tokenize,
     TokenizeReply,
+    TokenLogprob,
+    TopLogprob,
 )
 
 T = TypeVar("T")
@@ -428,6 +430,37 @@ def _run(d: dict[str, Any]) -> Run:
                after if isinstance(after, int) else -1)
 
 
+def token_logprobs(raw: list[Any] | None) -> list[TokenLogprob] | None:
+    """Logprob entries off the wire (arrays) as :class:`TokenLogprob` records (records pass as they are)."""
+    if raw is None:
+        return None
+    return [e if type(e) is TokenLogprob else TokenLogprob(e[0], e[1], e[2], [TopLogprob(*t) for t in e[3]])
+            for e in raw]
+
+
+def _delta(e: list[Any]) -> Delta:
+    d = Delta(*e)
+    return d if d.logprobs is None else d._replace(logprobs=token_logprobs(d.logprobs))
+
+
+def _done(e: list[Any]) -> Done:
+    d = Done(*e)
+    return d if d.logprobs is None else d._replace(logprobs=token_logprobs(d.logprobs))
+
+
+def _with_logprobs(cls: type[Chunk] | type[Result]) -> Callable[[dict[str, Any]], Message]:
+    """A reply carrying logprob entries: read as :class:`TokenLogprob` records."""
+    parse = _plain(cls)
+
+    def run(d: dict[str, Any]) -> Message:
+        msg = parse(d)
+        if getattr(msg, "logprobs", None) is not None:
+            msg.logprobs = token_logprobs(msg.logprobs)  # type: ignore[union-attr]
+        return msg
+
+    return run
+
+
 COMMAND_TYPES: dict[str, Callable[[dict[str, Any]], control.Command]] = {
     cls.TYPE: _plain(cls) for cls in control.COMMANDS  # type: ignore[attr-defined,misc]
 }
@@ -444,14 +477,14 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Detokenize.TYPE: _with_id(_detokenize),
 }
 REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Chunk, Result, Error, StatusReply, MetricsReply, Embedding, TokenizeReply,
-                                DetokenizeReply)
+    c.TYPE: _plain(c) for c in (Error, StatusReply, MetricsReply, Embedding, TokenizeReply, DetokenizeReply)
 }
+REPLY_TYPES.update({c.TYPE: _with_logprobs(c) for c in (Chunk, Result)})
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown)
 }
 WORKER_TYPES[Step.TYPE] = lambda d: Step(
-    deltas=[Delta(*e) for e in d.get("deltas", ())], done=[Done(*e) for e in d.get("done", ())],
+    deltas=[_delta(e) for e in d.get("deltas", ())], done=[_done(e) for e in d.get("done", ())],
     failed=[Failed(*e) for e in d.get("failed", ())], active=d.get("active", 0))
 ROUTER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Run.TYPE: _run,

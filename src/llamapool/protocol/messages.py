@@ -37,6 +37,24 @@ class ErrorCode:
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt has more tokens than a slot's context
 
 
+class TopLogprob(NamedTuple):
+    """One of the likeliest tokens at a position: ``[token, logprob, bytes]`` on the wire."""
+
+    token: str  # its text (bytes that are not UTF-8 replaced)
+    logprob: float
+    bytes: list[int]  # its bytes as the tokenizer has them
+
+
+class TokenLogprob(NamedTuple):
+    """A token's log-probability, made once by the worker's sampler and read by name by the API shapes:
+    ``[token, logprob, bytes, top]`` on the wire (an array, like :class:`Delta`)."""
+
+    token: str
+    logprob: float | None  # None: a prompt's first token (``echo``), which nothing predicts
+    bytes: list[int]
+    top: list[TopLogprob]  # the ``top_logprobs`` likeliest tokens, likeliest first
+
+
 # ---------------------------------------------------------------- client -> router
 
 
@@ -126,7 +144,7 @@ class Chunk:
     index: int
     text: str
     tokens: int
-    logprobs: list[Any] | None = None  # per token of ``text``: [token, logprob, bytes, top] (docs/protocol.md)
+    logprobs: list[TokenLogprob] | None = None  # per token of ``text`` (docs/protocol.md)
     prompt_tokens: int | None = None  # on a prompt's first chunk: its prompt tokens (else not sent)
     cached_tokens: int | None = None  # on a prompt's first chunk: of those, served from the prefix cache
 
@@ -147,7 +165,7 @@ class Result:
     tool_calls: list[dict[str, Any]] | None = None  # parsed calls: [{"id", "name", "arguments"}]; ``text``
     # is then the text outside them
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    logprobs: list[Any] | None = None  # as Chunk's, for the whole text
+    logprobs: list[TokenLogprob] | None = None  # as Chunk's, for the whole text
     stop: str = ""  # the stop string that ended it ("" for any other end)
 
 
@@ -296,7 +314,7 @@ class Delta(NamedTuple):
     rid: int
     text: str
     tokens: int  # tokens generated so far
-    logprobs: list[Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int = 0  # the prompt's tokens (the router passes them on with the first chunk)
     cached_tokens: int = 0  # of which served from the prefix cache
 
@@ -311,7 +329,7 @@ class Done(NamedTuple):
     completion_tokens: int
     tool_calls: list[dict[str, Any]] | None = None
     cached_tokens: int = 0
-    logprobs: list[Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
     embedding: bytes | None = None  # an embed task's vector (float32 little-endian)
     tokens: list[Any] | None = None  # a tokenize task's tokens (``text`` is a detokenize task's text)
     stop: str = ""  # the stop string that ended it ("" for any other end)

@@ -167,17 +167,8 @@ class Sampling:
         self._best = dict(zip(greedy, self._argmax(greedy), strict=True)) if len(greedy) > 1 else {}
 
     def _argmax(self, idxs: list[int]) -> list[int]:
-        """The argmax of each output row: one call over them when their logits lie one after another
-        (llama.cpp writes the host rows of a step in batch order), else row by row."""
-        addrs = [self._address(i) for i in idxs]
-        lo, stride = min(addrs), 4 * self.n_vocab
-        span = [(a - lo) // stride for a in addrs]
-        if sorted(span) == list(range(len(addrs))) and all((a - lo) % stride == 0 for a in addrs):
-            block = np.frombuffer(memoryview((ctypes.c_float * (self.n_vocab * len(addrs))).from_address(lo)),
-                                  np.float32)
-            best = block.reshape(len(addrs), self.n_vocab).argmax(axis=1)
-            return [int(best[k]) for k in span]
-        return [int(self._logits(i).argmax()) for i in idxs]
+        """The argmax of each output row, in one call over them (:meth:`_block`)."""
+        return [int(t) for t in self._block(idxs).argmax(axis=1)]
 
     def masks_ready(self, states: list[SeqSampling]) -> None:
         """Before sampling: the masks started after the last step are done (a new sequence's first
@@ -237,18 +228,39 @@ class Sampling:
         s.masked = False
         return s.closing.take(tok)  # the token, or in a reply's last tokens one that closes it in time
 
-    def logprobs(self, idx: int, tok: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-        """``tok``'s log-probability in output row ``idx`` and the ``top`` likeliest tokens with theirs:
-        the log-softmax of the model's logits as the sampler saw them (before temperature, top-k/p,
-        penalties; after a grammar's mask when one was applied to the row)."""
-        row = self._logits(idx)
-        m = float(row.max())
-        lse = m + float(np.log(np.exp(row - m, dtype=np.float32).sum(dtype=np.float64)))
-        best: list[tuple[int, float]] = []
-        if top:
-            ids = np.argpartition(row, -top)[-top:]
-            best = sorted(((int(i), float(row[i]) - lse) for i in ids), key=lambda e: -e[1])
-        return float(row[tok]) - lse, best
+    def logprobs(self, idxs: list[int], toks: list[int], top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For output rows ``idxs`` of the step just decoded, in one numpy pass over all of them: the
+        log-probability of ``toks[k]`` in row ``idxs[k]``, and the ``top`` likeliest tokens of each row
+        with theirs, likeliest first (``(chosen, ids, values)``, shaped ``(n,)``, ``(n, top)``,
+        ``(n, top)``). The log-softmax of the model's logits as the sampler saw them (before temperature,
+        top-k/p, penalties; after a grammar's mask when one was applied to the row)."""
+        block = self._block(idxs)
+        n = len(idxs)
+        m = block.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(block - m, dtype=np.float32).sum(axis=1, dtype=np.float64))
+        chosen = block[np.arange(n), np.asarray(toks, dtype=np.intp)] - lse
+        if not top:
+            empty = np.empty((n, 0))
+            return chosen, empty.astype(np.intp), empty
+        ids = np.argpartition(block, -top, axis=1)[:, -top:]
+        vals = np.take_along_axis(block, ids, axis=1) - lse[:, None]
+        order = np.argsort(-vals, axis=1, kind="stable")
+        return chosen, np.take_along_axis(ids, order, axis=1), np.take_along_axis(vals, order, axis=1)
+
+    def _block(self, idxs: list[int]) -> np.ndarray:
+        """Output rows ``idxs``' logits as one ``(n, n_vocab)`` array: a view of the step's logits where
+        they lie one after another in order (llama.cpp writes a step's host rows in batch order), else
+        rows gathered from the span they lie in, or copied one by one."""
+        addrs = [self._address(i) for i in idxs]
+        lo, stride = min(addrs), 4 * self.n_vocab
+        if all((a - lo) % stride == 0 for a in addrs):
+            span = [(a - lo) // stride for a in addrs]
+            rows = max(span) + 1
+            if rows <= 4 * len(addrs):  # one buffer: view it, take the rows asked for
+                block = np.frombuffer(memoryview((ctypes.c_float * (self.n_vocab * rows)).from_address(lo)),
+                                      np.float32).reshape(rows, self.n_vocab)
+                return block if span == list(range(rows)) else block[span]
+        return np.stack([self._logits(i) for i in idxs])
 
     def _address(self, idx: int) -> int:
         return ctypes.cast(L.llama_get_logits_ith(self.ctx, idx), ctypes.c_void_p).value or 0

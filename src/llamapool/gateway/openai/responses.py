@@ -29,6 +29,7 @@ from llamapool.gateway.openai.generation import cross_checked
 from llamapool.gateway.parsing import Generation, checked, limited, model_name, stream_flag
 from llamapool.gateway.serving import Call, Serving, closing, merge, sse
 from llamapool.protocol import limits
+from llamapool.protocol.messages import TokenLogprob, TopLogprob
 
 NO_STATE = "llamapool keeps no state between requests (stateless Responses API): send the whole conversation in 'input'"
 # fields that need a stored response or conversation: refused when given (anything but null/false)
@@ -265,12 +266,12 @@ def usage(c: Completion) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
-def logprobs(entries: list[Any] | None, with_bytes: bool = True) -> list[dict[str, Any]]:
+def logprobs(entries: list[TokenLogprob] | None, with_bytes: bool = True) -> list[dict[str, Any]]:
     """Per token ``{token, logprob, bytes, top_logprobs}`` (a stream's deltas carry theirs without bytes)."""
-    def one(e: list[Any]) -> dict[str, Any]:
-        return {"token": e[0], "logprob": e[1], **({"bytes": e[2]} if with_bytes else {})}
+    def one(e: TokenLogprob | TopLogprob) -> dict[str, Any]:
+        return {"token": e.token, "logprob": e.logprob, **({"bytes": e.bytes} if with_bytes else {})}
 
-    return [{**one(e), "top_logprobs": [one(t) for t in e[3]]} for e in entries or ()]
+    return [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries or ()]
 
 
 def status(c: Completion) -> str:
@@ -287,11 +288,11 @@ class Ids:
         return f"fc_{self.response[5:]}_{i}"
 
 
-def text_part(text: str, lp: list[Any] | None) -> dict[str, Any]:
+def text_part(text: str, lp: list[TokenLogprob] | None) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs(lp)}
 
 
-def message_item(ids: Ids, text: str, lp: list[Any] | None, state: str) -> dict[str, Any]:
+def message_item(ids: Ids, text: str, lp: list[TokenLogprob] | None, state: str) -> dict[str, Any]:
     content = [text_part(text, lp)] if state != "in_progress" else []
     return {"id": ids.message, "type": "message", "role": "assistant", "status": state, "content": content}
 
@@ -302,7 +303,7 @@ def call_items(ids: Ids, c: Completion, state: str = "completed") -> list[dict[s
             for i, t in enumerate(c.tool_calls)]
 
 
-def output(ids: Ids, c: Completion, lp: list[Any] | None) -> list[dict[str, Any]]:
+def output(ids: Ids, c: Completion, lp: list[TokenLogprob] | None) -> list[dict[str, Any]]:
     """The reply's items: its text as a message (unless it is only calls), then a function_call per call."""
     items = [message_item(ids, c.text, lp, status(c))] if c.text or not c.tool_calls else []
     return items + call_items(ids, c)
@@ -336,7 +337,7 @@ class EventWriter:
         self.req, self.model, self.ids = req, model, Ids(req.gen)
         self.seq = 0
         self.text = ""
-        self.lp: list[Any] | None = [] if req.gen.params.get("logprobs") else None
+        self.lp: list[TokenLogprob] | None = [] if req.gen.params.get("logprobs") else None
         self.open = False  # the message item is open
         self.index = 0  # the output index of the open or next item
 
@@ -357,7 +358,7 @@ class EventWriter:
                 + self._event("response.content_part.added", item_id=self.ids.message,
                               output_index=self.index, content_index=0, part=text_part("", None)))
 
-    def delta(self, text: str, lp: list[Any] | None) -> bytes:
+    def delta(self, text: str, lp: list[TokenLogprob] | None) -> bytes:
         head = b"" if self.open else self._open()
         self.text += text
         if self.lp is not None and lp:

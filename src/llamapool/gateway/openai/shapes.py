@@ -9,6 +9,7 @@ from llamapool import __version__
 from llamapool.client.types import Completion
 from llamapool.gateway.errors import ApiError
 from llamapool.gateway.parsing import Generation
+from llamapool.protocol.messages import TokenLogprob, TopLogprob
 
 # OpenAI's system_fingerprint names the backend configuration that served a reply: here, llamapool's version
 SYSTEM_FINGERPRINT = f"fp_llamapool_{__version__}"
@@ -25,18 +26,18 @@ def finish(reason: str) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
-def chat_logprobs(entries: list[Any] | None) -> dict[str, Any] | None:
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
     """Chat's ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
     if entries is None:
         return None
 
-    def one(e: list[Any]) -> dict[str, Any]:
-        return {"token": e[0], "logprob": e[1], "bytes": e[2]}
+    def one(e: TokenLogprob | TopLogprob) -> dict[str, Any]:
+        return {"token": e.token, "logprob": e.logprob, "bytes": e.bytes}
 
-    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e[3]]} for e in entries], "refusal": None}
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries], "refusal": None}
 
 
-def completion_logprobs(entries: list[Any] | None, offset: int = 0) -> dict[str, Any] | None:
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
     """Completions' ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob maps)
     and ``text_offset`` (each token's offset in the text, from ``offset``)."""
     if entries is None:
@@ -44,9 +45,9 @@ def completion_logprobs(entries: list[Any] | None, offset: int = 0) -> dict[str,
     offsets = []
     for e in entries:
         offsets.append(offset)
-        offset += len(e[0])
-    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [None if e[1] is None else {t[0]: t[1] for t in e[3]} for e in entries],
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in entries],
             "text_offset": offsets}
 
 
@@ -101,7 +102,7 @@ class ChunkWriter:
         return (self._head + f'{{"index":{index},"delta":{{"role":"assistant","content":""}},'
                 f'"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
 
-    def text(self, index: int, text: str, logprobs: list[Any] | None = None) -> bytes:
+    def text(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         if self.chat:
             lp = "null" if logprobs is None else json.dumps(chat_logprobs(logprobs))
             choice = (f'{{"index":{index},"delta":{{"content":{json.dumps(text)}}},"logprobs":{lp},'
@@ -110,7 +111,7 @@ class ChunkWriter:
             lp = "null"
             if logprobs is not None:
                 lp = json.dumps(completion_logprobs(logprobs, self._offsets.get(index, 0)))
-                self._offsets[index] = self._offsets.get(index, 0) + sum(len(e[0]) for e in logprobs)
+                self._offsets[index] = self._offsets.get(index, 0) + sum(len(e.token) for e in logprobs)
             choice = f'{{"text":{json.dumps(text)},"index":{index},"logprobs":{lp},"finish_reason":null}}'
         return (self._head + choice + "]}\n\n").encode()
 

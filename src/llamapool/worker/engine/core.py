@@ -18,7 +18,7 @@ from collections.abc import Callable
 import llama_cpp as L
 import numpy as np
 
-from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step
+from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step, TokenLogprob
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
@@ -214,8 +214,8 @@ class Engine:
             seq.text.preface(run.prompt if isinstance(run.prompt, str) else
                              b"".join(self.output.piece(int(t)) for t in prompt).decode(errors="replace"))
         if prompt_logprobs:  # the first prompt token has no logprob
-            piece = self.output.piece(int(prompt[0]))
-            seq.logprobs.append([piece.decode(errors="replace"), None, list(piece), []])
+            text, raw = self.output.described(int(prompt[0]))
+            seq.logprobs.append(TokenLogprob(text, None, raw, []))
         return seq
 
     # ------------------------------------------------------------ one step
@@ -390,45 +390,68 @@ class Engine:
 
     def _echo_logprobs(self, out: Step) -> None:
         """The logprobs of the prompt tokens computed in the batch just decoded (``echo`` with ``logprobs``):
-        the row of position ``i`` gives prompt token ``i + 1``'s."""
-        for seq in self._echoing:
+        the row of position ``i`` gives prompt token ``i + 1``'s; all rows' in one pass."""
+        seqs = [seq for seq in self._echoing if self.active.get(seq.seq_id) is seq]
+        self._echoing = []
+        wants = [(row, int(seq.tokens[pos + 1]), seq.params.top_logprobs) for seq in seqs for row, pos in seq.echo_rows]
+        try:
+            records = self.output.logprob_records(wants)
+        except Exception as e:
+            for seq in seqs:
+                self._drop(seq, e, out)
+            return
+        for seq in seqs:
+            seq.logprobs.extend(records[: len(seq.echo_rows)])
+            records = records[len(seq.echo_rows):]
+            seq.echo_rows = []
+
+    def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
+        """Every output row's token (its mask ready first, if constrained), then the logprobs of the rows
+        that ask, in one pass; then the next masks are filled in the background while the engine goes on."""
+        self.sampling.prepare([(seq.sampling, seq.out_idx) for seq in order])
+        picked = []
+        for seq in order:
+            try:
+                picked.append((seq, self.sampling.pick(seq.sampling, seq.out_idx)))
+            except Exception as e:
+                self._drop(seq, e, out)
+        records = self._logprobs(picked, out)
+        ready = []
+        for seq, tok in picked:
             if self.active.get(seq.seq_id) is not seq:
                 continue
             try:
-                for row, pos in seq.echo_rows:
-                    seq.logprobs.append(self.output.logprob_entry(seq, int(seq.tokens[pos + 1]), row))
-            except Exception as e:
-                self._drop(seq, e, out)
-            seq.echo_rows = []
-        self._echoing = []
-
-    def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
-        """Every output row's token (its mask ready first, if constrained); then the next masks are
-        filled in the background while the engine goes on."""
-        self.sampling.prepare([(seq.sampling, seq.out_idx) for seq in order])
-        ready = []
-        for seq in order:
-            try:
-                tok = self._take(seq, out)
+                taken = self._take(seq, tok, records.get(seq.seq_id), out)
             except Exception as e:
                 self._drop(seq, e, out)
                 continue
-            if tok is not None:
-                ready.append((seq, tok))
+            if taken is not None:
+                ready.append((seq, taken))
         self.sampling.masks_next()
         return ready
 
-    def _take(self, seq: Sequence, out: Step) -> int | None:
-        """The sequence's new token, or None when it ended (end of generation, length)."""
-        tok = self.sampling.pick(seq.sampling, seq.out_idx)
+    def _logprobs(self, picked: list[tuple[Sequence, int]], out: Step) -> dict[int, TokenLogprob]:
+        """The logprob records of the picked tokens whose sequences ask for them (by sequence id)."""
+        asking = [(seq, tok) for seq, tok in picked if seq.params.logprobs]
+        try:
+            records = self.output.logprob_records([(seq.out_idx, tok, seq.params.top_logprobs) for seq, tok in asking])
+        except Exception as e:
+            for seq, _ in asking:
+                self._drop(seq, e, out)
+            return {}
+        return {seq.seq_id: r for (seq, _), r in zip(asking, records, strict=True)}
+
+    def _take(self, seq: Sequence, tok: int, record: TokenLogprob | None, out: Step) -> int | None:
+        """The sequence's new token ``tok`` taken (``record``: its logprobs, if asked for), or None when
+        it ended (end of generation, length)."""
         p = seq.params
         matcher = seq.sampling.matcher
         closed = "length" if seq.sampling.closing is not None and seq.sampling.closing.forced else "stop"
         if (not p.ignore_eos or matcher is not None) and tok in self._eog:
             self._finish(seq, closed, out)
             return None
-        if p.logprobs:
-            seq.logprobs.append(self.output.logprob_entry(seq, tok))
+        if record is not None:
+            seq.logprobs.append(record)
         seq.generated += 1
         seq.last = tok
         if tok in self.chat.tool_format.special.values() and p.tools:

@@ -7,8 +7,9 @@ import ctypes
 from typing import Any
 
 import llama_cpp as L
+import numpy as np
 
-from llamapool.protocol.messages import Delta, Done, Step
+from llamapool.protocol.messages import Delta, Done, Step, TokenLogprob, TopLogprob
 from llamapool.worker.engine.sequence import Sequence
 from llamapool.worker.sampling import Sampling
 from llamapool.worker.tools import ToolFormat
@@ -23,6 +24,7 @@ class Output:
         self.tool_format = tool_format
         self._piece = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}  # token -> its bytes, filled as tokens are seen
+        self._described: dict[int, tuple[str, list[int]]] = {}  # token -> (text, bytes) of its logprob records
 
     def piece(self, tok: int) -> bytes:
         piece = self._pieces.get(tok)
@@ -41,16 +43,31 @@ class Output:
             out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
         return None
 
-    def logprob_entry(self, seq: Sequence, tok: int, row: int = -1) -> list[Any]:
-        """A token's logprob entry as the wire carries it: ``[text, logprob, bytes, top]``, ``top`` a list
-        of ``[text, logprob, bytes]`` (protocol.md, 5.1); from output ``row`` (default: the sequence's)."""
-        lp, top = self.sampling.logprobs(seq.out_idx if row < 0 else row, tok, seq.params.top_logprobs)
+    def described(self, tok: int) -> tuple[str, list[int]]:
+        """A token's text and bytes as logprob records carry them (cached as tokens are seen)."""
+        d = self._described.get(tok)
+        if d is None:
+            piece = self.piece(tok)
+            d = self._described[tok] = (piece.decode(errors="replace"), list(piece))
+        return d
 
-        def described(t: int, v: float) -> list[Any]:
-            piece = self.piece(t)
-            return [piece.decode(errors="replace"), round(v, 6), list(piece)]
-
-        return [*described(tok, lp), [described(t, v) for t, v in top]]
+    def logprob_records(self, wants: list[tuple[int, int, int]]) -> list[TokenLogprob]:
+        """The records of tokens ``(output row, token, top_logprobs)`` of the step just decoded, their
+        numbers computed for all of them in one pass (``Sampling.logprobs``)."""
+        if not wants:
+            return []
+        rows, toks, tops = zip(*wants, strict=True)
+        chosen, ids, vals = self.sampling.logprobs(list(rows), list(toks), max(tops))
+        chosen_l, ids_l, vals_l = np.round(chosen, 6).tolist(), ids.tolist(), np.round(vals, 6).tolist()
+        records = []
+        for k, (tok, top) in enumerate(zip(toks, tops, strict=True)):
+            text, raw = self.described(tok)
+            alts = []
+            for t, v in zip(ids_l[k][:top], vals_l[k][:top], strict=True):
+                t_text, t_raw = self.described(t)
+                alts.append(TopLogprob(t_text, v, t_raw))
+            records.append(TokenLogprob(text, chosen_l[k], raw, alts))
+        return records
 
     def done(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
         """The sequence's last text and its result (tool calls parsed out of the text) into ``out``."""
@@ -66,7 +83,7 @@ class Output:
                              sent_logprobs(seq), stop=seq.text.stop))
 
 
-def sent_logprobs(seq: Sequence) -> list[list[Any]] | None:
+def sent_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
     """The entries not sent yet (None without logprobs), now taken."""
     if not seq.logprobs:
         return None

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from llamapool.protocol.messages import ErrorCode, Run, SamplingParams
+from llamapool.protocol.messages import ErrorCode, Run, SamplingParams, TokenLogprob
 from llamapool.worker.sampling import SeqSampling
 from llamapool.worker.text import TextStream
 
@@ -30,7 +30,7 @@ class Sequence:
     rows: list[int] = field(default_factory=list)  # batch rows of this sequence's logits in the current step
     arrived: int = 0  # the engine step its request arrived at (prompt chunks: scheduler.priority)
     reused: int = 0  # prompt tokens its KV had from the prefix cache
-    logprobs: list[list[Any]] = field(default_factory=list)  # entries not yet sent (with ``logprobs``)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # records not yet sent (with ``logprobs``)
     echo_rows: list[tuple[int, int]] = field(default_factory=list)  # echo: (batch row, prompt position) in flight
     fault: str = ""  # tests only: the fault injected into its emit path (worker/faults.py)
 
