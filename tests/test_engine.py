@@ -443,3 +443,46 @@ def test_repeat_penalty_applies_on_the_backend_sampling_path_too(model_path: str
         assert len(eng.free_ids) == 4
     finally:
         eng.close()
+
+
+def logprob_runs(eng: Engine, runs: list[Run]) -> dict[int, tuple[str, list]]:
+    """Each run's text and every logprob record it got, streamed (deltas) and in its result."""
+    got: dict[int, list] = {r.rid: [] for r in runs}
+    out: dict[int, tuple[str, list]] = {}
+    for r in runs:
+        eng.submit(r, Step())
+    while eng.busy:
+        step = eng.step()
+        assert not step.failed
+        for d in step.deltas:
+            got[d.rid] += d.logprobs or []
+        for d in step.done:
+            out[d.rid] = (d.text, got[d.rid] + (d.logprobs or []))
+    return out
+
+
+def test_logprobs_of_a_pipelined_step_equal_the_host_steps(model_path: str, engine: Engine) -> None:
+    """With the step pipelined (backend sampling), a step's logprob rows are copied off the logits and
+    their records made after the next launch: the same records, in the same places, as computed before
+    it; a sequence that ends (its length, a stop string) has all of its records, none pending."""
+    eng = Engine(EngineConfig(model_path, slots=6, ctx_per_slot=256, max_batch_tokens=64, n_ubatch=256,
+                              threads=2, backend_sampling=True))
+    lp = [dataclasses.replace(GREEDY, logprobs=True, top_logprobs=k, max_tokens=6 + 3 * k) for k in (0, 1, 5, 20)]
+    stop = dataclasses.replace(GREEDY, logprobs=True, top_logprobs=2, max_tokens=40)
+    try:
+        first = run_all(engine, [Run(99, "water", stop, False)])[99]
+        stop = dataclasses.replace(stop, stop=(first[5:8],))  # a stop string the reply meets
+        runs = [Run(i, PROMPTS[i], p, i % 2 == 0) for i, p in enumerate([*lp, stop, GREEDY])]
+        runs[4] = Run(4, "water", stop, True)
+        want, got = logprob_runs(engine, runs), logprob_runs(eng, runs)
+    finally:
+        eng.close()
+    assert [got[r][0] for r in sorted(got)] == [want[r][0] for r in sorted(want)]
+    for rid in range(5):
+        a, b = got[rid][1], want[rid][1]
+        assert len(a) == len(b) > 0 and all(x.token for x in a)  # none left pending
+        assert [x.token for x in a] == [x.token for x in b]
+        assert [[t.token for t in x.top] for x in a] == [[t.token for t in x.top] for x in b]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True)) < 1e-5
+    assert [len(x.top) for x in got[3][1]] == [20] * len(got[3][1])
+    assert got[4][0].endswith(first[:5]) and not got[5][1]

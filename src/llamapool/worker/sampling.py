@@ -229,23 +229,12 @@ class Sampling:
         return s.closing.take(tok)  # the token, or in a reply's last tokens one that closes it in time
 
     def logprobs(self, idxs: list[int], toks: list[int], top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For output rows ``idxs`` of the step just decoded, in one numpy pass over all of them: the
-        log-probability of ``toks[k]`` in row ``idxs[k]``, and the ``top`` likeliest tokens of each row
-        with theirs, likeliest first (``(chosen, ids, values)``, shaped ``(n,)``, ``(n, top)``,
-        ``(n, top)``). The log-softmax of the model's logits as the sampler saw them (before temperature,
-        top-k/p, penalties; after a grammar's mask when one was applied to the row)."""
-        block = self._block(idxs)
-        n = len(idxs)
-        m = block.max(axis=1, keepdims=True)
-        lse = m[:, 0] + np.log(np.exp(block - m, dtype=np.float32).sum(axis=1, dtype=np.float64))
-        chosen = block[np.arange(n), np.asarray(toks, dtype=np.intp)] - lse
-        if not top:
-            empty = np.empty((n, 0))
-            return chosen, empty.astype(np.intp), empty
-        ids = np.argpartition(block, -top, axis=1)[:, -top:]
-        vals = np.take_along_axis(block, ids, axis=1) - lse[:, None]
-        order = np.argsort(-vals, axis=1, kind="stable")
-        return chosen, np.take_along_axis(ids, order, axis=1), np.take_along_axis(vals, order, axis=1)
+        """For output rows ``idxs`` of the step just decoded: :func:`log_softmax_top` of their logits."""
+        return log_softmax_top(self._block(idxs), toks, top)
+
+    def rows(self, idxs: list[int]) -> np.ndarray:
+        """A copy of output rows ``idxs``' logits (the next decode reuses their buffer)."""
+        return np.array(self._block(idxs))
 
     def _block(self, idxs: list[int]) -> np.ndarray:
         """Output rows ``idxs``' logits as one ``(n, n_vocab)`` array: a view of the step's logits where
@@ -277,6 +266,25 @@ class Sampling:
                 L.llama_sampler_free(ch)
         for ch in self._greedy.values():
             L.llama_sampler_free(ch)
+
+
+def log_softmax_top(block: np.ndarray, toks: list[int], top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """In one numpy pass over the rows of ``block`` (logits, ``(n, n_vocab)``): the log-probability of
+    ``toks[k]`` in row ``k``, and the ``top`` likeliest tokens of each row with theirs, likeliest first
+    (``(chosen, ids, values)``, shaped ``(n,)``, ``(n, top)``, ``(n, top)``). The log-softmax of the
+    model's logits as the sampler saw them (before temperature, top-k/p, penalties; after a grammar's
+    mask when one was applied to the row)."""
+    n = len(toks)
+    m = block.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(block - m, dtype=np.float32).sum(axis=1, dtype=np.float64))
+    chosen = block[np.arange(n), np.asarray(toks, dtype=np.intp)] - lse
+    if not top:
+        empty = np.empty((n, 0))
+        return chosen, empty.astype(np.intp), empty
+    ids = np.argpartition(block, -top, axis=1)[:, -top:]
+    vals = np.take_along_axis(block, ids, axis=1) - lse[:, None]
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return chosen, np.take_along_axis(ids, order, axis=1), np.take_along_axis(vals, order, axis=1)
 
 
 def _greedy_chain() -> Any:

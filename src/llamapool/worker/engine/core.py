@@ -25,7 +25,7 @@ from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine.batch import Batch, fill
 from llamapool.worker.engine.kvcache import KVSlots
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
-from llamapool.worker.engine.output import Output
+from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
 from llamapool.worker.faults import FaultInjector, request_failure
@@ -70,6 +70,7 @@ class Engine:
         self.grammars = Grammars(self.vocab, self.n_vocab, self._eog, cfg.grammar_cache_mb << 20)
         self.inflight: list[Sequence] = []  # sequences with an output in the batch in flight
         self._echoing: list[Sequence] = []  # sequences with prompt rows (echo's logprobs) in the batch in flight
+        self._deferred: Deferred | None = None  # the step's logprob rows, made into records after the launch
         self._split = False  # the batch being built runs as several micro-batches
         self.steps = 0
         self.target = StepTarget.parse(cfg.target_step)
@@ -241,6 +242,7 @@ class Engine:
             order = self._build(out)
             blocking = flush is not None and self._split  # several micro-batches: decode blocks
             if blocking:
+                self._resolve_logprobs(out)
                 self._emit_ready(ready, out)
                 out.active = len(self.active)
                 assert flush is not None
@@ -249,6 +251,7 @@ class Engine:
             if self.batch.n:
                 self._launch(order, out)
             if not blocking:
+                self._resolve_logprobs(out)  # the logprobs, while the GPU computes
                 self._emit_ready(ready, out)
         else:
             order = self._build(out)
@@ -431,10 +434,17 @@ class Engine:
         return ready
 
     def _logprobs(self, picked: list[tuple[Sequence, int]], out: Step) -> dict[int, TokenLogprob]:
-        """The logprob records of the picked tokens whose sequences ask for them (by sequence id)."""
+        """The logprob records of the picked tokens whose sequences ask for them (by sequence id). A
+        pipelined step only copies their rows: the records are made after the next launch (``PENDING``
+        until then, :class:`Deferred`)."""
         asking = [(seq, tok) for seq, tok in picked if seq.params.logprobs]
+        wants = [(seq.out_idx, tok, seq.params.top_logprobs) for seq, tok in asking]
         try:
-            records = self.output.logprob_records([(seq.out_idx, tok, seq.params.top_logprobs) for seq, tok in asking])
+            if self.gpu_sampling and asking:
+                rows = self.sampling.rows([w[0] for w in wants])
+                self._deferred = Deferred(rows, wants, [seq for seq, _ in asking])
+                return {seq.seq_id: PENDING for seq, _ in asking}
+            records = self.output.logprob_records(wants)
         except Exception as e:
             for seq, _ in asking:
                 self._drop(seq, e, out)
@@ -452,6 +462,8 @@ class Engine:
             return None
         if record is not None:
             seq.logprobs.append(record)
+            if record is PENDING and self._deferred is not None:
+                self._deferred.place(seq)
         seq.generated += 1
         seq.last = tok
         if tok in self.chat.tool_format.special.values() and p.tools:
@@ -472,7 +484,25 @@ class Engine:
         if last is not None:
             self._finish(seq, "stop", out, last)
 
+    def _resolve_logprobs(self, out: Step) -> None:
+        """The deferred logprob records made and put in place (:class:`Deferred`)."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return
+        try:
+            d.resolve(self.output)
+        except Exception as e:
+            for seq in d.seqs:
+                if self.active.get(seq.seq_id) is seq:
+                    self._drop(seq, e, out)
+
     def _finish(self, seq: Sequence, reason: str, out: Step, delta: str = "") -> None:
+        if self._deferred is not None and self._deferred.waits(seq):  # its result carries its records
+            d = self._deferred
+            self._resolve_logprobs(out)
+            self._deferred = d if d.records is not None else None  # the others' places are filled as they come
+            if self.active.get(seq.seq_id) is not seq:
+                return
         self.output.done(seq, reason, out, delta)
         self._release(seq)
 

@@ -4,6 +4,7 @@ entries, and a finished sequence's result (tool calls parsed from its text)."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp as L
@@ -11,7 +12,7 @@ import numpy as np
 
 from llamapool.protocol.messages import Delta, Done, Step, TokenLogprob, TopLogprob
 from llamapool.worker.engine.sequence import Sequence
-from llamapool.worker.sampling import Sampling
+from llamapool.worker.sampling import Sampling, log_softmax_top
 from llamapool.worker.tools import ToolFormat
 
 
@@ -51,13 +52,15 @@ class Output:
             d = self._described[tok] = (piece.decode(errors="replace"), list(piece))
         return d
 
-    def logprob_records(self, wants: list[tuple[int, int, int]]) -> list[TokenLogprob]:
+    def logprob_records(self, wants: list[tuple[int, int, int]], block: np.ndarray | None = None) -> list[TokenLogprob]:
         """The records of tokens ``(output row, token, top_logprobs)`` of the step just decoded, their
-        numbers computed for all of them in one pass (``Sampling.logprobs``)."""
+        numbers computed for all of them in one pass (``Sampling.logprobs``); from ``block`` (the rows'
+        logits, copied) when given."""
         if not wants:
             return []
         rows, toks, tops = zip(*wants, strict=True)
-        chosen, ids, vals = self.sampling.logprobs(list(rows), list(toks), max(tops))
+        chosen, ids, vals = (self.sampling.logprobs(list(rows), list(toks), max(tops)) if block is None
+                             else log_softmax_top(block, list(toks), max(tops)))
         chosen_l, ids_l, vals_l = np.round(chosen, 6).tolist(), ids.tolist(), np.round(vals, 6).tolist()
         records = []
         for k, (tok, top) in enumerate(zip(toks, tops, strict=True)):
@@ -81,6 +84,45 @@ class Output:
                 text, calls, reason = content, found, ("tool_calls" if reason == "stop" else reason)
         out.done.append(Done(seq.rid, reason, text, len(seq.tokens), seq.generated, calls, seq.reused,
                              sent_logprobs(seq), stop=seq.text.stop))
+
+
+PENDING = TokenLogprob("", None, [], [])  # a record to be computed after the next launch (Deferred)
+
+
+@dataclass(eq=False)
+class Deferred:
+    """A pipelined step's logprob rows, copied off the logits before the next batch is launched: their
+    records are computed after the launch, while the GPU computes (:meth:`resolve`), and put in the
+    places the sequences kept for them (a :data:`PENDING` record each, never sent: a sequence that ends
+    first has them resolved before its result is made)."""
+
+    rows: np.ndarray  # the rows' logits, (n, n_vocab)
+    wants: list[tuple[int, int, int]]  # (output row, token, top_logprobs) of each
+    seqs: list[Sequence]
+    places: list[tuple[int, list[TokenLogprob], int]] = field(default_factory=list)  # (k, records, index)
+    records: list[TokenLogprob] | None = None
+    index: dict[int, int] = field(default_factory=dict)  # sequence id -> its row's place in ``wants``
+
+    def __post_init__(self) -> None:
+        self.index = {seq.seq_id: k for k, seq in enumerate(self.seqs)}
+
+    def waits(self, seq: Sequence) -> bool:
+        return self.records is None and any(lst is seq.logprobs for _, lst, _ in self.places)
+
+    def place(self, seq: Sequence) -> None:
+        """``seq`` took its token: its record goes where its last (pending) one is."""
+        k = self.index[seq.seq_id]
+        if self.records is not None:
+            seq.logprobs[-1] = self.records[k]
+        else:
+            self.places.append((k, seq.logprobs, len(seq.logprobs) - 1))
+
+    def resolve(self, output: Output) -> None:
+        if self.records is None:
+            self.records = output.logprob_records(self.wants, self.rows)
+            for k, lst, i in self.places:
+                lst[i] = self.records[k]
+            self.places = []
 
 
 def sent_logprobs(seq: Sequence) -> list[TokenLogprob] | None:
