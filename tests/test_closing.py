@@ -154,6 +154,19 @@ def test_a_whole_call_not_followed_by_one_that_cannot_fit_ends_by_stop(engine: E
     assert taken != call[: len(call) - 2] and closing.forced
 
 
+def test_free_text_with_quotes_before_a_possible_call_is_taken_as_it_is(engine: Engine) -> None:
+    """``tools`` with ``tool_choice`` auto: text (the grammar accepting, no plan needed) in which a token
+    with a quote follows an open quote (``""``), in the last tokens of the budget, is the model's own; it
+    raised IndexError in the closing (a 500 for SmolLM2 answering after a tool result at max_tokens 30)."""
+    spec = spec_of(parse({"tools": [WEATHER]}), engine.chat.tool_format)
+    assert spec is not None
+    compiled = engine.grammars.compile(spec).result(timeout=60)
+    text = engine.grammars.tokenizer().tokenize_str('He said "" and """" to it')
+    for budget in (len(text), len(text) + 10, len(text) + 40):
+        closing = engine.grammars.start(compiled, budget)
+        assert [closing.take(t) for t in text] == text and not closing.forced
+
+
 def test_the_closing_looks_at_nothing_before_the_last_tokens(engine: Engine) -> None:
     spec = spec_of(parse({"json_schema": SCHEMAS[0]}), None)
     assert spec is not None

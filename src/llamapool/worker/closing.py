@@ -178,7 +178,7 @@ class Closing:
         self._consume(tok)
         self.plan = before
         if before is not None and len(before) + SLACK <= self.left and was[0] == self.where == IN \
-                and before[0] in self.closer.enders:
+                and before and before[0] in self.closer.enders:  # (no plan: free text, a reply whole)
             return tok  # more of a string the plan ends: the same plan (checked again before it is used)
         if before is not None and len(before) <= self.left and self._closes(before):
             return tok  # the plan still closes it (a digit more, a key's next token): no search
