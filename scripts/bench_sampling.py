@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 
-def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port: int) -> subprocess.Popen[bytes]:
+def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port: int,
+          threads: int) -> subprocess.Popen[bytes]:
     cfg = tmp / f"{tag}.toml"
     cfg.write_text(f'[server]\nruntime_dir = "{tmp / ("run-" + tag)}"\nqueue_timeout = 600.0\n'
                    f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\n'
-                   f'[workers]\ndevices = "cpu"\ncpu_workers = 1\nslots = {slots}\n'
+                   f'[workers]\ndevices = "cpu"\ncpu_workers = 1\nslots = {slots}\nthreads = {threads}\n'
                    f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n[metrics]\nlisten = ""\n')
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
     log = open(tmp / f"{tag}.log", "wb")
@@ -123,6 +124,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="the worker's llama.cpp threads (1: on a loaded 2-core machine, two threads spinning at "
+                         "each barrier made a step 20-50x slower and the figures noise)")
     ap.add_argument("--model", default="", help="a GGUF (default: the tiny random test model)")
     ap.add_argument("--out", default="", help="append each result as a JSON line")
     args = ap.parse_args()
@@ -144,7 +148,8 @@ def main() -> int:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             tag = f"{label}-{rep}"
-            proc = start(src, tmp, tag, model, args.concurrency, args.prompt_tokens + args.gen_tokens + 16, port)
+            proc = start(src, tmp, tag, model, args.concurrency, args.prompt_tokens + args.gen_tokens + 16, port,
+                         args.threads)
             ep, url = f"ipc://{tmp / ('run-' + tag) / 'frontend.sock'}", f"http://127.0.0.1:{port}"
             try:
                 wait_ready(ep, url, proc)

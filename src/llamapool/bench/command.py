@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from llamapool.bench.workloads import DEFAULT_CTX, NAMES
@@ -35,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
                    help=f"prompt + output budget per request (default {DEFAULT_CTX}); mixed is clipped to it")
     p.add_argument("--seed", type=int, default=0, help="same seed, same requests")
+    p.add_argument("--top-logprobs", type=int, metavar="K",
+                   help="the logprobs workload's alternatives a token, 0 to 20 (default 5; over --http "
+                        "/v1/completions, 0 to 5)")
+    p.add_argument("--beside", choices=NAMES, metavar="WORKLOAD",
+                   help="the measured C streams run beside C streams of this workload (one wave more than "
+                        "the measured ones, started a second before): e.g. -w short --beside json for what "
+                        "constrained neighbours cost plain streams, against -w short --beside short")
     p.add_argument("--n-vocab", type=int, default=0,
                    help="prompt ids are drawn below this (default: what the server reports)")
     p.add_argument("--http", metavar="URL",
@@ -100,7 +109,11 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
     for c in args.concurrency:
         try:
             work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=args.seed, ctx=args.ctx,
-                                 prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+                                 prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                                 top_logprobs=args.top_logprobs)
+            side = None if not args.beside else make_workload(
+                args.beside, len(work.requests) + c, n_vocab, seed=args.seed + 1, ctx=args.ctx,
+                prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, top_logprobs=args.top_logprobs)
         except ValueError as e:
             print(f"llamapool bench: {e}", file=sys.stderr)
             return 2
@@ -108,9 +121,14 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
         if slot and work.longest >= slot:
             print(f"llamapool bench: warning: requests need up to {work.longest} tokens of context; the daemon "
                   f"has {slot} per slot (model.ctx_per_slot), so they will fail", file=sys.stderr)
-        res = asyncio.run(measure(target, work, c, args.procs, not args.no_progress))
+        with _beside(target, side, c):
+            res = asyncio.run(measure(target, work, c, args.procs, not args.no_progress))
         errors += res.errors
         row = res.as_dict()
+        if args.top_logprobs is not None and args.workload == "logprobs":
+            row["top_logprobs"] = args.top_logprobs
+        if side is not None:
+            row["beside"] = args.beside
         if args.ceiling:
             from llamapool.bench.ceiling import measure as ceiling
 
@@ -133,6 +151,24 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
         print(f"llamapool bench: {errors} request(s) failed or came back short: not a figure", file=sys.stderr)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _beside(target: Any, side: Any, c: int) -> Iterator[None]:
+    """What runs inside runs while C streams of the workload ``side`` do (if any), started a second before."""
+    if side is None:
+        yield
+        return
+    import threading
+    import time
+
+    from llamapool.bench.drivers import run
+
+    t = threading.Thread(target=run, args=(target, side, c), daemon=True)
+    t.start()
+    time.sleep(1.0)
+    yield
+    t.join()
 
 
 def _open_loop(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
