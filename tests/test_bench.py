@@ -79,6 +79,13 @@ def test_cli_bench_workload_against_the_daemon(start_daemon: Callable[..., Any])
     assert r["gen_tokens"] == 8 * 128 and r["prompt_tokens"] == 8 * 128 and r["tok_s"] > 0
     out = _bench_cli("--endpoint", d.endpoint, "-c", "2")
     assert out.returncode == 0 and "short" in out.stdout and "tok/s" in out.stdout, out.stderr
+    # issue 31's rows: logprobs with K alternatives, and streams measured beside others
+    out = _bench_cli("--endpoint", d.endpoint, "-w", "logprobs", "--top-logprobs", "20", "--beside", "short", "-c", "2",
+                     "-n", "4", "--prompt-tokens", "8", "--gen-tokens", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    [r] = json.loads(out.stdout)
+    assert (r["workload"], r["top_logprobs"], r["beside"], r["errors"]) == ("logprobs", 20, "short", 0)
+    assert r["gen_tokens"] == 4 * 16
 
 
 def test_open_loop_bench_at_poisson_rates_against_the_daemon(start_daemon: Callable[..., Any], tmp_path: Any
