@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,11 +32,13 @@ from typing import Any
 
 
 def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port: int,
-          threads: int) -> subprocess.Popen[bytes]:
+          threads: int, gpu: bool) -> subprocess.Popen[bytes]:
     cfg = tmp / f"{tag}.toml"
+    devices = "devices = [0]" if gpu else 'devices = "cpu"'
     cfg.write_text(f'[server]\nruntime_dir = "{tmp / ("run-" + tag)}"\nqueue_timeout = 600.0\n'
                    f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\n'
-                   f'[workers]\ndevices = "cpu"\ncpu_workers = 1\nslots = {slots}\nthreads = {threads}\n'
+                   f'[workers]\n{devices}\ncpu_workers = 1\nslots = {slots}\n'
+                   f'threads = {threads}\n'
                    f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n[metrics]\nlisten = ""\n')
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
     log = open(tmp / f"{tag}.log", "wb")
@@ -72,46 +75,89 @@ def counters(ep: str) -> dict[str, float]:
     return {k: sum(float(w.get(k) or 0) for w in workers) for k in ("steps", "decode_s", "step_s")}
 
 
-def rows_for(ep: str, url: str, args: argparse.Namespace, n_vocab: int) -> dict[str, Any]:
+GPU_1B = {"n_embd": 2048, "n_layer": 16, "n_head": 32, "n_head_kv": 8, "n_ff": 8192, "n_vocab": 32000, "qtype": "q8_0"}
+ROWS = [("plain", "http", "short", None), ("logprobs1", "http", "logprobs", 1), ("logprobs5", "http", "logprobs", 5),
+        ("json", "http", "json", None), ("sdk_plain", "sdk", "short", None), ("sdk_logprobs20", "sdk", "logprobs", 20),
+        ("sdk_logprobs1", "sdk", "logprobs", 1), ("sdk_logprobs5", "sdk", "logprobs", 5),
+        ("plain_beside_short", "http", "short", "short"), ("plain_beside_json", "http", "short", "json")]
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by ``pid``'s children, by name: the worker, the gateway, and
+    the router (the daemon's own process)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def used(p: int) -> float:
+        with open(f"/proc/{p}/stat") as fh:
+            f = fh.read().rpartition(")")[2].split()
+        return (int(f[11]) + int(f[12])) / tick
+
+    out = {"router": used(pid)}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    if int(fh.read().rpartition(")")[2].split()[1]) != pid:
+                        continue
+                with open(f"/proc/{d}/cmdline", "rb") as raw:
+                    cmd = raw.read().split(b"\0")
+                name = "worker" if b"llamapool.worker" in cmd else "gateway" if b"llamapool.gateway" in cmd else d
+                out[name] = out.get(name, 0.0) + used(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def one_row(daemon: tuple[str, str, int], row: tuple[str, str, str, Any], args: argparse.Namespace,
+            n_vocab: int) -> dict[str, Any]:
+    """One row on one daemon: its tok/s, the worker's steps, host and decode time a step meanwhile, and the
+    CPU time each of the daemon's processes used a token (on a shared machine, a steadier figure than tok/s:
+    what the row costs, not what it got)."""
     from llamapool.bench import drivers
     from llamapool.bench.workloads import make_workload
 
+    ep, url, pid = daemon
+    label, transport, name, extra = row
     c, n = args.concurrency, args.requests or 4 * args.concurrency
     lengths = {"prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
                "ctx": args.prompt_tokens + args.gen_tokens}
-    http, sdk = drivers.Target("http-openai", url), drivers.Target("sdk", ep)
-    plan = [("plain", http, "short", None), ("logprobs1", http, "logprobs", 1), ("logprobs5", http, "logprobs", 5),
-            ("json", http, "json", None), ("sdk_plain", sdk, "short", None), ("sdk_logprobs20", sdk, "logprobs", 20)]
-    out: dict[str, Any] = {}
-    for label, target, name, top in plan:
-        work = make_workload(name, n, n_vocab, seed=args.seed, top_logprobs=top, **lengths)
-        before = counters(ep)
-        r = drivers.run(target, work, c)
-        time.sleep(1.1)  # one heartbeat: the counters include the run
-        after = counters(ep)
-        eng = {k: after[k] - before[k] for k in after}
-        host_ms = 1e3 * (eng["step_s"] - eng["decode_s"]) / max(1.0, eng["steps"])
-        out[label] = {"tok_s": round(r.tok_s, 1), "errors": r.errors, "itl_p50_ms": round(r.itl_p50_ms, 3),
-                      "steps": int(eng["steps"]), "host_ms_step": round(host_ms, 3),
-                      "decode_ms_step": round(1e3 * eng["decode_s"] / max(1.0, eng["steps"]), 3)}
-    half = c // 2
-    plain = make_workload("short", 4 * half, n_vocab, seed=args.seed, **lengths)
-    for kind in ("short", "json"):  # one wave more than the measured streams' four: neighbours throughout
-        other = make_workload(kind, 5 * half, n_vocab, seed=args.seed + 1, **lengths)
-        t = threading.Thread(target=drivers.run, args=(http, other, half))
+    target = drivers.Target("http-openai", url) if transport == "http" else drivers.Target("sdk", ep)
+    before, cpu0 = counters(ep), cpu_seconds(pid)
+    if label.startswith("plain_beside"):  # C/2 measured beside C/2 of ``extra``, one wave more than them
+        half = c // 2
+        work = make_workload(name, n // 2, n_vocab, seed=args.seed, **lengths)
+        other = make_workload(extra, n // 2 + half, n_vocab, seed=args.seed + 1, **lengths)
+        t = threading.Thread(target=drivers.run, args=(target, other, half))
         t.start()
-        time.sleep(1.0)
-        r = drivers.run(http, plain, half)
+        time.sleep(0.5)
+        r = drivers.run(target, work, half)
         t.join()
-        out[f"plain_beside_{kind}"] = {"tok_s": round(r.tok_s, 1), "errors": r.errors,
-                                       "itl_p50_ms": round(r.itl_p50_ms, 3)}
-    p = out["plain"]["tok_s"]
-    out["ratios"] = {"logprobs1": round(out["logprobs1"]["tok_s"] / p, 3),
-                     "logprobs5": round(out["logprobs5"]["tok_s"] / p, 3),
-                     "json": round(out["json"]["tok_s"] / p, 3),
-                     "logprobs20_sdk": round(out["sdk_logprobs20"]["tok_s"] / out["sdk_plain"]["tok_s"], 3),
-                     "neighbours": round(out["plain_beside_json"]["tok_s"] / out["plain_beside_short"]["tok_s"], 3)}
-    return out
+    else:
+        work = make_workload(name, n, n_vocab, seed=args.seed, top_logprobs=extra, **lengths)
+        r = drivers.run(target, work, c)
+    time.sleep(1.1)  # one heartbeat: the counters include the run
+    after, cpu1 = counters(ep), cpu_seconds(pid)
+    eng = {k: after[k] - before[k] for k in after}
+    steps = max(1.0, eng["steps"])
+    cpu_us = {k: round(1e6 * (cpu1[k] - cpu0.get(k, 0.0)) / max(1, r.gen_tokens), 1) for k in ("router", "worker",
+                                                                                                  "gateway")}
+    return {"tok_s": round(r.tok_s, 1), "errors": r.errors, "itl_p50_ms": round(r.itl_p50_ms, 3),
+            "cpu_us_token": {**cpu_us, "all": round(sum(cpu_us.values()), 1)},
+            "steps": int(eng["steps"]), "host_ms_step": round(1e3 * (eng["step_s"] - eng["decode_s"]) / steps, 3),
+            "decode_ms_step": round(1e3 * eng["decode_s"] / steps, 3)}
+
+
+def ratios(out: dict[str, Any]) -> dict[str, float]:
+    """Each row's tok/s against its plain row's; ``cpu_*``: the plain row's CPU time a token against the row's."""
+    pairs = {"logprobs1": ("logprobs1", "plain"), "logprobs5": ("logprobs5", "plain"), "json": ("json", "plain"),
+             "logprobs20_sdk": ("sdk_logprobs20", "sdk_plain"), "logprobs1_sdk": ("sdk_logprobs1", "sdk_plain"),
+             "logprobs5_sdk": ("sdk_logprobs5", "sdk_plain"),
+             "neighbours": ("plain_beside_json", "plain_beside_short")}
+    got = {k: (a, b) for k, (a, b) in pairs.items() if a in out and b in out}
+    res = {k: round(out[a]["tok_s"] / out[b]["tok_s"], 3) for k, (a, b) in got.items()}
+    res.update({f"cpu_{k}": round(out[b]["cpu_us_token"]["all"] / max(0.1, out[a]["cpu_us_token"]["all"]), 3)
+                for k, (a, b) in got.items() if k != "neighbours"})  # the neighbours' CPU is not theirs alone
+    return res
 
 
 def main() -> int:
@@ -128,46 +174,53 @@ def main() -> int:
                     help="the worker's llama.cpp threads (1: on a loaded 2-core machine, two threads spinning at "
                          "each barrier made a step 20-50x slower and the figures noise)")
     ap.add_argument("--model", default="", help="a GGUF (default: the tiny random test model)")
+    ap.add_argument("--gpu", action="store_true", help="the worker on GPU 0, a random model of the 1B shape")
+    ap.add_argument("--rows", default=",".join(r[0] for r in ROWS if r[0] not in ("sdk_logprobs1", "sdk_logprobs5")),
+                    help="the rows to run (comma-separated)")
     ap.add_argument("--out", default="", help="append each result as a JSON line")
     args = ap.parse_args()
 
     from llamapool.modelgen import make_model
 
     tmp = Path(tempfile.mkdtemp(prefix="lp-sampling-"))
-    model = args.model or str(make_model(tmp / "tiny.gguf"))
+    model = args.model or str(make_model(tmp / "m.gguf", **(GPU_1B if args.gpu else {})))
     import llama_cpp
 
     n_vocab = llama_cpp.Llama(model, n_ctx=64, verbose=False, vocab_only=True).n_vocab()
     srcs = [s.partition("=")[::2] for s in args.src]
+    daemons: dict[str, tuple[str, str, int]] = {}
+    procs = []
     results: list[dict[str, Any]] = []
-    for rep in range(args.repeats):
-        for label, src in srcs:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            tag = f"{label}-{rep}"
-            proc = start(src, tmp, tag, model, args.concurrency, args.prompt_tokens + args.gen_tokens + 16, port,
-                         args.threads)
-            ep, url = f"ipc://{tmp / ('run-' + tag) / 'frontend.sock'}", f"http://127.0.0.1:{port}"
-            try:
-                wait_ready(ep, url, proc)
+    try:
+        for label, src in srcs:  # every tree's daemon up at once: each row runs on each, one after another
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+            procs.append(start(src, tmp, label, model, args.concurrency, args.prompt_tokens + args.gen_tokens + 16,
+                               port, args.threads, args.gpu))
+            daemons[label] = (f"ipc://{tmp / ('run-' + label) / 'frontend.sock'}", f"http://127.0.0.1:{port}",
+                              procs[-1].pid)
+            wait_ready(*daemons[label][:2], procs[-1])
+        for rep in range(args.repeats):
+            rows: dict[str, dict[str, Any]] = {label: {} for label in daemons}
+            for row in [r for r in ROWS if r[0] in args.rows.split(",")]:
+                for label in daemons if rep % 2 == 0 else reversed(daemons):  # alternate who goes first
+                    rows[label][row[0]] = one_row(daemons[label], row, args, n_vocab)
+            for label, out in rows.items():
                 res = {"src": label, "repeat": rep, "cores": len(os.sched_getaffinity(0)),
-                       "load_avg": os.getloadavg()[0], **rows_for(ep, url, args, n_vocab)}
-            finally:
-                proc.terminate()
-                proc.wait(60)
-            results.append(res)
-            print(json.dumps(res), flush=True)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(json.dumps(res) + "\n")
-    print("\nsrc     repeat  plain tok/s  lp1    lp5    lp20(sdk)  json   neighbours")
+                       "load_avg": os.getloadavg()[0], "threads": args.threads, "requests": args.requests,
+                       **out, "ratios": ratios(out)}
+                results.append(res)
+                print(json.dumps(res), flush=True)
+                if args.out:
+                    with open(args.out, "a") as fh:
+                        fh.write(json.dumps(res) + "\n")
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
     for r in results:
-        q = r["ratios"]
-        print(f"{r['src']:8s}{r['repeat']:6d}  {r['plain']['tok_s']:11.1f}  {q['logprobs1']:.3f}  "
-              f"{q['logprobs5']:.3f}  {q['logprobs20_sdk']:.3f}      {q['json']:.3f}  {q['neighbours']:.3f}")
+        print(r["src"], r["repeat"], " ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()))
     return 1 if any(v.get("errors") for r in results for v in r.values() if isinstance(v, dict)) else 0
 
 

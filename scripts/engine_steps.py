@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The engine alone (no router, no sockets), one process: host time a step for a batch of sequences of
-each kind, as ``Engine`` counts it (a whole step's time less the time inside ``llama_decode``).
+each kind, as ``Engine`` counts it (a whole step's time less the time inside ``llama_decode``), and the
+engine thread's CPU time a step (``cpu_us``: with one llama.cpp thread, the decode runs on it too; on a
+shared machine a steadier figure than the wall-clock ones).
 
     PYTHONPATH=src .venv/bin/python scripts/engine_steps.py MODEL [--slots 8] [--gen 192] [--repeats 3]
 
@@ -29,18 +31,19 @@ def kinds(gen: int) -> dict[str, list[SamplingParams]]:
     return {"plain": [plain], **{k: [v] for k, v in lp.items()}, "json": [js], "half_json": [plain, js]}
 
 
-def measure(eng: Engine, params: list[SamplingParams], slots: int, prompt: list[int], rid: int) -> dict[str, float]:
+def measure(eng: Engine, params: list[SamplingParams], slots: int, prompt: list[int], rid: int,
+            stream: bool = True) -> dict[str, float]:
     for i in range(slots):
-        eng.submit(Run(rid + i, prompt, params[i % len(params)], False), Step())
+        eng.submit(Run(rid + i, prompt, params[i % len(params)], stream), Step())
     while eng.waiting or any(s.prefilling for s in eng.active.values()):  # prompts in: time decode steps only
         eng.step()
-    steps, step_s, decode_s, t0 = eng.steps, eng.step_s, eng.decode_s, time.perf_counter()
+    steps, step_s, decode_s, t0, c0 = eng.steps, eng.step_s, eng.decode_s, time.perf_counter(), time.thread_time()
     while eng.busy:
         eng.step()
     n = max(1, eng.steps - steps)
     return {"host_us": 1e6 * ((eng.step_s - step_s) - (eng.decode_s - decode_s)) / n,
             "decode_us": 1e6 * (eng.decode_s - decode_s) / n, "steps": n,
-            "wall_us": 1e6 * (time.perf_counter() - t0) / n}
+            "wall_us": 1e6 * (time.perf_counter() - t0) / n, "cpu_us": 1e6 * (time.thread_time() - c0) / n}
 
 
 def main() -> None:
@@ -63,7 +66,8 @@ def main() -> None:
                 rows.setdefault(name, []).append(measure(eng, params, args.slots, prompt, rid))
     finally:
         eng.close()
-    print(json.dumps({k: {m: round(statistics.median(r[m] for r in v), 1) for m in ("host_us", "decode_us", "wall_us")}
+    kinds_ = ("host_us", "decode_us", "wall_us", "cpu_us")
+    print(json.dumps({k: {m: round(statistics.median(r[m] for r in v), 1) for m in kinds_}
                       for k, v in rows.items()}))
 
 

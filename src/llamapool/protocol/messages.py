@@ -309,7 +309,8 @@ class Abort:
 
 class Delta(NamedTuple):
     """New text of a running sequence: ``[rid, text, tokens, logprobs, prompt_tokens, cached_tokens]`` on
-    the wire (the trailing ones optional)."""
+    the wire (the trailing ones optional). ``logprobs``: the worker's records; the router holds them as
+    the arrays they travel as and passes them on unread (the client's codec makes them records again)."""
 
     rid: int
     text: str

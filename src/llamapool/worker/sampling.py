@@ -274,17 +274,16 @@ def log_softmax_top(block: np.ndarray, toks: list[int], top: int) -> tuple[np.nd
     (``(chosen, ids, values)``, shaped ``(n,)``, ``(n, top)``, ``(n, top)``). The log-softmax of the
     model's logits as the sampler saw them (before temperature, top-k/p, penalties; after a grammar's
     mask when one was applied to the row)."""
-    n = len(toks)
-    m = block.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(block - m, dtype=np.float32).sum(axis=1, dtype=np.float64))
-    chosen = block[np.arange(n), np.asarray(toks, dtype=np.intp)] - lse
+    rows = np.arange(len(toks))[:, None]  # each row's index, for picking within rows (fewer calls than
+    m = block.max(axis=1, keepdims=True)  # take_along_axis: on a small vocabulary the calls are the cost)
+    lse = m + np.log(np.exp(block - m, dtype=np.float32).sum(axis=1, keepdims=True, dtype=np.float64))
+    chosen = (block[rows, np.asarray(toks, dtype=np.intp)[:, None]] - lse)[:, 0]
     if not top:
-        empty = np.empty((n, 0))
-        return chosen, empty.astype(np.intp), empty
+        return chosen, np.empty((len(toks), 0), np.intp), np.empty((len(toks), 0))
     ids = np.argpartition(block, -top, axis=1)[:, -top:]
-    vals = np.take_along_axis(block, ids, axis=1) - lse[:, None]
+    vals = block[rows, ids] - lse
     order = np.argsort(-vals, axis=1, kind="stable")
-    return chosen, np.take_along_axis(ids, order, axis=1), np.take_along_axis(vals, order, axis=1)
+    return chosen, ids[rows, order], vals[rows, order]
 
 
 def _greedy_chain() -> Any:
