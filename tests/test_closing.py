@@ -236,6 +236,11 @@ def test_a_budget_below_the_shortest_reply_is_a_400_naming_max_tokens(tiny: tupl
     with pytest.raises(openai.BadRequestError) as e:
         ask(tiny[1], response_format=rf, max_tokens=3)
     assert e.value.body["param"] == "max_tokens", e.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:  # streamed: the same 400, nothing said of a stream
+        ask(tiny[1], response_format=rf, max_tokens=3, stream=True)
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "max_tokens" and "tokens_delivered" not in body, body
+    assert "delivered" not in body["message"], body
 
 
 def test_a_forced_call_cut_by_max_tokens_is_a_call_streamed_or_not(tiny: tuple[Daemon, openai.OpenAI]) -> None:

@@ -120,7 +120,8 @@ class Serving:
                 return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
             except ApiError as e:
                 return door.error_response(e)
-            except LlamapoolError as e:
+            except LlamapoolError as e:  # before the reply's first byte (a stream's too): nothing delivered
+                e.tokens_delivered = None
                 return door.error_response(call.api_error(e))
             except TypeError as e:  # a parameter the SDK refuses
                 return door.error_response(ApiError(400, str(e)))
