@@ -40,7 +40,8 @@ def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port:
                    f'[workers]\n{devices}\ncpu_workers = 1\nslots = {slots}\n'
                    f'threads = {threads}\n'
                    f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n[metrics]\nlisten = ""\n')
-    env = {**os.environ, "PYTHONPATH": str(Path(src).resolve())}
+    rest = os.environ.get("PYTHONPATH", "")  # the tree first; what else the path had after it
+    env = {**os.environ, "PYTHONPATH": str(Path(src).resolve()) + (":" + rest if rest else "")}
     log = open(tmp / f"{tag}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "llamapool.cli", "serve", "--config", str(cfg)],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -55,6 +56,8 @@ def wait_ready(ep: str, url: str, proc: subprocess.Popen[bytes]) -> None:
     with Client(ep) as c:
         while time.monotonic() < end:
             if proc.poll() is not None:
+                log = Path(str(proc.args[-1])).with_suffix(".log")  # type: ignore[index]
+                print(log.read_text(errors="replace")[-3000:] if log.exists() else "", file=sys.stderr)
                 raise SystemExit(f"daemon exited {proc.returncode}")
             try:
                 if any(w["state"] == "ready" for w in c.status()["workers"]):

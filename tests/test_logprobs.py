@@ -155,3 +155,32 @@ def test_logprobs_equal_llama_cpps_log_softmax_on_gemma(tmp_path: Path) -> None:
             assert all(abs(t.logprob - logsm[int(b)]) < 1e-3 for t, b in zip(entry.top, best, strict=True))
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("vocab", [512, 4096, 32000, 262144])
+def test_the_batched_log_softmax_and_top_k_equal_their_definitions(vocab: int) -> None:
+    """The host path's numbers for a step's rows at once (chunked, a bounded top-k above a small
+    vocabulary) equal the log-softmax computed row by row in float64 and the likeliest tokens by a full
+    sort, also for a row a grammar masked to a few tokens and a row of ties."""
+    from llamapool.worker.sampling import log_softmax_top
+
+    rng = np.random.default_rng(vocab)
+    block = (rng.normal(size=(12, vocab)) * 4).astype(np.float32)
+    block[3, :] = -np.inf
+    block[3, [7, 100, 101]] = [1.0, 0.5, 0.25]  # masked: three tokens allowed
+    block[5, :] = np.round(block[5, :])  # many ties
+    toks = [int(t) for t in rng.integers(0, vocab, 12)]
+    toks[3] = 100
+    for top in (0, 1, 5, 20):
+        chosen, ids, vals = log_softmax_top(block, toks, top)
+        ref = block.astype(np.float64)
+        m = ref.max(axis=1, keepdims=True)
+        logsm = ref - (m + np.log(np.exp(ref - m).sum(axis=1, keepdims=True)))
+        assert np.abs(chosen - logsm[np.arange(12), toks]).max() < 1e-5
+        assert ids.shape == vals.shape == (12, top)
+        want = np.sort(logsm, axis=1)[:, ::-1][:, :top]  # the likeliest values, likeliest first
+        assert np.allclose(vals, want, atol=1e-5)  # the masked row's fourth and later: -inf
+        assert np.allclose(np.take_along_axis(logsm, ids, axis=1), vals, atol=1e-5)  # each id has its value
+        assert all(len(set(row)) == top for row in ids.tolist())
+        if top:
+            assert list(ids[3, :3]) == [7, 100, 101][:top]
