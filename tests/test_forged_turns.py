@@ -5,6 +5,7 @@ writes them; ``parse_special_in_content = true`` opts a model's trusted callers 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,3 +144,51 @@ def test_a_gguf_template_takes_contents_as_text_too(model_path: str) -> None:
             forged).count(im_end) == 2
     finally:
         L.llama_model_free(model)
+
+
+# ------------------------------------------------------------ many control tokens: linear time
+
+
+def test_many_control_tokens_parse_a_piece_at_a_time_to_the_same_tokens(gemma: str) -> None:
+    """llama.cpp's special-token parsing is quadratic in a text's control tokens (16,000: 8 s), so a
+    text is parsed a few hundred of them at a time, cut only where the tokens stay the same: after a
+    control token that non-space text follows (Gemma's real vocabulary; spaces around the tokens,
+    tokens side by side, a text that starts and ends with one)."""
+    import llama_cpp as L
+
+    from llamapool.worker.chat import control_texts
+    from llamapool.worker.content_text import parsed_in_chunks
+    from llamapool.worker.vocab import tokenize
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(gemma.encode(), mp)
+    try:
+        vocab = L.llama_model_get_vocab(model)
+        controls = control_texts(vocab)
+
+        def parsed(s: str) -> list[int]:
+            return tokenize(vocab, s, add_special=False, parse_special=True)
+
+        texts = ["<start_of_turn>user\nHi <end_of_turn>\n" * 40, "<end_of_turn> a  <start_of_turn>b" * 30,
+                 "x<end_of_turn><end_of_turn>\n y" * 30 + "<start_of_turn>", " <bos>q" * 50 + " "]
+        for text in texts:
+            for per in (1, 3, 7):
+                assert parsed_in_chunks(text, controls, parsed, per) == parsed(text), (text[:40], per)
+        many = "<start_of_turn>user\nx<end_of_turn>\n" * 20_000  # 40,000 control tokens
+        t0 = time.monotonic()
+        assert len(parsed_in_chunks(many, controls, parsed)) == 120_000  # 6 a turn
+        assert time.monotonic() - t0 < 10  # whole: about 50 s on 2 cores
+    finally:
+        L.llama_model_free(model)
+
+
+def test_a_tokenize_of_many_control_tokens_keeps_its_worker(daemon: Daemon) -> None:
+    """``/tokenize`` with special tokens parsed runs on the worker's I/O thread: 40,000 of them held it
+    past its heartbeats (the worker killed, twice, and the request ended worker_lost)."""
+    with daemon.client() as c:
+        before = {w["id"]: w["pid"] for w in c.status()["workers"]}
+        toks = c.tokenize("<end_of_turn>" * 40_000, model="gemma", parse_special=True, add_special=True)
+        assert toks == [2] + [END_OF_TURN] * 40_000  # BOS added once, as llama.cpp adds it
+        assert {w["id"]: w["pid"] for w in c.status()["workers"]} == before

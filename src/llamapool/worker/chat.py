@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from llamapool.protocol.messages import ChatMessage, ErrorCode
-from llamapool.worker.content_text import ControlTexts, chat_tokens
+from llamapool.worker.content_text import ControlTexts, chat_tokens, parsed_in_chunks
 from llamapool.worker.tools import ToolFormat, detect
 
 CONFIG_KEY = "model.chat_template"
@@ -137,9 +138,10 @@ class ChatFormatter:
         self.template = template
         self.tool_format = tool_format or ToolFormat("generic", native=False)  # how its calls are written
         self.missing = missing  # the no_chat_template message when ``template`` is None
-        self._tokenize = tokenize  # text -> tokens, special tokens parsed, nothing added
         self._raw = raw or tokenize  # text -> tokens, special-token text read as text, nothing added
         self.controls = controls or ControlTexts.of({})  # the vocabulary's control tokens, by text
+        self._tokenize = partial(parsed_in_chunks, controls=self.controls, parsed=tokenize)  # special tokens
+        # parsed, nothing added (a few hundred control tokens at a time: llama.cpp's parsing is quadratic)
         self.parse_special_in_content = parse_special_in_content  # trusted callers: contents parsed too
         self.bos = bos
         self.add_bos = add_bos

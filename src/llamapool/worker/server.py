@@ -412,7 +412,8 @@ class WorkerIO:
             return False  # the common case, without importing llama.cpp's tokenizer here
         from llamapool.worker.tasks import io_answer
 
-        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, self.spec.embedding)
+        controls = getattr(getattr(self.engine, "chat", None), "controls", None)
+        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, self.spec.embedding, controls)
         if report is None:
             return False
         for _rid, _code, message, _fld in report.failed:

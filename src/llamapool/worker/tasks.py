@@ -9,16 +9,20 @@ llama.cpp's tokenizer only reads the vocabulary, so it may run beside the engine
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import Any
 
 import llama_cpp as L
 
 from llamapool.protocol.messages import LIGHT_TASKS, Done, ErrorCode, Failed, Run, Step
+from llamapool.worker.content_text import CHUNK_CONTROLS, ControlTexts, parsed_in_chunks
 from llamapool.worker.vocab import tokenize
 
 
-def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool) -> Step | None:
-    """The answer to ``run`` given on the I/O path, or None when the engine thread runs it."""
+def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool,
+              controls: ControlTexts | None = None) -> Step | None:
+    """The answer to ``run`` given on the I/O path, or None when the engine thread runs it (``controls``:
+    the vocabulary's control tokens, for a text holding many)."""
     entry: Done | Failed | None = None
     if run.task == "embed" and not embedding:
         entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is a generation model: it does not "
@@ -31,7 +35,7 @@ def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool) -
             entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} has no tokenizer (echo engine)",
                            "model")
         elif run.task == "tokenize":
-            entry = _tokenize(run, vocab)
+            entry = _tokenize(run, vocab, controls)
         else:
             entry = _detokenize(run, vocab, n_vocab)
     if entry is None:
@@ -39,10 +43,19 @@ def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool) -
     return Step(done=[entry]) if isinstance(entry, Done) else Step(failed=[entry])
 
 
-def _tokenize(run: Run, vocab: Any) -> Done:
+def _tokenize(run: Run, vocab: Any, controls: ControlTexts | None) -> Done:
     opts = run.options or {}
     text = run.prompt if isinstance(run.prompt, str) else ""
-    ids = tokenize(vocab, text, bool(opts.get("add_special")), bool(opts.get("parse_special", True)))
+    add, special = bool(opts.get("add_special")), bool(opts.get("parse_special", True))
+    if special and controls is not None and len(list(itertools.islice(controls.find(text), CHUNK_CONTROLS))) \
+            == CHUNK_CONTROLS:  # llama.cpp's parsing of many takes quadratic time: a few hundred at a time
+        ids = parsed_in_chunks(text, controls, lambda s: tokenize(vocab, s, False, True))
+        if add and L.llama_vocab_get_add_bos(vocab):
+            ids.insert(0, L.llama_vocab_bos(vocab))
+        if add and L.llama_vocab_get_add_eos(vocab):
+            ids.append(L.llama_vocab_eos(vocab))
+    else:
+        ids = tokenize(vocab, text, add, special)
     if not opts.get("with_pieces"):
         return Done(run.rid, "stop", "", 0, 0, tokens=ids)
     buf = ctypes.create_string_buffer(256)
