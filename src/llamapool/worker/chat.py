@@ -141,7 +141,7 @@ class ChatFormatter:
         self._raw = raw or tokenize  # text -> tokens, special-token text read as text, nothing added
         self.controls = controls or ControlTexts.of({})  # the vocabulary's control tokens, by text
         self._tokenize = partial(parsed_in_chunks, controls=self.controls, parsed=tokenize)  # special tokens
-        # parsed, nothing added (a few hundred control tokens at a time: llama.cpp's parsing is quadratic)
+        # parsed, nothing added (64 control tokens at a time: llama.cpp's parsing is quadratic)
         self.parse_special_in_content = parse_special_in_content  # trusted callers: contents parsed too
         self.bos = bos
         self.add_bos = add_bos

@@ -48,7 +48,7 @@ def _tokenize(run: Run, vocab: Any, controls: ControlTexts | None) -> Done:
     text = run.prompt if isinstance(run.prompt, str) else ""
     add, special = bool(opts.get("add_special")), bool(opts.get("parse_special", True))
     if special and controls is not None and len(list(itertools.islice(controls.find(text), CHUNK_CONTROLS))) \
-            == CHUNK_CONTROLS:  # llama.cpp's parsing of many takes quadratic time: a few hundred at a time
+            == CHUNK_CONTROLS:  # llama.cpp's parsing of many takes quadratic time: 64 at a time
         ids = parsed_in_chunks(text, controls, lambda s: tokenize(vocab, s, False, True))
         if add and L.llama_vocab_get_add_bos(vocab):
             ids.insert(0, L.llama_vocab_bos(vocab))
