@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""Issue 31's CPU rows, in one run: what logprobs and constrained neighbours cost on a CPU worker, for
-one or more source trees side by side (``--src before=/tmp/old/src --src after=src``), repeated.
+"""Issue 31's rows, in one run: what logprobs and constrained neighbours cost, for one or more source
+trees side by side (``--src before=/tmp/old/src --src after=src``), repeated.
 
-Each source tree gets a daemon of its own (one CPU worker, C slots, the HTTP gateway), started with that
-tree first on ``PYTHONPATH`` (the client side is this tree's, the same for all), and these rows:
+Each source tree gets a daemon of its own (one worker of C slots: a CPU worker, or with ``--gpu`` one on
+GPU 0 and a random model of the 1B shape; the HTTP gateway), started with that tree first on
+``PYTHONPATH`` (the client side is this tree's, the same for all). All the daemons are up at once, and
+each row runs on each in turn (the first one alternating between repeats):
 
-- over ``POST /v1/completions`` (C streams, greedy, EOS ignored): ``plain``; ``logprobs`` with 1 and 5
-  alternatives; ``json`` (each request constrained by the bench schema);
-- over the SDK (the completions API takes at most 5 alternatives): ``plain`` and ``logprobs`` with 20;
+- over ``POST /v1/completions`` (C streams, greedy, EOS ignored): ``plain``; ``logprobs1`` and
+  ``logprobs5`` (that many alternatives); ``json`` (each request constrained by the bench schema);
+- over the SDK (the completions API takes at most 5 alternatives): ``sdk_plain``, ``sdk_logprobs20``
+  (and, named in ``--rows``, ``sdk_logprobs1``/``sdk_logprobs5``);
 - neighbours: C/2 plain streams beside C/2 plain ones, then beside C/2 constrained ones (HTTP).
 
-Ratios are taken within one source tree's daemon in one repeat (the machine is shared: absolute
-figures drift between minutes; ratios measured a few seconds apart much less).
+Each row reports tok/s, the worker's steps and host and decode time a step, and the CPU time each of
+the daemon's processes used a token (from ``/proc``: on a shared machine steadier than tok/s). Ratios
+are taken within one source tree's daemon in one repeat.
 
-    .venv/bin/python scripts/bench_sampling.py --src before=/tmp/before/src --src after=src --repeats 2
+    .venv/bin/python scripts/bench_sampling.py --src before=/tmp/before/src --src after=src --repeats 4
 """
 
 from __future__ import annotations
