@@ -24,9 +24,10 @@ import numpy as np
 import openai
 import pytest
 
+from llamapool import default_model
 from llamapool.protocol.params import MAX_GRAMMAR_CHARS, parse
 from llamapool.worker.closing import Closing
-from llamapool.worker.constraints import spec_of
+from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine import Engine, EngineConfig
 from llamapool.worker.schemas import INT_BOUND, MAX_STRING, NUMBER_BOUND, bounded
 
@@ -91,19 +92,51 @@ def engine(model_path: str) -> Iterator[Engine]:
     eng.close()
 
 
-def random_reply(eng: Engine, closing: Closing, rng: random.Random) -> list[int]:
+def random_reply(eng: Engine | Grammars, closing: Closing, rng: random.Random) -> list[int]:
     """Tokens a "model" that picks any token the grammar allows writes, closed by ``closing``."""
-    tokenizer, out = eng.grammars.tokenizer(), []
+    grammars = eng.grammars if isinstance(eng, Engine) else eng
+    n_vocab, eog = grammars.closer.n_vocab, grammars.closer.eos
+    out = []
     m = closing.matcher
     while closing.left > 0 and not m.is_stopped():
         bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
-        ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: eng.n_vocab])
+        ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[:n_vocab])
         tok = closing.take(int(rng.choice(ids)))
-        if tok in eng._eog:
+        if tok == eog or (isinstance(eng, Engine) and tok in eng._eog):
             break
         out.append(tok)
-    assert tokenizer is not None
     return out
+
+
+@pytest.fixture(scope="module")
+def gemma_grammars() -> Iterator[Grammars]:
+    """Gemma 3's vocabulary (262,144 tokens, multi-byte pieces: ``"}``, ``}}``, ``":"``), without weights."""
+    import llama_cpp as L
+
+    path = default_model.fetch(Path(__file__).resolve().parent.parent / "models")
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    vocab = L.llama_model_get_vocab(model)
+    grammars = Grammars(vocab, L.llama_vocab_n_tokens(vocab), frozenset({L.llama_vocab_eos(vocab)}))
+    yield grammars
+    grammars.close()
+    L.llama_model_free(model)
+
+
+def test_any_tokens_close_within_the_budget_on_gemmas_vocabulary(gemma_grammars: Grammars) -> None:
+    rng = random.Random(3)
+    tokenizer = gemma_grammars.tokenizer()
+    for schema in SCHEMAS:
+        spec = spec_of(parse({"json_schema": schema}), None)
+        assert spec is not None
+        compiled = gemma_grammars.compile(spec).result(timeout=60)
+        assert compiled.closing is not None
+        for budget in [compiled.closing, *rng.sample(range(compiled.closing + 1, 120), 7)]:
+            toks = random_reply(gemma_grammars, gemma_grammars.start(compiled, budget), rng)
+            assert len(toks) <= budget
+            jsonschema.validate(json.loads(tokenizer.decode_str(toks)), schema)
 
 
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
