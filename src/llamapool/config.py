@@ -64,6 +64,9 @@ class ModelConfig:
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
+    # Speculative decoding (worker/engine/spec.py): "ngram" (drafts from the prompt and output, verified in
+    # the batch), "off", or "auto": ngram on GPU workers, off on CPU workers (docs/configuration.md: why)
+    speculative: str = "auto"
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
     chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
     # Chat contents are tokenized as text: a user's "<end_of_turn>" stays text, only the template's own
@@ -406,6 +409,8 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
     if m.pooling and not m.embedding:
         raise ConfigError(f"{key}.pooling: applies to an embedding model only; set {key}.embedding = true")
+    if m.speculative not in ("auto", "ngram", "off"):
+        raise ConfigError(f"{key}.speculative: must be \"auto\", \"ngram\" or \"off\", got {m.speculative!r}")
     from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
 
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_SEED = 2**32 - 1
+MAX_DRAFT = 8  # draft tokens a step at most (speculative decoding: worker/engine/spec.py)
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # token ids per logit_bias map

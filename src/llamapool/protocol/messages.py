@@ -277,6 +277,9 @@ class Heartbeat:
     step_cost: list[float] = field(default_factory=list)  # fitted step cost, seconds: base, per row,
     # per prompt token, per step with prompt work ([] until fitted)
     draining: bool = False  # from a worker: it was told to stop (SIGTERM); route nothing more to it
+    # speculative decoding, cumulative: draft tokens verified, accepted, tokens sampled, (sequence, step)
+    # pairs sampled ([] from an engine without it)
+    speculation: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -85,6 +85,17 @@ def check_logit_bias(name: str, v: Any) -> dict[str, float]:
     return out
 
 
+def check_speculative(name: str, v: Any) -> bool | int:
+    """``true`` (the model's setting), ``false`` (off), or the most draft tokens a step, 0 (off) to
+    ``limits.MAX_DRAFT``."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and 0 <= v <= limits.MAX_DRAFT:
+        return v
+    raise ParamError(name, f"'{name}' must be true, false or the most draft tokens a step (an integer from 0 to "
+                           f"{limits.MAX_DRAFT}), got {limits.show(v)[:80]}")
+
+
 def _text(name: str, v: Any) -> str:
     if not isinstance(v, str) or not v.strip():
         raise ParamError(name, f"'{name}' must be a non-empty string, got {limits.show(v)[:80]}")
@@ -227,6 +238,10 @@ class SamplingParams:
         boolean, "the reply starts with the prompt's text (with logprobs, its tokens' too: the first has none)"))
     n: int = field(default=1, metadata=_meta(
         number, "choices per prompt: the prompt is computed once and its KV copied (seed + i each, if seeded)"))
+    speculative: bool | int = field(default=True, metadata=_meta(
+        check_speculative, "speculative decoding (drafts from the prompt and output, verified in the batch; "
+                           "the text is the same): true (the model's setting), false, or the most draft "
+                           "tokens a step (0 to 8)"))
 
     @property
     def greedy(self) -> bool:

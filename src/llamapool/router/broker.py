@@ -69,7 +69,7 @@ from llamapool.protocol.messages import (
     Tokenize,
     TokenizeReply,
 )
-from llamapool.router.fleet import Fleet, LiveWorker
+from llamapool.router.fleet import SPECULATION, Fleet, LiveWorker
 from llamapool.router.metrics import RouterMetrics
 from llamapool.router.policy import pick_worker, prefix_keys, remember
 
@@ -192,6 +192,7 @@ class WorkerState:
     kv_used: int = 0
     kv_total: int = 0
     schedule: tuple[str, int, list[float]] = ("", 0, [])  # its step target, last budget, fitted cost
+    speculation: list[int] = field(default_factory=list)  # drafted, accepted, sampled, sampling steps
     last_sent: float = 0.0
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     key: str = ""  # its CURVE public key (Z85) on a CURVE backend
@@ -210,7 +211,7 @@ class WorkerState:
         h = self.hello
         return LiveWorker(self.name, h.pid, h.device, self.state, h.slots, len(self.jobs), self.model, h.model,
                           h.visible_devices, h.n_vocab, h.ctx_per_slot, h.node, self.steps, self.decode_s, self.step_s,
-                          self.reused_tokens, self.kv_used, self.kv_total, self.schedule)
+                          self.reused_tokens, self.kv_used, self.kv_total, self.schedule, self.speculation)
 
 
 class Router:
@@ -596,6 +597,7 @@ class Router:
             w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
             w.reused_tokens, w.kv_used, w.kv_total = msg.reused_tokens, msg.kv_used, msg.kv_total
             w.schedule = (msg.step_target, msg.step_budget, msg.step_cost)
+            w.speculation = msg.speculation
             if msg.draining and w.state == "ready":  # SIGTERM on its node: it finishes what it has
                 w.state = "retiring"
         elif isinstance(msg, Shutdown):  # drained and leaving
@@ -646,7 +648,8 @@ class Router:
         if self.workers.get(w.name) is w:
             del self.workers[w.name]
             self.metrics.worker_gone(w.name, {"reused_tokens": w.reused_tokens, "decode_s": w.decode_s,
-                                              "step_s": w.step_s, "steps": w.steps})
+                                              "step_s": w.step_s, "steps": w.steps,
+                                              **dict(zip(SPECULATION, w.speculation, strict=False))})
         if w.jobs:
             LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
                         requests=",".join(sorted(j.log_id for j in w.jobs.values())))

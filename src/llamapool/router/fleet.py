@@ -26,6 +26,20 @@ def schedule_view(schedule: Schedule) -> dict[str, Any]:
     return view
 
 
+SPECULATION = ("draft_tokens", "accepted_tokens", "sampled_tokens", "sampling_steps")
+
+
+def speculation_view(counts: list[int]) -> dict[str, Any]:
+    """A worker's speculative decoding for ``status``: draft tokens verified and accepted, the acceptance
+    rate, and the tokens a decoding sequence gained a step (1 without speculation)."""
+    if len(counts) != len(SPECULATION):
+        return {}
+    drafted, accepted, sampled, steps = counts
+    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "tokens_per_step": round(sampled / steps, 4) if steps else None}
+
+
 @dataclass(frozen=True, slots=True)
 class LiveWorker:
     """The router's figures of one connected worker: its hello, its heartbeats, its running prompts."""
@@ -49,13 +63,23 @@ class LiveWorker:
     kv_used: int = 0
     kv_total: int = 0
     schedule: Schedule = ("", 0, [])
+    speculation: list[int] = field(default_factory=list)  # SPECULATION's counts ([] without speculation)
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.speculation[0] if self.speculation else 0
+
+    @property
+    def accepted_tokens(self) -> int:
+        return self.speculation[1] if self.speculation else 0
 
     def status_fields(self) -> dict[str, Any]:
         return dict(id=self.name, pid=self.pid, device=self.device, state=self.state, slots=self.slots,
                     active=self.active, model=self.model, model_desc=self.model_desc,
                     visible_devices=self.visible_devices, steps=self.steps, n_vocab=self.n_vocab,
                     ctx_per_slot=self.ctx_per_slot, decode_s=round(self.decode_s, 3), step_s=round(self.step_s, 3),
-                    reused_tokens=self.reused_tokens, node=self.node, **schedule_view(self.schedule))
+                    reused_tokens=self.reused_tokens, node=self.node, **schedule_view(self.schedule),
+                    **speculation_view(self.speculation))
 
 
 @dataclass(frozen=True, slots=True)

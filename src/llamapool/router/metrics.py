@@ -172,6 +172,9 @@ class _Snapshot(Collector):
             ("decode_s", "llamapool_engine_decode_seconds", "Seconds the engine spent inside llama_decode"),
             ("step_s", "llamapool_engine_step_seconds", "Seconds of whole engine steps"),
             ("steps", "llamapool_engine_steps", "Engine steps (one batched llama_decode each)"),
+            ("draft_tokens", "llamapool_speculative_draft_tokens", "Draft tokens verified (speculative decoding)"),
+            ("accepted_tokens", "llamapool_speculative_accepted_tokens", "Draft tokens accepted (speculative "
+             "decoding): each saved a step of its sequence"),
         ):
             fam = CounterMetricFamily(metric, help_text, labels=["model", "worker", "node"])
             for name in self.names:

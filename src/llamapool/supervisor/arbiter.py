@@ -283,6 +283,7 @@ class Supervisor:
             chat_template=m.chat_template, parse_special_in_content=m.parse_special_in_content,
             model_name=m.name, tensor_split=list(m.tensor_split),
             boot_id=self.boot_id, embedding=m.embedding, pooling=m.pooling, grammar_cache_mb=m.grammar_cache_mb,
+            speculative=m.speculative,
             **self.curve.child_fields(self.cfg.backend),
         )
 

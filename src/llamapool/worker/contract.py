@@ -59,6 +59,11 @@ class Engine(Protocol):
         """KV cells holding tokens, and in all ((0, 0) when the engine has no KV cache)."""
         ...
 
+    def speculation(self) -> list[int]:
+        """Cumulative draft tokens verified and accepted, tokens sampled, and (sequence, step) pairs sampled
+        ([] without speculative decoding)."""
+        ...
+
     def scheduling(self) -> tuple[str, int, list[float]]:
         """The step target (``model.target_step``), the last step's token budget, and the fitted step
         cost in seconds (base, per row, per prompt token, per step with prompt work; [] until fitted)."""

@@ -91,6 +91,9 @@ class EchoEngine:
             del self.active[slot]
             out.done.append(Done(seq.rid, "length", "x" * seq.generated, seq.prompt_tokens, seq.generated))
 
+    def speculation(self) -> list[int]:
+        return []  # nothing drafted: nothing is computed
+
     def scheduling(self) -> tuple[str, int, list[float]]:
         return "off", self.max_batch_tokens, []  # no step costs: nothing is computed
 

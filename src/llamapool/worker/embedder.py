@@ -93,6 +93,9 @@ class Embedder:
     def kv_cells(self) -> tuple[int, int]:
         return 0, 0  # nothing is kept between steps
 
+    def speculation(self) -> list[int]:
+        return []  # no generation
+
     def scheduling(self) -> tuple[str, int, list[float]]:
         return "off", self.n_batch, []
 

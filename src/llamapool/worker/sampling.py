@@ -106,9 +106,11 @@ class Sampling:
 
     # ------------------------------------------------------------ a sequence's lifetime
 
-    def admit(self, slot: int, p: SamplingParams, closing: Closing | None = None) -> SeqSampling:
-        """The sampling of a sequence starting in ``slot`` (llama.cpp may refuse a chain: it raises)."""
-        in_graph = self.in_graph(p)
+    def admit(self, slot: int, p: SamplingParams, closing: Closing | None = None, host: bool = False) -> SeqSampling:
+        """The sampling of a sequence starting in ``slot`` (llama.cpp may refuse a chain: it raises);
+        ``host``: on the host even where the graph could (a speculating sequence has several rows a step,
+        and llama.cpp's backend sampling takes one)."""
+        in_graph = self.in_graph(p) and not host
         chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
         if self.gpu:  # the graph's chain for the slot: greedy, the request's own, or none (logits to the host)
             try:

@@ -67,6 +67,7 @@ class WorkerSpec:
     gpu_sampling: bool = True
     prefix_cache: bool = True
     target_step: str = "auto"  # model.target_step: how much prompt work a step takes (worker/scheduler.py)
+    speculative: str = "auto"  # model.speculative: "auto", "ngram" or "off" (worker/engine/spec.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
     chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
     parse_special_in_content: bool = False  # model.parse_special_in_content: trusted callers' contents parsed
@@ -200,6 +201,7 @@ def serve(spec: WorkerSpec) -> int:
         gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
         chat_template=spec.chat_template, parse_special_in_content=spec.parse_special_in_content,
         n_gpus=max(1, spec.n_gpus), tensor_split=tuple(spec.tensor_split), grammar_cache_mb=spec.grammar_cache_mb,
+        speculative=spec.speculative,
     )
     try:
         if spec.embedding:
@@ -369,7 +371,7 @@ class WorkerIO:
             busy_for=(now - started) if started else 0.0,
             decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
             kv_used=kv_used, kv_total=kv_total, step_target=target, step_budget=budget, step_cost=cost,
-            draining=self.draining,
+            draining=self.draining, speculation=engine.speculation(),
         )))
         if spec.node:  # the node's supervisor watches these (no router of its own to do it)
             lifeline.report("live", (now - started) if started else 0.0)

@@ -43,13 +43,14 @@ class Filled:
     outputs: list[Sequence] = field(default_factory=list)  # sequences with output rows, in batch order
     echoing: list[Sequence] = field(default_factory=list)  # sequences with prompt rows (echo's logprobs)
     split: bool = False  # it runs as several micro-batches (``llama_decode`` blocks until the last)
-    shape: tuple[int, int] = (0, 0)  # (rows, prompt tokens): the cost model's measure
+    shape: tuple[int, int] = (0, 0)  # (rows, tokens after a sequence's first): the cost model's measure
+    drafts: int = 0  # draft tokens in it
 
 
 def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: dict[int, np.ndarray],
          mem: Any, n_ubatch: int) -> Filled:
     """Fill the batch with the step's tokens (``chunk``: prompt tokens per prefilling sequence id; a
-    decoding sequence's entry is its next token).
+    decoding sequence's entry is its next token, and its draft's tokens after it, each with logits).
 
     With per-sequence KV streams llama.cpp splits a batch into micro-batches of consecutive sequence
     ids, so the batch is filled in sequence-id order and a free slot between busy ones gets one padding
@@ -66,6 +67,7 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     one_tok: list[int] = []
     one_pos: list[int] = []
     chunks: list[tuple[int, Sequence]] = []
+    drafting: list[tuple[int, Sequence]] = []
     outputs: list[tuple[int, Sequence]] = []
     for k, sid in enumerate(range(lo, hi + 1)):
         running = active.get(sid)
@@ -76,6 +78,10 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
             one_at.append(k)
             one_tok.append(int(keep[-1]) if keep is not None and n else 0)
             one_pos.append(n)
+        elif running.draft:
+            lens[k] = 1 + len(running.draft)
+            drafting.append((k, running))
+            outputs.append((k, running))
         elif not running.prefilling:
             one_at.append(k)
             one_tok.append(running.last)
@@ -96,16 +102,24 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     for k, seq in chunks:
         if _fill_chunk(b, seq, int(start[k]), int(lens[k]), done):
             outputs.append((k, seq))
+    for k, seq in drafting:
+        o, n, p = int(start[k]), int(lens[k]), seq.n_past
+        b.token[o] = seq.last
+        b.token[o + 1 : o + n] = seq.draft
+        b.pos[o : o + n] = np.arange(p, p + n, dtype=np.int32)
+        seq.n_past = p + n
     outputs.sort(key=lambda e: e[0])
     for k, seq in outputs:
-        seq.rows = [int(start[k + 1]) - 1]
-        b.logits[seq.rows[0]] = 1
+        first = int(start[k]) if seq.draft else int(start[k + 1]) - 1
+        seq.rows = list(range(first, int(start[k + 1])))
+        b.logits[first : int(start[k + 1])] = 1
     b.n = total
     done.outputs = [seq for _, seq in outputs]
-    done.shape = (len(one_at) + len(chunks), int(sum(lens[k] for k, _ in chunks)))
+    done.drafts = int(sum(lens[k] - 1 for k, _ in drafting))
+    done.shape = (len(one_at) + len(chunks) + len(drafting), int(sum(lens[k] for k, _ in chunks)) + done.drafts)
     # more than one micro-batch: a sequence with several tokens (per-sequence KV splits
     # into equal shares per sequence), or more tokens than one micro-batch holds
-    done.split = bool(chunks) or total > n_ubatch
+    done.split = bool(chunks) or bool(drafting) or total > n_ubatch
     return done
 
 

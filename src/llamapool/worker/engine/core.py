@@ -19,7 +19,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step, TokenLogprob
-from llamapool.protocol.params import ParamError
+from llamapool.protocol.params import ParamError, SamplingParams
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine.batch import Batch, fill
@@ -28,8 +28,9 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
+from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, afford, ngram_draft
 from llamapool.worker.faults import FaultInjector, request_failure
-from llamapool.worker.sampling import Sampling
+from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 
 
@@ -85,6 +86,13 @@ class Engine:
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
         self.step_s = 0.0  # whole steps, Python work included
+        # "all": every request that allows it speculates (on a GPU its rows are sampled on the host);
+        # "host": those sampled on the host anyway (logprobs, penalties, sampled grammars); "off"
+        self.spec_mode = {"ngram": "all", "off": "off"}.get(cfg.speculative, "host" if cfg.gpu else "off")
+        self.drafted_tokens = 0  # draft tokens verified (speculation: spec.py)
+        self.accepted_tokens = 0  # draft tokens kept
+        self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
+        self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
 
     @property
     def free_ids(self) -> deque[int]:
@@ -124,6 +132,9 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self.active or self.waiting)
+
+    def speculation(self) -> list[int]:
+        return [self.drafted_tokens, self.accepted_tokens, self.sampled_tokens, self.sampling_steps]
 
     def scheduling(self) -> tuple[str, int, list[float]]:
         return str(self.target), self.budget, list(self.cost.coef or ())
@@ -200,7 +211,7 @@ class Engine:
         seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
         try:
             closing = None if w.grammar is None else self.grammars.start(w.grammar.result(), self._budget(w))
-            sampling = self.sampling.admit(seq_id, p, closing)
+            sampling = self.sampling.admit(seq_id, p, closing, host=self.spec_mode == "all" and self._may_draft(p))
         except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
             self.kv.undo(seq_id)
             out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
@@ -209,7 +220,11 @@ class Engine:
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
             sampling=sampling, text=self.prompts.text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
             fault=self.faults.kind(run.prompt) if self.faults is not None else "",
+            drafting=self._drafting(sampling),
         )
+        seq.history = np.zeros(min(len(prompt) + p.max_tokens, self.cfg.ctx_per_slot) + 1, np.int32)
+        seq.history[: len(prompt)] = prompt
+        seq.n_history = len(prompt)
         self.kv.reused_tokens += reused
         if p.echo:  # a text prompt as it was given; token ids (and a rendered chat) as their pieces
             seq.text.preface(run.prompt if isinstance(run.prompt, str) else
@@ -218,6 +233,21 @@ class Engine:
             text, raw = self.output.described(int(prompt[0]))
             seq.logprobs.append(TokenLogprob(text, None, raw, []))
         return seq
+
+    @staticmethod
+    def _may_draft(p: SamplingParams) -> bool:
+        """The request allows speculation: not turned off, and no tool calls (a call's opening is marked
+        as its token is sampled, before the step's earlier tokens are pushed)."""
+        return p.speculative is not False and p.speculative != 0 and not p.tools
+
+    def _drafting(self, s: SeqSampling) -> Drafting | None:
+        """The sequence's speculation (None: it does not speculate): the worker's mode and the request's;
+        never for a row the decode graph samples (llama.cpp's backend sampling takes one row a sequence),
+        nor with logprobs on a pipelined worker (its logprob rows are copied one a sequence: Deferred)."""
+        p = s.params
+        if self.spec_mode == "off" or not self._may_draft(p) or s.in_graph or (p.logprobs and self.gpu_sampling):
+            return None
+        return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative))
 
     # ------------------------------------------------------------ one step
 
@@ -340,11 +370,79 @@ class Engine:
         """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
         with an output."""
         chunk = self._plan(out)
+        self._propose(chunk)
         filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch)
         self._echoing = filled.echoing
         self._split = filled.split
         self._shape = filled.shape
         return filled.outputs
+
+    def _propose(self, chunk: dict[int, int]) -> None:
+        """Drafts for the step's decoding sequences that speculate (spec.py), as many as the step affords
+        within its token budget: a draft token costs a batch row (the cost model's), and pays its chance
+        of acceptance (the sequence's acceptance estimate to the power of its place in the draft)."""
+        decoding = [s for sid in chunk if (s := self.active.get(sid)) is not None and s.drafting is not None
+                    and not s.prefilling]
+        if not decoding:
+            return
+        outputs = sum(1 for sid in chunk if (s := self.active.get(sid)) is not None and not s.prefilling)
+        step_s, draft_s = self._step_cost(chunk)
+        least = outputs * draft_s / step_s  # the chance a first draft token needs to pay
+        chances: dict[int, list[float]] = {}
+        drafts: dict[int, list[int]] = {}
+        for seq in decoding:
+            d = seq.drafting
+            assert d is not None
+            d.draft = []
+            room = min(d.depth(), seq.params.max_tokens - seq.generated - 1, self.cfg.ctx_per_slot - seq.n_past - 2)
+            draft = ngram_draft(seq.history[: seq.n_history], room) if room > 0 and d.rate >= least else []
+            draft = self._allowed(seq, draft)
+            if not draft:
+                d.idle()
+                continue
+            drafts[seq.seq_id] = draft
+            chances[seq.seq_id] = [d.rate ** (j + 1) for j in range(len(draft))]
+        take = afford(chances, step_s, draft_s, outputs)
+        fixed = self._draft_step_cost(chunk)
+        if fixed and take:  # the first draft makes the step one of several micro-batches: worth it still?
+            gain = sum(sum(chances[sid][:n]) for sid, n in take.items())
+            if (outputs + gain) * step_s < outputs * (step_s + fixed + draft_s * sum(take.values())):
+                take = {}
+        left = self.budget - sum(chunk.values())
+        for sid, n in take.items():
+            n = min(n, left)
+            if n > 0:
+                self.active[sid].drafting.draft = drafts[sid][:n]  # type: ignore[union-attr]
+                left -= n
+
+    def _step_cost(self, chunk: dict[int, int]) -> tuple[float, float]:
+        """The planned step's seconds and a draft token's, from the cost model (before it is fitted: a
+        draft token at a tenth of a one-row step). A draft token costs what a prompt token does: both
+        are a sequence's tokens after its first in the step."""
+        coef = self.cost.coef
+        if coef is None:
+            return 1.0, 0.1
+        base, per_row, per_token, prompt_step = coef
+        prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
+        step_s = base + per_row * len(chunk) + per_token * prompt + (prompt_step if prompt else 0.0)
+        return max(step_s, 1e-6), max(per_token, 1e-9)
+
+    def _draft_step_cost(self, chunk: dict[int, int]) -> float:
+        """What drafts add to a step without prompt work besides their tokens: such a step runs as several
+        micro-batches, as a step with a prompt chunk does (the cost model's ``prompt_step``)."""
+        coef = self.cost.coef
+        if coef is None or any((s := self.active.get(sid)) is not None and s.prefilling for sid in chunk):
+            return 0.0
+        return coef[3]
+
+    def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """A constrained sequence's draft cut where its grammar refuses a token."""
+        matcher = seq.sampling.matcher
+        if not draft or matcher is None:
+            return draft
+        if self.sampling.masks is not None:
+            self.sampling.masks.wait()  # the matcher is the mask thread's until then
+        return draft[: matcher.validate_tokens(draft)]
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:
         """Start decoding the batch; on failure every active sequence fails with the reason."""
@@ -409,79 +507,141 @@ class Engine:
             seq.echo_rows = []
 
     def _take_all(self, order: list[Sequence], out: Step) -> list[tuple[Sequence, int]]:
-        """Every output row's token (its mask ready first, if constrained), then the logprobs of the rows
-        that ask, in one pass; then the next masks are filled in the background while the engine goes on."""
-        self.sampling.prepare([(seq.sampling, seq.out_idx) for seq in order])
+        """Every output row's token (its mask ready first, if constrained; a verified draft's rows in order),
+        then the logprobs of the rows that ask, in one pass; then the next masks are filled in the
+        background while the engine goes on."""
+        self.sampling.prepare([(seq.sampling, r) for seq in order
+                               for r in (seq.rows if seq.sampling.matcher is None else seq.rows[:1])])
         picked = []
         for seq in order:
             try:
-                picked.append((seq, self.sampling.pick(seq.sampling, seq.out_idx)))
+                picked.append((seq, self._pick_rows(seq)))
             except Exception as e:
                 self._drop(seq, e, out)
         records = self._logprobs(picked, out)
         ready = []
-        for seq, tok in picked:
+        for seq, toks in picked:
             if self.active.get(seq.seq_id) is not seq:
                 continue
             try:
-                taken = self._take(seq, tok, records.get(seq.seq_id), out)
+                taken = self._take_rows(seq, toks, records.get(seq.seq_id), out)
             except Exception as e:
                 self._drop(seq, e, out)
                 continue
-            if taken is not None:
-                ready.append((seq, taken))
+            seq.ahead = len(taken)
+            ready += [(seq, tok) for tok in taken]
         self.sampling.masks_next()
         return ready
 
-    def _logprobs(self, picked: list[tuple[Sequence, int]], out: Step) -> dict[int, TokenLogprob]:
+    def _pick_rows(self, seq: Sequence) -> list[int]:
+        """The tokens of the sequence's output rows: its row's, or a verified draft's (spec.py): each row
+        sampled as a step of its own, on while the token sampled is the draft's next."""
+        s, draft = seq.sampling, seq.draft
+        toks = [self.sampling.pick(s, seq.rows[0])]
+        for i, d in enumerate(draft):
+            if toks[-1] != d or d in self._eog or (s.matcher is not None and s.matcher.is_stopped()):
+                break
+            if s.matcher is not None:  # the next row's mask, after this token
+                self.sampling.masks_ready([s])
+            toks.append(self.sampling.pick(s, seq.rows[i + 1]))
+        return toks
+
+    def _logprobs(self, picked: list[tuple[Sequence, list[int]]], out: Step) -> dict[int, list[TokenLogprob]]:
         """The logprob records of the picked tokens whose sequences ask for them (by sequence id). A
         pipelined step only copies their rows: the records are made after the next launch (``PENDING``
-        until then, :class:`Deferred`)."""
-        asking = [(seq, tok) for seq, tok in picked if seq.params.logprobs]
-        wants = [(seq.out_idx, tok, seq.params.top_logprobs) for seq, tok in asking]
+        until then, :class:`Deferred`; such a sequence has one row: it does not speculate)."""
+        asking = [(seq, toks) for seq, toks in picked if seq.params.logprobs]
+        wants = [(seq.rows[i], tok, seq.params.top_logprobs) for seq, toks in asking for i, tok in enumerate(toks)]
         try:
             if self.gpu_sampling and asking:
                 rows = self.sampling.rows([w[0] for w in wants])
                 self._deferred = Deferred(rows, wants, [seq for seq, _ in asking])
-                return {seq.seq_id: PENDING for seq, _ in asking}
+                return {seq.seq_id: [PENDING] for seq, _ in asking}
             records = self.output.logprob_records(wants)
         except Exception as e:
             for seq, _ in asking:
                 self._drop(seq, e, out)
             return {}
-        return {seq.seq_id: r for (seq, _), r in zip(asking, records, strict=True)}
+        found: dict[int, list[TokenLogprob]] = {}
+        for seq, toks in asking:
+            found[seq.seq_id], records = records[: len(toks)], records[len(toks):]
+        return found
 
-    def _take(self, seq: Sequence, tok: int, record: TokenLogprob | None, out: Step) -> int | None:
+    def _take_rows(self, seq: Sequence, toks: list[int], records: list[TokenLogprob] | None,
+                   out: Step) -> list[int]:
+        """The sequence's picked tokens taken (none when it ended); a verified draft's positions not kept
+        leave the KV cache."""
+        self.sampling_steps += 1
+        draft = seq.draft
+        if seq.drafting is not None:
+            seq.drafting.draft = []
+        written = seq.n_past
+        seq.n_past -= len(draft)  # as without the draft: one more for each draft token kept
+        taken: list[int] = []
+        for i, tok in enumerate(toks):
+            seq.n_past += 1 if i else 0
+            t = self._take(seq, tok, records[i] if records else None, out, taken)
+            if t is None:  # it ended: the tokens before are emitted
+                taken = []
+                break
+            taken.append(t)
+        if draft:
+            kept = next((i for i, (t, d) in enumerate(zip(toks, draft, strict=False)) if t != d),
+                        min(len(toks), len(draft)))
+            assert seq.drafting is not None
+            seq.drafting.verified(len(draft), kept)
+            self.drafted_tokens += len(draft)
+            self.accepted_tokens += kept
+            if seq.n_past < written and self.active.get(seq.seq_id) is seq:
+                L.llama_memory_seq_rm(self.mem, seq.seq_id, seq.n_past, -1)
+        return taken
+
+    def _take(self, seq: Sequence, tok: int, record: TokenLogprob | None, out: Step, before: list[int]) -> int | None:
         """The sequence's new token ``tok`` taken (``record``: its logprobs, if asked for), or None when
-        it ended (end of generation, length)."""
+        it ended (end of generation, length; the step's tokens ``before`` it are emitted first)."""
+        self.sampled_tokens += 1
         p = seq.params
         matcher = seq.sampling.matcher
         closed = "length" if seq.sampling.closing is not None and seq.sampling.closing.forced else "stop"
         if (not p.ignore_eos or matcher is not None) and tok in self._eog:
-            self._finish(seq, closed, out)
+            self._end(seq, closed, out, before)
             return None
         if record is not None:
             seq.logprobs.append(record)
             if record is PENDING and self._deferred is not None:
                 self._deferred.place(seq)
-        seq.generated += 1
-        seq.last = tok
+        seq.generated_token(tok)
         if tok in self.chat.tool_format.special.values() and p.tools:
             seq.text.mark_here()  # a call opens with a control token (no text)
         if matcher is not None and matcher.is_stopped():  # the grammar is complete (closed early: length)
-            self._finish(seq, closed, out, seq.text.push(self.output.piece(tok)))
+            self._end(seq, closed, out, before, tok)
             return None
         if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
-            self._finish(seq, "length", out, seq.text.push(self.output.piece(tok)))
+            self._end(seq, "length", out, before, tok)
             return None
         return tok
+
+    def _end(self, seq: Sequence, reason: str, out: Step, before: list[int], tok: int = -1) -> None:
+        """The sequence ends at ``tok`` (-1: a token with no text): the step's tokens ``before`` it first
+        (a stop string among them ends it there)."""
+        seq.ahead = len(before) + (tok >= 0)  # the last one counted as generated (not an end of generation)
+        for t in before:
+            self._emit(seq, t, out)
+            if self.active.get(seq.seq_id) is not seq:
+                return
+        self._finish(seq, reason, out, seq.text.push(self.output.piece(tok)) if tok >= 0 else "")
 
     def _emit(self, seq: Sequence, tok: int, out: Step) -> None:
         """Detokenise the token into the sequence's text; a stop string ends the sequence."""
         if seq.fault:
             FaultInjector.trigger(seq.fault)
+        seq.ahead -= 1
         last = self.output.emit(seq, tok, out)
         if last is not None:
+            if seq.ahead > 0:  # a verified draft's tokens after the stop: never generated
+                seq.generated -= seq.ahead
+                if seq.params.logprobs:
+                    del seq.logprobs[-seq.ahead:]
             self._finish(seq, "stop", out, last)
 
     def _resolve_logprobs(self, out: Step) -> None:

@@ -38,6 +38,10 @@ class EngineConfig:
     n_gpus: int = 1  # GPUs this process sees (with gpu): more than one splits the layers between them
     tensor_split: tuple[float, ...] = ()  # each GPU's share of the layers; () -> llama.cpp's (by free memory)
     grammar_cache_mb: int = 0  # the compiled grammars kept, in MiB (0: sized for the machine)
+    # "ngram": drafts from the sequence's own tokens (engine/spec.py); "off"; "auto": ngram on a GPU only
+    # (llama.cpp's CPU kernels compute a sequence's row otherwise for one query token than for several,
+    # so greedy text would change at near-ties: docs/configuration.md)
+    speculative: str = "auto"
 
 
 def model_params(cfg: EngineConfig) -> tuple[Any, Any]:

@@ -41,7 +41,7 @@ class Output:
         if seq.text.stopped:
             return delta
         if delta and seq.stream:
-            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
+            _stream(out, Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
         return None
 
     def described(self, tok: int) -> tuple[str, list[int]]:
@@ -77,7 +77,7 @@ class Output:
         """The sequence's last text and its result (tool calls parsed out of the text) into ``out``."""
         delta += seq.text.finish()
         if delta and seq.stream:
-            out.deltas.append(Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
+            _stream(out, Delta(seq.rid, delta, seq.generated, sent_logprobs(seq), len(seq.tokens), seq.reused))
         text, calls = seq.text.text, None
         if seq.params.tools and seq.params.tool_choice != "none" and reason != "cancelled":
             content, found = self.tool_format.parse(text, seq.params.tools)
@@ -124,6 +124,17 @@ class Deferred:
             for k, lst, i in self.places:
                 lst[i] = self.records[k]
             self.places = []
+
+
+def _stream(out: Step, d: Delta) -> None:
+    """Add ``d`` to the step's deltas, joined to the sequence's delta before it (a verified draft's tokens
+    are sent as one delta)."""
+    last = out.deltas[-1] if out.deltas else None
+    if last is None or last.rid != d.rid:
+        out.deltas.append(d)
+        return
+    lps = None if last.logprobs is None and d.logprobs is None else [*(last.logprobs or ()), *(d.logprobs or ())]
+    out.deltas[-1] = d._replace(text=last.text + d.text, logprobs=lps)
 
 
 def sent_logprobs(seq: Sequence) -> list[TokenLogprob] | None:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from llamapool.protocol.messages import ErrorCode, Run, SamplingParams, TokenLogprob
+from llamapool.worker.engine.spec import Drafting
 from llamapool.worker.sampling import SeqSampling
 from llamapool.worker.text import TextStream
 
@@ -33,6 +34,23 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # records not yet sent (with ``logprobs``)
     echo_rows: list[tuple[int, int]] = field(default_factory=list)  # echo: (batch row, prompt position) in flight
     fault: str = ""  # tests only: the fault injected into its emit path (worker/faults.py)
+    history: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # prompt + output so far, then room
+    n_history: int = 0  # tokens in ``history``
+    ahead: int = 0  # tokens taken this step and not emitted yet (a stop string may end it before them)
+    drafting: Drafting | None = None  # its speculation (None: it does not speculate)
+
+    def generated_token(self, tok: int) -> None:
+        """``tok`` is its next output token (the token its next step feeds)."""
+        self.generated += 1
+        self.last = tok
+        if self.n_history < len(self.history):
+            self.history[self.n_history] = tok
+            self.n_history += 1
+
+    @property
+    def draft(self) -> list[int]:
+        """The draft tokens of the step in flight (after ``last``)."""
+        return self.drafting.draft if self.drafting is not None else []
 
     @property
     def prefilling(self) -> bool:

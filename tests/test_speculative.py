@@ -1,0 +1,264 @@
+"""Speculative decoding (worker/engine/spec.py): drafts from the sequence's own tokens, verified in the
+shared batch, change no greedy text and keep the sampled distribution.
+
+llama.cpp's CPU kernels compute a sequence's row otherwise when the step holds several of its tokens
+(tinyBLAS for two or more query rows, a dot product for one: logits up to ~2 apart on Gemma 3 270M),
+so where the model's two likeliest tokens are that close, greedy text may differ at that token. The
+identity checks therefore compare token by token up to the first such near-tie of the reference, and
+require that to be most of the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llamapool.protocol.messages import Run, SamplingParams, Step
+from llamapool.protocol.params import ParamError, parse
+from llamapool.worker.engine import Engine, EngineConfig
+from llamapool.worker.engine import core as engine_core
+from llamapool.worker.engine.spec import Drafting, afford, ngram_draft
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from spec_tasks import CODE, DOCS, INVOICE
+
+NEAR_TIE = 2.5  # nats between the two likeliest tokens under which the kernels' rounding may decide
+
+
+# ---------------------------------------------------------------- the parts, no model
+
+def test_ngram_draft_proposes_what_followed_the_latest_match() -> None:
+    hist = np.array([5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2], np.int32)
+    assert ngram_draft(hist, 3) == [4, 7, 1]  # "1 2" last seen at 5: what followed it
+    assert ngram_draft(np.array([1, 2, 3, 4, 1, 2, 3], np.int32), 2) == [4, 1]  # the 3-gram wins
+    assert ngram_draft(np.array([1, 2, 3, 4], np.int32), 4) == []  # no repeat, no draft
+    assert ngram_draft(np.array([7, 7, 7], np.int32), 4) == [7]
+
+
+def test_draft_depth_follows_acceptance() -> None:
+    assert Drafting(rate=0.9).depth() > Drafting(rate=0.5).depth() > Drafting(rate=0.2).depth() >= 1
+    assert Drafting(limit=3, rate=0.99).depth() == 3
+    d = Drafting(rate=0.5)
+    for _ in range(10):
+        d.verified(4, 0)
+    assert d.rate < 0.05 and d.depth() == 1
+
+
+def test_a_step_takes_drafts_only_where_they_pay() -> None:
+    likely, unlikely = [0.9, 0.81, 0.73], [0.2, 0.04]
+    # two streams, a draft token at a tenth of a step: the likely drafts pay, not the unlikely ones
+    assert afford({0: likely, 1: unlikely}, 0.010, 0.001, 2) == {0: 3}
+    # a draft token at a fiftieth: the first unlikely one pays too
+    assert afford({0: likely, 1: unlikely}, 0.010, 0.0002, 2) == {0: 3, 1: 1}
+    # 64 streams and a draft token costing 2% of the step: a 0.9 draft no longer pays
+    assert afford({0: likely}, 0.010, 0.0002 * 64 / 4, 64) == {}
+    assert afford({}, 0.01, 0.001, 1) == {}
+
+
+def test_the_request_field_is_checked_by_name() -> None:
+    assert parse({"speculative": False}).speculative is False
+    assert parse({"speculative": 3}).speculative == 3
+    for bad in (9, -1, "yes", 1.5):
+        with pytest.raises(ParamError) as e:
+            parse({"speculative": bad})
+        assert e.value.field == "speculative"
+
+
+# ---------------------------------------------------------------- Gemma 3 270M: greedy text
+
+@pytest.fixture(scope="module")
+def gemma() -> str:
+    from llamapool import default_model
+
+    return str(default_model.fetch(Path(__file__).resolve().parent.parent / "models"))
+
+
+@pytest.fixture(scope="module")
+def on(gemma: str) -> Iterator[Engine]:
+    template = str(Path(__file__).resolve().parent.parent / "configs" / "gemma3.jinja")
+    engine = Engine(EngineConfig(gemma, slots=8, ctx_per_slot=1024, max_batch_tokens=512, threads=2,
+                                 speculative="ngram", chat_template=template))
+    yield engine
+    engine.close()
+
+
+def run(engine: Engine, runs: list[tuple[Any, SamplingParams]]) -> list[Any]:
+    """Each run's Done, all in the engine at once."""
+    for i, (prompt, p) in enumerate(runs):
+        engine.submit(Run(i, prompt, p, False), Step())
+    done: dict[int, Any] = {}
+    while engine.busy:
+        step = engine.step()
+        assert not step.failed, step.failed
+        done.update((d.rid, d) for d in step.done)
+    return [done[i] for i in range(len(runs))]
+
+
+def agreeing_tokens(ref: list[list[Any]], got: list[list[Any]]) -> int:
+    """How many tokens ``got`` shares with ``ref`` before they differ; a difference must come at a
+    near-tie of ``ref`` (its two likeliest tokens within NEAR_TIE nats)."""
+    for i, (a, b) in enumerate(zip(ref, got, strict=False)):
+        if a[0] != b[0]:
+            top = a[3]
+            assert len(top) > 1 and top[0][1] - top[1][1] < NEAR_TIE, (i, a, b)
+            return i
+    return min(len(ref), len(got))
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+GROUNDED = [
+    f"{CODE}\n# The same code, with the function total renamed to row_sum:\n\ndef load(path):\n",
+    chat(f"{INVOICE}\n\nExtract the sender's name, email, total and IBAN as a JSON object."),
+    chat(f"{DOCS}\n\nWhich car was produced the longest? Quote the document."),
+]
+OPEN = chat("Write a short poem about the sea.")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"},
+                                           "total": {"type": "string"}},
+          "required": ["name", "email", "total"], "additionalProperties": False}
+
+
+def test_one_stream_of_a_grounded_prompt_accepts_drafts(on: Engine) -> None:
+    """Alone (one stream, the step budget deciding), copying its input: drafts pay."""
+    before = (on.drafted_tokens, on.accepted_tokens, on.sampled_tokens, on.sampling_steps)
+    run(on, [(GROUNDED[0], SamplingParams(max_tokens=40, temperature=0.0))])
+    drafted, accepted = on.drafted_tokens - before[0], on.accepted_tokens - before[1]
+    tokens, steps = on.sampled_tokens - before[2], on.sampling_steps - before[3]
+    assert drafted and accepted / drafted > 0.3, (drafted, accepted, on.cost.coef)
+    assert tokens / steps > 1.3, (tokens, steps)
+
+
+def test_greedy_text_is_the_same_with_speculation(on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held prompts, greedy, each with speculation (every step drafts what prompt lookup finds: the step
+    budget's choice is another test's) and without (the request's ``speculative: false``), in one
+    batch: the same tokens, the same ends; a stop string, a length limit and a JSON schema included."""
+    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))
+    g = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2, speculative=4)
+    runs = [(prompt, g) for prompt in [*GROUNDED, OPEN]]
+    runs += [(GROUNDED[0], dataclasses.replace(g, stop=("\n\n",), max_tokens=40)),
+             (GROUNDED[0], dataclasses.replace(g, max_tokens=5)),
+             (chat(f"{INVOICE}\n\nExtract the sender's name, email and total as JSON."),
+              dataclasses.replace(g, json_schema=SCHEMA, max_tokens=40))]
+    before = (on.drafted_tokens, on.accepted_tokens, on.sampled_tokens, on.sampling_steps)
+    got = run(on, runs + [(prompt, dataclasses.replace(p, speculative=False)) for prompt, p in runs])
+    drafted, accepted = on.drafted_tokens - before[0], on.accepted_tokens - before[1]
+    tokens, steps = on.sampled_tokens - before[2], on.sampling_steps - before[3]
+    got, ref = got[: len(runs)], got[len(runs):]
+    agree = [agreeing_tokens(r.logprobs, g.logprobs) for r, g in zip(ref, got, strict=True)]
+    assert sum(agree) >= 0.8 * sum(len(r.logprobs) for r in ref), agree
+    for r, g_, n in zip(ref, got, agree, strict=True):
+        if n == len(r.logprobs):
+            assert (g_.text, g_.reason, g_.completion_tokens, g_.stop) == \
+                (r.text, r.reason, r.completion_tokens, r.stop)
+    assert ref[4].stop == "\n\n" and ref[5].reason == "length"
+    assert set(json.loads(got[6].text)) == {"name", "email", "total"}  # the grammar held
+    assert accepted > 0 and drafted >= accepted
+    assert tokens > steps  # more than one token a step, on average
+
+
+# ---------------------------------------------------------------- the sampling rule, statistically
+
+def test_sampled_drafts_keep_the_distribution(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft token is kept exactly when the token sampled from its row is the draft, so the output's
+    distribution is the model's: with every second token drafted as the one the model samples most
+    often there, that token comes as often as without drafts, and the others keep their shares."""
+    p = SamplingParams(max_tokens=3, temperature=0.5, top_k=0, top_p=1.0, min_p=0.0)
+    prompt = [1, 5, 9, 13]  # token ids
+    n = 240
+    second: dict[int, int] = {}  # rid -> its second output token
+    real_take = Engine._take_rows
+
+    def recording(self: Engine, seq: Any, out: Step) -> list[int]:
+        toks = real_take(self, seq, out)
+        if seq.n_history >= len(seq.tokens) + 2:
+            second.setdefault(seq.rid, int(seq.history[len(seq.tokens) + 1]))
+        return toks
+
+    def sample(speculative: str, first_seed: int) -> tuple[Counter[int], Engine]:
+        second.clear()
+        engine = Engine(EngineConfig(model_path, slots=1, ctx_per_slot=64, max_batch_tokens=64, threads=2,
+                                     speculative=speculative))
+        for i in range(n):
+            engine.submit(Run(i, prompt, dataclasses.replace(p, seed=first_seed + i), False), Step())
+            while engine.busy:
+                assert not engine.step().failed
+        engine.close()
+        return Counter(second.values()), engine
+
+    monkeypatch.setattr(Engine, "_take_rows", recording)
+    off_counts, off = sample("off", 0)
+    assert off.drafted_tokens == 0
+    draft = off_counts.most_common(1)[0][0]
+    monkeypatch.setattr(engine_core, "ngram_draft", lambda hist, k, *a: [draft])
+    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))  # drafts cost nothing: always
+    on_counts, on = sample("ngram", 10_000)  # other seeds: independent samples
+    assert on.drafted_tokens == n  # every second token came from a draft's row (or ended the text there)
+    assert on.accepted_tokens == on_counts[draft]  # kept exactly when the row's sample is the draft
+    assert off_counts[draft] >= n // 8, off_counts.most_common(3)  # a draft taken often enough to test
+    for tok in [draft] + [t for t, _ in off_counts.most_common(3)[1:]]:
+        a, b = off_counts[tok] / n, on_counts[tok] / n
+        sd = np.sqrt(max((a + b) / 2 * (1 - (a + b) / 2), 1e-4) * 2 / n)
+        assert abs(a - b) < 4 * sd, (tok, off_counts[tok], on_counts[tok])
+
+
+# ---------------------------------------------------------------- through the daemon
+
+def test_the_daemon_speculates_reports_it_and_refuses_a_bad_setting(
+        tmp_path_factory: pytest.TempPathFactory, model_path: str) -> None:
+    """The tiny model's greedy reply to a repetition repeats itself: prompt lookup drafts it. The
+    request's field turns it off, a bad value is a 400 naming it, and status and /metrics count it."""
+    import signal
+    import time
+
+    import httpx
+
+    from tests.test_gateway import start_gateway
+
+    d, url = start_gateway(tmp_path_factory.mktemp("spec"), model_path, model={"speculative": "ngram"},
+                           workers={"cpu_workers": 1, "slots": 2})
+    try:
+        greedy: dict[str, Any] = {"temperature": 0, "ignore_eos": True, "max_tokens": 48}
+        with d.client() as c:
+            on = c.generate("hello hello hello hello", **greedy)
+            off = c.generate("hello hello hello hello", speculative=False, **greedy)
+            streamed = "".join(ch.text for ch in c.stream("hello hello hello hello", **greedy))
+        assert on.text == streamed == off.text and on.usage.completion_tokens == off.usage.completion_tokens == 48
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "speculative": 9}, timeout=30)
+        assert r.status_code == 400 and "speculative" in r.text
+        for _ in range(50):  # the heartbeat carries the counts, once a second
+            w = d.status()["workers"][0]
+            if w.get("accepted_tokens"):
+                break
+            time.sleep(0.2)
+        assert w["draft_tokens"] >= w["accepted_tokens"] > 0 and w["tokens_per_step"] > 1, w
+        assert 0 < w["acceptance"] <= 1
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        assert "llamapool_speculative_draft_tokens_total" in text
+        assert "llamapool_speculative_accepted_tokens_total" in text
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
+
+
+def test_a_backend_sampling_worker_samples_speculating_rows_on_the_host(model_path: str) -> None:
+    """llama.cpp's backend (GPU) sampling takes one output row a sequence: a speculating request's rows
+    are sampled on the host, the others' in the graph as before (backend sampling forced on the CPU)."""
+    engine = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=256, max_batch_tokens=64, threads=2,
+                                 speculative="ngram", backend_sampling=True))
+    try:
+        p = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        on, off = run(engine, [("hello hello hello hello", p),
+                               ("hello hello hello hello", dataclasses.replace(p, speculative=False))])
+        assert on.text == off.text
+        assert engine.accepted_tokens > 0
+    finally:
+        engine.close()
