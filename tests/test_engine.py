@@ -388,7 +388,7 @@ def test_every_sampling_parameter_builds_a_sampler_and_generates(engine: Engine)
 
 def test_a_sampler_that_cannot_be_built_fails_its_request_and_frees_the_slot(
         engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(slot: int, p: SamplingParams, matcher: object = None) -> None:
+    def broken(slot: int, p: SamplingParams, matcher: object = None, **kw: object) -> None:
         raise TypeError("no such sampler")
 
     free = len(engine.free_ids)

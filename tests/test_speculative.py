@@ -178,8 +178,8 @@ def test_sampled_drafts_keep_the_distribution(model_path: str, monkeypatch: pyte
     second: dict[int, int] = {}  # rid -> its second output token
     real_take = Engine._take_rows
 
-    def recording(self: Engine, seq: Any, out: Step) -> list[int]:
-        toks = real_take(self, seq, out)
+    def recording(self: Engine, seq: Any, *args: Any) -> list[int]:
+        toks = real_take(self, seq, *args)
         if seq.n_history >= len(seq.tokens) + 2:
             second.setdefault(seq.rid, int(seq.history[len(seq.tokens) + 1]))
         return toks
