@@ -42,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import free_port
 from tests.test_helm_chart import render, tools  # noqa: F401 (tools: the fixture)
 
-STREAMS, TOKENS, SLOTS = 64, 8, 16
+STREAMS, TOKENS, SLOTS = 64, 192, 16
 SCRAPE_EVERY = 0.05  # the endpoint picker's default (and floor)
 SPECS = ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec")
 
@@ -243,7 +243,10 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     assert r is not None and r.status_code == 503 and r.json()["status"] == "draining", r
     late = httpx.post(pod.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}, timeout=10)
     assert late.status_code == 503, late.text  # a request the picker would not send any more is refused
-    during = []
+    during = []  # (readiness, liveness) while the accepted streams drain, from the flip on
+    live = probe(pod, "liveness")
+    if loader.is_alive() and live is not None:
+        during.append((r.status_code, live.status_code))
     while loader.is_alive():
         ready, live = probe(pod, "readiness"), probe(pod, "liveness")
         if loader.is_alive() and ready is not None and live is not None:

@@ -104,7 +104,7 @@ def test_ready_waits_for_the_model_and_goes_503_at_once_on_sigterm(start_daemon:
     assert seen[0] == (503, "loading"), "the probe never saw the model loading: the test proves nothing"
 
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-    stream = c.completions.create(model="tiny", prompt="Hello", max_tokens=1500, stream=True, temperature=0,
+    stream = c.completions.create(model="tiny", prompt="Hello", max_tokens=2000, stream=True, temperature=0,
                                   extra_body={"ignore_eos": True})
     first = next(iter(stream))
     assert first.choices[0].text is not None
@@ -119,7 +119,10 @@ def test_ready_waits_for_the_model_and_goes_503_at_once_on_sigterm(start_daemon:
     flipped = time.monotonic() - t0
     assert r is not None and r.status_code == 503 and r.json()["status"] == "draining", r
     assert flipped < 0.5, f"/ready took {flipped:.3f}s to go 503"
-    during: list[tuple[int, int]] = []  # (/ready, /health) while the stream drains
+    during: list[tuple[int, int]] = []  # (/ready, /health) while the stream drains, from the flip on
+    h = get(url + "/health")
+    if h is not None and reader.is_alive():
+        during.append((r.status_code, h.status_code))
     while reader.is_alive():
         r, h = get(url + "/ready"), get(url + "/health")
         if r is not None and h is not None and reader.is_alive():
