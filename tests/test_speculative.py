@@ -128,14 +128,16 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "email": 
           "required": ["name", "email", "total"], "additionalProperties": False}
 
 
-def test_one_stream_of_a_grounded_prompt_accepts_drafts(on: Engine) -> None:
-    """Alone (one stream, the step budget deciding), copying its input: drafts pay."""
+def test_one_stream_of_a_grounded_prompt_accepts_drafts(on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alone, copying its input, every step drafting what prompt lookup finds: most drafts are kept and
+    a step gains more than a token (the step budget's choice is tested on its own, above)."""
+    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))
     before = (on.drafted_tokens, on.accepted_tokens, on.sampled_tokens, on.sampling_steps)
     run(on, [(GROUNDED[0], SamplingParams(max_tokens=40, temperature=0.0))])
     drafted, accepted = on.drafted_tokens - before[0], on.accepted_tokens - before[1]
     tokens, steps = on.sampled_tokens - before[2], on.sampling_steps - before[3]
-    assert drafted and accepted / drafted > 0.3, (drafted, accepted, on.cost.coef)
-    assert tokens / steps > 1.3, (tokens, steps)
+    assert drafted and accepted / drafted > 0.5, (drafted, accepted)
+    assert tokens / steps > 1.5, (tokens, steps)
 
 
 def test_greedy_text_is_the_same_with_speculation(on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
