@@ -36,11 +36,12 @@ from typing import Any
 
 
 def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port: int,
-          threads: int, gpu: bool) -> subprocess.Popen[bytes]:
+          threads: int, gpu: bool, speculative: str = "") -> subprocess.Popen[bytes]:
     cfg = tmp / f"{tag}.toml"
     devices = "devices = [0]" if gpu else 'devices = "cpu"'
     cfg.write_text(f'[server]\nruntime_dir = "{tmp / ("run-" + tag)}"\nqueue_timeout = 600.0\n'
                    f'[model]\npath = "{model}"\nctx_per_slot = {ctx}\n'
+                   + (f'speculative = "{speculative}"\n' if speculative else "") +
                    f'[workers]\n{devices}\ncpu_workers = 1\nslots = {slots}\n'
                    f'threads = {threads}\n'
                    f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n[metrics]\nlisten = ""\n')
@@ -177,6 +178,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative", default="", choices=["", "auto", "ngram", "off"],
+                    help="model.speculative for every daemon (default: the config's default)")
     ap.add_argument("--threads", type=int, default=1,
                     help="the worker's llama.cpp threads (1: on a loaded 2-core machine, two threads spinning at "
                          "each barrier made a step 20-50x slower and the figures noise)")
@@ -204,7 +207,7 @@ def main() -> int:
                 sk.bind(("127.0.0.1", 0))
                 port = sk.getsockname()[1]
             procs.append(start(src, tmp, label, model, args.concurrency, args.prompt_tokens + args.gen_tokens + 16,
-                               port, args.threads, args.gpu))
+                               port, args.threads, args.gpu, args.speculative))
             daemons[label] = (f"ipc://{tmp / ('run-' + label) / 'frontend.sock'}", f"http://127.0.0.1:{port}",
                               procs[-1].pid)
             wait_ready(*daemons[label][:2], procs[-1])
