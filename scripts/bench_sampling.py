@@ -35,6 +35,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _free_port() -> int:
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return int(sk.getsockname()[1])
+
+
 def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port: int,
           threads: int, gpu: bool, speculative: str = "") -> subprocess.Popen[bytes]:
     cfg = tmp / f"{tag}.toml"
@@ -44,7 +50,8 @@ def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port:
                    + (f'speculative = "{speculative}"\n' if speculative else "") +
                    f'[workers]\n{devices}\ncpu_workers = 1\nslots = {slots}\n'
                    f'threads = {threads}\n'
-                   f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n[metrics]\nlisten = ""\n')
+                   f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n'
+                   f'[metrics]\nlisten = "127.0.0.1:{_free_port()}"\n')  # a port: older trees refuse ""
     rest = os.environ.get("PYTHONPATH", "")  # the tree first; what else the path had after it
     env = {**os.environ, "PYTHONPATH": str(Path(src).resolve()) + (":" + rest if rest else "")}
     log = open(tmp / f"{tag}.log", "wb")
@@ -53,6 +60,7 @@ def start(src: str, tmp: Path, tag: str, model: str, slots: int, ctx: int, port:
 
 
 def wait_ready(ep: str, url: str, proc: subprocess.Popen[bytes]) -> None:
+    import urllib.error
     import urllib.request
 
     from llamapool import Client, LlamapoolError
@@ -66,9 +74,14 @@ def wait_ready(ep: str, url: str, proc: subprocess.Popen[bytes]) -> None:
                 raise SystemExit(f"daemon exited {proc.returncode}")
             try:
                 if any(w["state"] == "ready" for w in c.status()["workers"]):
-                    with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-                        if r.status == 200:
-                            return
+                    for probe in ("/ready", "/health"):  # an older tree has no /ready
+                        try:
+                            with urllib.request.urlopen(url + probe, timeout=2) as r:
+                                if r.status == 200:
+                                    return
+                        except urllib.error.HTTPError as e:
+                            if e.code != 404:
+                                break
             except (LlamapoolError, OSError):
                 pass
             time.sleep(0.3)
