@@ -88,7 +88,10 @@ class Engine:
         self.step_s = 0.0  # whole steps, Python work included
         # "all": every request that allows it speculates (on a GPU its rows are sampled on the host);
         # "host": those sampled on the host anyway (logprobs, penalties, sampled grammars); "off"
-        self.spec_mode = {"ngram": "all", "off": "off"}.get(cfg.speculative, "host" if cfg.gpu else "off")
+        # "auto" is "off" until a GPU run shows speculation never costs at load: on an H100 at 64
+        # streams (1B q8_0 random weights, docs/benchmarks.md) "ngram" gave 0.90x of plain's speed and
+        # speculating host-sampled JSON requests 0.91x of theirs without it
+        self.spec_mode = {"ngram": "all", "off": "off"}.get(cfg.speculative, "off")
         self.drafted_tokens = 0  # draft tokens verified (speculation: spec.py)
         self.accepted_tokens = 0  # draft tokens kept
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
