@@ -78,12 +78,42 @@ def test_single_prompt_matches_llama_cpp(daemon: Daemon, reference: Any) -> None
             assert (done.text, done.usage.completion_tokens) == greedy(reference, prompt), prompt
 
 
+NEAR_TIE = 0.25  # logits between the reference's two likeliest tokens: a batch's rounding may flip them
+
+
+def near_tie_split(llm: Any, prompt: str, got: str, want: str) -> tuple[str, str, float] | None:
+    """Where ``got`` first departs from llama-cpp-python's greedy ``want`` (at a word): the reference's
+    two likeliest next tokens there and their gap in logits, if ``got`` goes on with the second one."""
+    import llama_cpp
+    import numpy as np
+
+    n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    common = want[:n][: want[:n].rstrip().rfind(" ") if not want[:n].endswith(" ") else n - 1]
+    llm.reset()
+    llm.eval(llm.tokenize((prompt + common).encode(), add_bos=True))
+    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+    first, second = (int(t) for t in np.argsort(row)[::-1][:2])
+    words = [llm.detokenize([t]).decode(errors="replace") for t in (first, second)]
+    if not (want[len(common):].startswith(words[0]) and got[len(common):].startswith(words[1])):
+        return None
+    return words[0], words[1], float(row[first] - row[second])
+
+
 def test_micro_batch_matches_llama_cpp(daemon: Daemon, reference: Any) -> None:
+    """Prompts computed together in one micro-batch give the reference's greedy text, token for token,
+    except at a near-tie: llama.cpp's CPU kernels multiply a batch of several prompts' rows in blocks
+    (GEMM) whose sums round otherwise than one prompt's, so where the reference's two likeliest tokens
+    are within NEAR_TIE logits the batch may take the second (on this machine's AMD EPYC, "The capital
+    of France is ... It is" has " the" and " located" 0.09 apart); the texts must then agree up to
+    that token, and the split must be such a tie."""
     with daemon.client() as c:
         answers = c.generate_many(PROMPTS, max_tokens=MAX_TOKENS, temperature=0.0)
     for prompt, done in zip(PROMPTS, answers, strict=True):
         assert not isinstance(done, Exception)
-        assert (done.text, done.usage.completion_tokens) == greedy(reference, prompt), prompt
+        want = greedy(reference, prompt)
+        if (done.text, done.usage.completion_tokens) != want:
+            split = near_tie_split(reference, prompt, done.text, want[0])
+            assert split is not None and split[2] < NEAR_TIE, (prompt, done.text, want, split)
 
 
 def test_stream_matches_llama_cpp(daemon: Daemon, reference: Any) -> None:
