@@ -11,6 +11,7 @@ import resource
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -278,32 +279,76 @@ def test_a_caller_that_falls_behind_its_queue_bound_is_cancelled(sends: tuple[Da
         AsyncClient(d.endpoint, max_queued=0)
 
 
+class Reader:
+    """A long streaming request whose client reads all it is sent, in a thread, until closed: its
+    connection has a request in progress as long as the generation lasts (a never-reading client would
+    be cut at send_buffer_bytes, sooner on a fast machine)."""
+
+    def __init__(self, port: int, max_tokens: int):
+        self.sock = never_reading_stream("127.0.0.1", port, max_tokens)
+        self.got = bytearray()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := self.sock.recv(65536):
+                self.got += chunk
+
+    @property
+    def status(self) -> bytes:
+        return bytes(self.got[:12])
+
+    @property
+    def finished(self) -> bool:
+        return b"data: [DONE]" in self.got
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(5)
+
+
+def wait_running(d: Daemon, n: int, within: float = 20.0) -> None:
+    end = time.monotonic() + within
+    while d.status()["running"] < n:
+        assert time.monotonic() < end, f"{d.status()['running']} requests running, not {n}"
+        time.sleep(0.05)
+
+
 def test_past_max_connections_the_oldest_idle_goes_and_busy_ones_stay(tmp_path: Path, model_path: str) -> None:
     """max_connections = 3: a fourth connection sheds the oldest idle one (not a busy one, not a
     younger idle one); when all three are busy, the fourth gets a 503 and they go on."""
-    d, url = start(tmp_path, model_path, http={"max_connections": 3}, model={"ctx_per_slot": 4096})
+    long = 30000  # tokens: tens of seconds of the tiny model; the streams are closed when checked
+    d, url = start(tmp_path, model_path, http={"max_connections": 3}, model={"ctx_per_slot": 32768})
     assert "at most 3 connections" in d.log_text()
     port = int(url.rsplit(":", 1)[1])
     old = socket.create_connection(("127.0.0.1", port))
     time.sleep(0.1)
     young = socket.create_connection(("127.0.0.1", port))
-    busy = never_reading_stream("127.0.0.1", port, 4000)  # a request in progress (seconds of it)
-    time.sleep(0.5)
-    assert served_in(url) < 5  # a fourth connection: the oldest idle one is shed
-    assert not is_open(old) and is_open(young)
-    d.wait_log("closed the oldest idle one")
+    busy = Reader(port, long)
+    readers = [busy]
+    try:
+        wait_running(d, 1)
+        assert served_in(url) < 5  # a fourth connection: the oldest idle one is shed
+        assert not busy.finished, "the busy request ended before the check: make it longer"
+        assert not is_open(old) and is_open(young)
+        d.wait_log("closed the oldest idle one")
 
-    young.close()
-    with contextlib.ExitStack() as stack:
-        two = [stack.enter_context(httpx.stream("POST", url + "/v1/completions", timeout=30, json={
-            "prompt": "Hello", "max_tokens": 1500, "stream": True, "ignore_eos": True, "temperature": 0}))
-            for _ in range(2)]  # with `busy`, three requests in progress
-        assert all(r.status_code == 200 for r in two)
+        young.close()
+        readers += [Reader(port, long) for _ in range(2)]  # with `busy`, three requests in progress
+        wait_running(d, 3)
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=10)
+        assert not any(b.finished for b in readers), "a busy request ended before the check: make it longer"
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["code"] == "too_many_connections" and "http.max_connections" in r.text
-        assert all(r.read().endswith(b"data: [DONE]\n\n") for r in two)  # the busy ones went on
-    busy.close()
+        assert all(b.status.startswith(b"HTTP/1.1 200") for b in readers)
+        time.sleep(0.3)
+        assert d.status()["running"] == 3  # the busy ones went on
+    finally:
+        for b in readers:
+            b.close()
     d.wait_log("refused a connection from 127.0.0.1:")
     assert served_in(url) < 5
     d.stop(signal.SIGTERM)

@@ -38,8 +38,9 @@ async def serve(spec: GatewaySpec) -> int:
 
     from llamapool.client.aio import AsyncClient
     from llamapool.gateway.app import Gateway
-    from llamapool.gateway.connections import ConnectionLimits, Tracker, protocol_class, raise_fd_limit
+    from llamapool.gateway.connections import ConnectionLimits, Tracker, protocol_class
     from llamapool.log import Logger
+    from llamapool.rlimits import raise_fd_limit
 
     log = Logger(spec.name, prefix=f"llamapool gateway {spec.name}")
     fd_limit = raise_fd_limit()

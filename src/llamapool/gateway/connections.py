@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import enum
 import json
-import resource
 import socket
 import struct
 from collections.abc import Callable
@@ -43,18 +42,6 @@ AUTO_MAX_CONNECTIONS = 4096  # per gateway process when the fd limit allows more
 LOG_QUIET = 10.0  # seconds between two lines of one kind
 # Linux's struct tcp_info: the offsets of tcpi_bytes_acked (u64, since 4.1) and tcpi_notsent_bytes (u32, 4.6)
 TCPI_BYTES_ACKED, TCPI_NOTSENT_BYTES = 120, 144
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the new soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 @dataclass(frozen=True)

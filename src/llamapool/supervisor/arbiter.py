@@ -43,6 +43,7 @@ from llamapool.protocol.control import (
     WorkerInfo,
     WorkerJoined,
 )
+from llamapool.rlimits import raise_fd_limit
 from llamapool.router import Router, RouterConfig
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor import lifecycle
@@ -674,6 +675,7 @@ def serve(config: Config) -> int:
     (a second one gets ``AlreadyRunning`` before it binds anything)."""
     import uvloop
 
+    raise_fd_limit()  # the router's sockets: ZeroMQ aborts the process on EMFILE
     lock = RunLock(config.runtime_dir)
     lock.acquire()
     try:
