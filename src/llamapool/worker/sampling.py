@@ -7,8 +7,12 @@ runs, and its grammar matcher. Where it runs:
   request with other parameters attaches its own chain. A constrained greedy row is sampled there too:
   the graph's argmax is checked against the row's mask (one bit test), and only a refused token is
   replaced by the likeliest allowed one, from the row's logits (llama.cpp keeps them beside the token);
+- a greedy request with **logprobs** is sampled there too, by a chain that also computes the row's
+  likeliest tokens and their probabilities in the graph (:mod:`llamapool.worker.graph_logprobs`): only
+  those leave the GPU;
 - **on the host**, from the row's logits, for what the graph cannot do: penalties (llama.cpp's
-  repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, logprobs, and the
+  repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, the logprobs of
+  sampled, constrained or echoed requests, and the
   sampled (not greedy) constrained rows, drawn first and drawn again from the masked row when refused
   (as llama.cpp's own grammar sampler does). Greedy host rows pick with numpy's argmax over the
   logits in place, in one call for the step's rows.
@@ -31,6 +35,7 @@ import numpy as np
 from llamapool.protocol.params import ParamError, SamplingParams
 from llamapool.worker.closing import Closing
 from llamapool.worker.constraints import Masks
+from llamapool.worker.graph_logprobs import GraphLogprobs
 
 PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
 
@@ -53,6 +58,11 @@ class SeqSampling:
         return None if self.closing is None else self.closing.matcher
 
     @property
+    def graph_logprobs(self) -> bool:
+        """Its logprobs are computed in the decode graph (:class:`GraphLogprobs`)."""
+        return self.in_graph and self.params.logprobs
+
+    @property
     def host_greedy(self) -> bool:
         """Picked by argmax over the raw logits: nothing (penalty, bias) changes them first."""
         return not self.in_graph and self.params.greedy and not self.params.adjusts_logits
@@ -70,6 +80,7 @@ class Sampling:
         self.n_vocab = n_vocab
         self.window = window  # the most tokens a sequence generates (presence/frequency penalties see all)
         self._greedy: dict[int, Any] = {i: _greedy_chain() for i in range(slots)} if gpu else {}
+        self._graph_lp = GraphLogprobs() if gpu else None
         self._on: dict[int, Any] = dict(self._greedy)  # what the graph samples each slot with (None: nothing)
         self._seq_cfg: Any = None
         self.ctx: Any = None
@@ -94,8 +105,13 @@ class Sampling:
     def in_graph(self, p: SamplingParams) -> bool:
         """Whether the decode graph samples for ``p``: GPU sampling, and nothing the graph cannot do
         (penalties and biases, and masks, are applied on the host: llama.cpp's in-graph samplers are
-        its greedy, top-k/p, min-p, temperature and dist ones)."""
-        return self.gpu and not p.adjusts_logits and not p.logprobs and (p.greedy or not p.constrained)
+        its greedy, top-k/p, min-p, temperature and dist ones; logprobs are computed there for an
+        unconstrained greedy request whose prompt's are not asked for)."""
+        if not self.gpu or p.adjusts_logits:
+            return False
+        if p.logprobs:
+            return p.greedy and not p.constrained and not p.echo
+        return p.greedy or not p.constrained
 
     def check(self, p: SamplingParams) -> None:
         """What only the model can check: ``logit_bias`` names tokens of its vocabulary."""
@@ -111,7 +127,11 @@ class Sampling:
         ``host``: on the host even where the graph could (a speculating sequence has several rows a step,
         and llama.cpp's backend sampling takes one)."""
         in_graph = self.in_graph(p) and not host
-        chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
+        if in_graph and p.logprobs:
+            assert self._graph_lp is not None
+            chain = self._graph_lp.chain()
+        else:
+            chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
         if self.gpu:  # the graph's chain for the slot: greedy, the request's own, or none (logits to the host)
             try:
                 self._put(slot, (self._greedy_for(slot) if chain is None else chain) if in_graph else None)
@@ -233,6 +253,12 @@ class Sampling:
     def logprobs(self, idxs: list[int], toks: list[int], top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For output rows ``idxs`` of the step just decoded: :func:`log_softmax_top` of their logits."""
         return log_softmax_top(self._block(idxs), toks, top)
+
+    def graph_logprobs(self, idxs: list[int], top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As :meth:`logprobs`, for rows sampled with their logprobs in the graph (their tokens are the
+        greedy picks): from the few numbers a row's graph left on the host."""
+        assert self._graph_lp is not None
+        return self._graph_lp.read(self.ctx, idxs, top)
 
     def rows(self, idxs: list[int]) -> np.ndarray:
         """A copy of output rows ``idxs``' logits (the next decode reuses their buffer)."""

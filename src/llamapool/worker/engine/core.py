@@ -554,18 +554,28 @@ class Engine:
         pipelined step only copies their rows: the records are made after the next launch (``PENDING``
         until then, :class:`Deferred`; such a sequence has one row: it does not speculate)."""
         asking = [(seq, toks) for seq, toks in picked if seq.params.logprobs]
+        found: dict[int, list[TokenLogprob]] = {}
+        graph = [(seq, toks) for seq, toks in asking if seq.sampling.graph_logprobs]  # one row each
+        if graph:
+            asking = [(seq, toks) for seq, toks in asking if not seq.sampling.graph_logprobs]
+            try:
+                records = self.output.logprob_records(
+                    [(seq.rows[0], toks[0], seq.params.top_logprobs) for seq, toks in graph], graph=True)
+                found = {seq.seq_id: [rec] for (seq, _), rec in zip(graph, records, strict=True)}
+            except Exception as e:
+                for seq, _ in graph:
+                    self._drop(seq, e, out)
         wants = [(seq.rows[i], tok, seq.params.top_logprobs) for seq, toks in asking for i, tok in enumerate(toks)]
         try:
             if self.gpu_sampling and asking:
                 rows = self.sampling.rows([w[0] for w in wants])
                 self._deferred = Deferred(rows, wants, [seq for seq, _ in asking])
-                return {seq.seq_id: [PENDING] for seq, _ in asking}
+                return {**found, **{seq.seq_id: [PENDING] for seq, _ in asking}}
             records = self.output.logprob_records(wants)
         except Exception as e:
             for seq, _ in asking:
                 self._drop(seq, e, out)
-            return {}
-        found: dict[int, list[TokenLogprob]] = {}
+            return found
         for seq, toks in asking:
             found[seq.seq_id], records = records[: len(toks)], records[len(toks):]
         return found

@@ -52,15 +52,20 @@ class Output:
             d = self._described[tok] = (piece.decode(errors="replace"), list(piece))
         return d
 
-    def logprob_records(self, wants: list[tuple[int, int, int]], block: np.ndarray | None = None) -> list[TokenLogprob]:
+    def logprob_records(self, wants: list[tuple[int, int, int]], block: np.ndarray | None = None,
+                        graph: bool = False) -> list[TokenLogprob]:
         """The records of tokens ``(output row, token, top_logprobs)`` of the step just decoded, their
         numbers computed for all of them in one pass (``Sampling.logprobs``); from ``block`` (the rows'
-        logits, copied) when given."""
+        logits, copied) when given; ``graph``: computed in the decode graph (the tokens are its greedy
+        picks: ``Sampling.graph_logprobs``)."""
         if not wants:
             return []
         rows, toks, tops = zip(*wants, strict=True)
-        chosen, ids, vals = (self.sampling.logprobs(list(rows), list(toks), max(tops)) if block is None
-                             else log_softmax_top(block, list(toks), max(tops)))
+        if graph:
+            chosen, ids, vals = self.sampling.graph_logprobs(list(rows), max(tops))
+        else:
+            chosen, ids, vals = (self.sampling.logprobs(list(rows), list(toks), max(tops)) if block is None
+                                 else log_softmax_top(block, list(toks), max(tops)))
         chosen_l, ids_l, vals_l = np.round(chosen, 6).tolist(), ids.tolist(), np.round(vals, 6).tolist()
         seen, described, new = self._described.get, self.described, tuple.__new__  # tuple.__new__: a fifth of
         records = []  # a named tuple's own time
