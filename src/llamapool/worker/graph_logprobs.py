@@ -3,12 +3,15 @@
 A request that asks for logprobs used to have its whole logits row copied to the host every step
 (32,000 floats at 1B, 128,256 at 8B) and log-softmaxed and partially sorted there in numpy: a third of
 the plain speed at 64 streams. This module is a llama.cpp sampler (its ``backend_apply`` adds ggml ops
-to the decode graph, as llama.cpp's own greedy, top-k and dist samplers do) that, for its row, computes
+to the decode graph, as llama.cpp's own greedy, top-k and dist samplers do) that computes, once for
+all the step's output rows (llama.cpp calls a sampler for each row, with a view of its row of the
+step's logits; the first call builds the batched ops, the others take views of their results: one op
+a row would be a kernel a row, and ggml's CUDA top-k a row took ~5 ms a step at 64 rows):
 
-- ``ids``: the ``k`` likeliest tokens (``ggml_top_k``, in no particular order),
+- ``ids``: each row's ``k`` likeliest tokens, likeliest first (``ggml_argsort_top_k``),
 - ``vals``: their raw logits (``ggml_get_rows``),
-- ``probs``: their softmax probabilities (``ggml_soft_max`` over the row, then ``ggml_get_rows``),
-- ``sampled``: the greedy pick, the likeliest of ``ids``,
+- ``probs``: their softmax probabilities (``ggml_soft_max`` over the rows, then ``ggml_get_rows``),
+- ``sampled``: the greedy pick, the first of ``ids``,
 
 and hands them to llama.cpp's backend-sampling outputs (``logits``, ``probs``, ``candidates``,
 ``sampled``), which copy just those to the host. There, the row's log-sum-exp is
@@ -40,15 +43,24 @@ def _ggml() -> Any:
     """ggml's C API (the library llama_cpp loaded), with the signatures the sampler calls."""
     from llama_cpp._ggml import libggml as g
 
-    for name, args in (("ggml_top_k", [_vp, _vp, ctypes.c_int]), ("ggml_get_rows", [_vp, _vp, _vp]),
-                       ("ggml_reshape_1d", [_vp, _vp, ctypes.c_int64]),
-                       ("ggml_reshape_2d", [_vp, _vp, ctypes.c_int64, ctypes.c_int64]),
-                       ("ggml_soft_max", [_vp, _vp]), ("ggml_argmax", [_vp, _vp]),
+    i64 = ctypes.c_int64
+    for name, args in (("ggml_top_k", [_vp, _vp, ctypes.c_int]), ("ggml_argsort_top_k", [_vp, _vp, ctypes.c_int]),
+                       ("ggml_get_rows", [_vp, _vp, _vp]), ("ggml_cont", [_vp, _vp]),
+                       ("ggml_reshape_2d", [_vp, _vp, i64, i64]), ("ggml_reshape_3d", [_vp, _vp, i64, i64, i64]),
+                       ("ggml_view_1d", [_vp, _vp, i64, ctypes.c_size_t]), ("ggml_soft_max", [_vp, _vp]),
                        ("ggml_set_name", [_vp, ctypes.c_char_p])):
         f = getattr(g, name)
         f.argtypes, f.restype = args, _vp
     g.ggml_nelements.argtypes, g.ggml_nelements.restype = [_vp], ctypes.c_int64
     return g
+
+
+class _Tensor(ctypes.Structure):
+    """The head of ggml's ``struct ggml_tensor`` (ggml.h), up to the view fields the sampler reads."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", _vp), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+                ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+                ("src", _vp * 10), ("view_src", _vp), ("view_offs", ctypes.c_size_t)]
 
 
 class _Iface(ctypes.Structure):
@@ -71,9 +83,12 @@ class GraphLogprobs:
         # simple types); clone stays NULL (nothing clones these samplers)
         f = ctypes.CFUNCTYPE
         self._callbacks = (f(_vp, _vp)(self._name), L.llama_sampler_i_apply(self._apply_host),
-                           L.llama_sampler_i_backend_init(self._init), L.llama_sampler_i_backend_apply(self._apply))
-        name, apply, init, backend_apply = (ctypes.cast(c, _vp) for c in self._callbacks)
-        self._iface = _Iface(name=name, apply=apply, backend_init=init, backend_apply=backend_apply)
+                           L.llama_sampler_i_backend_init(self._init), L.llama_sampler_i_backend_apply(self._apply),
+                           L.llama_sampler_i_backend_reset(self._reset))
+        name, apply, init, backend_apply = (ctypes.cast(c, _vp) for c in self._callbacks[:4])
+        self._iface = _Iface(name=name, apply=apply, backend_init=init, backend_apply=backend_apply,
+                             backend_reset=ctypes.cast(self._callbacks[4], _vp))
+        self._batch: dict[int, tuple[int, int, int, int]] = {}  # the graph being built: its logits -> results
 
     def chain(self) -> Any:
         """A sampler chain (freed with ``llama_sampler_free``) that picks greedily and keeps the row's
@@ -94,20 +109,41 @@ class GraphLogprobs:
     def _init(self, smpl: Any, buft: Any, n_outputs_max_per_seq: int) -> bool:
         return True  # top_k, get_rows, soft_max and argmax: every backend has them
 
+    def _reset(self, smpl: Any) -> None:
+        """A graph is about to be built: the last one's batched results are not its."""
+        self._batch.clear()
+
     def _apply(self, smpl: Any, ctx: int, gf: int, data: Any) -> None:
+        """The row's outputs: views of results computed once for all the step's output rows (llama.cpp
+        hands each sampler a view of its row of the step's logits; one op over all rows is one kernel,
+        where one a row would be one a row: at 64 rows, ggml's CUDA top-k alone took ~5 ms a step)."""
         g, k = self._g, int(smpl.contents.ctx or 0)
         d = data.contents
-        n = g.ggml_nelements(d.logits)
-        logits = g.ggml_reshape_1d(ctx, d.logits, n)
-        ids = g.ggml_top_k(ctx, logits, k)
-        vals = g.ggml_get_rows(ctx, g.ggml_reshape_2d(ctx, logits, 1, n), ids)
-        probs = g.ggml_get_rows(ctx, g.ggml_reshape_2d(ctx, g.ggml_soft_max(ctx, logits), 1, n), ids)
-        best = g.ggml_argmax(ctx, g.ggml_reshape_1d(ctx, vals, k))
-        sampled = g.ggml_get_rows(ctx, g.ggml_reshape_2d(ctx, ids, 1, k), best)
-        for t, name in ((ids, b"logprobs_ids"), (vals, b"logprobs_vals"), (probs, b"logprobs_probs"),
-                        (sampled, b"logprobs_pick")):
-            g.ggml_set_name(t, name)
-        d.logits, d.probs, d.candidates, d.sampled = vals, probs, ids, sampled
+        row = ctypes.cast(d.logits, ctypes.POINTER(_Tensor)).contents
+        whole = row.view_src or d.logits  # the step's logits (a probe graph's row is a tensor of its own)
+        t = ctypes.cast(whole, ctypes.POINTER(_Tensor)).contents
+        n, rows = int(t.ne[0]), int(t.ne[1]) if row.view_src else 1
+        r = int(row.view_offs) // int(t.nb[1]) if row.view_src else 0
+        if whole not in self._batch:
+            self._batch[whole] = self._batched(ctx, whole, n, rows, k)
+        ids, vals, probs, _ = self._batch[whole]
+        at = 4 * k * r
+        d.candidates = g.ggml_view_1d(ctx, ids, k, at)
+        d.logits = g.ggml_view_1d(ctx, vals, k, at)
+        d.probs = g.ggml_view_1d(ctx, probs, k, at)
+        d.sampled = g.ggml_view_1d(ctx, ids, 1, at)  # sorted likeliest first: the greedy pick
+
+    def _batched(self, ctx: int, logits: int, n: int, rows: int, k: int) -> tuple[int, int, int, int]:
+        """Over all ``rows`` of ``logits`` (``n`` a row): the ``k`` likeliest ids sorted (``[k, rows]``), their
+        logits and softmax probabilities (``[1, k, rows]`` each)."""
+        g = self._g
+        m = g.ggml_reshape_2d(ctx, logits, n, rows)
+        ids = g.ggml_cont(ctx, g.ggml_argsort_top_k(ctx, m, k))
+        vals = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, m, 1, n, rows), ids)
+        probs = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, m), 1, n, rows), ids)
+        for tensor, name in ((ids, b"logprobs_ids"), (vals, b"logprobs_vals"), (probs, b"logprobs_probs")):
+            g.ggml_set_name(tensor, name)
+        return ids, vals, probs, rows
 
     def _apply_host(self, smpl: Any, cur_p: Any) -> None:
         """On the host (a graph that could not take the sampler): greedy."""
@@ -124,17 +160,25 @@ class GraphLogprobs:
         likeliest first, equal values by token id (``(chosen, ids, values)``, shaped ``(n,)``,
         ``(n, k)``, ``(n, k)``)."""
         k = max(k, 1)
-        v = np.empty((len(idxs), MAX_TOP), np.float32)
-        p, c = np.empty_like(v), np.empty((len(idxs), MAX_TOP), np.int32)
-        for r, idx in enumerate(idxs):
-            m = int(L.llama_get_sampled_logits_count_ith(ctx, idx))
-            if m != MAX_TOP:
-                raise RuntimeError(f"output row {idx} has {m} logprob candidates, not {MAX_TOP}: not sampled "
-                                   "by a logprobs chain")
-            ctypes.memmove(v[r].ctypes.data, L.llama_get_sampled_logits_ith(ctx, idx), 4 * MAX_TOP)
-            ctypes.memmove(p[r].ctypes.data, L.llama_get_sampled_probs_ith(ctx, idx), 4 * MAX_TOP)
-            ctypes.memmove(c[r].ctypes.data, L.llama_get_sampled_candidates_ith(ctx, idx), 4 * MAX_TOP)
+        m = int(L.llama_get_sampled_logits_count_ith(ctx, idxs[0]))
+        if m != MAX_TOP:
+            raise RuntimeError(f"output row {idxs[0]} has {m} logprob candidates, not {MAX_TOP}: not sampled by "
+                               "a logprobs chain")
+        v = _gather([L.llama_get_sampled_logits_ith(ctx, i) for i in idxs], np.float32)
+        p = _gather([L.llama_get_sampled_probs_ith(ctx, i) for i in idxs], np.float32)
+        c = _gather([L.llama_get_sampled_candidates_ith(ctx, i) for i in idxs], np.int32)
         order = np.lexsort((c, -v), axis=-1)[:, :k]  # by value, largest first; equal values by token id
         vals, probs = np.take_along_axis(v, order, -1), np.take_along_axis(p, order, -1)
         lps = vals - (vals[:, :1] - np.log(probs[:, :1]))  # minus the row's log-sum-exp
         return lps[:, 0].copy(), np.take_along_axis(c, order, -1).astype(np.intp), lps
+
+
+def _gather(ptrs: list[Any], dtype: type[np.generic]) -> np.ndarray:
+    """The :data:`MAX_TOP` 4-byte values at each of ``ptrs`` (rows of one llama.cpp buffer), as one array:
+    a view of the span they lie in, indexed (a copy of just those)."""
+    addrs = np.array([ctypes.cast(q, _vp).value or 0 for q in ptrs], np.int64)
+    if not addrs.all():
+        raise RuntimeError("an output row has no logprob candidates")
+    lo = int(addrs.min())
+    span = np.frombuffer(memoryview((ctypes.c_char * (int(addrs.max()) - lo + 4 * MAX_TOP)).from_address(lo)), dtype)
+    return span[((addrs - lo) // 4)[:, None] + np.arange(MAX_TOP)]

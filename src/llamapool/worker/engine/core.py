@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, afford, ngram_draft
+from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, afford, ngram_draft
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -96,6 +96,7 @@ class Engine:
         self.accepted_tokens = 0  # draft tokens kept
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
+        self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.ngram_draft)
 
     @property
     def free_ids(self) -> deque[int]:
@@ -398,7 +399,10 @@ class Engine:
             assert d is not None
             d.draft = []
             room = min(d.depth(), seq.params.max_tokens - seq.generated - 1, self.cfg.ctx_per_slot - seq.n_past - 2)
-            draft = ngram_draft(seq.history[: seq.n_history], room) if room > 0 and d.rate >= least else []
+            draft: list[int] = []
+            if room > 0 and d.rate >= least:
+                hist = seq.history[: seq.n_history]
+                draft = ngram_draft(hist, room) if self.proposer is None else self.proposer(seq.rid, hist, room)
             draft = self._allowed(seq, draft)
             if not draft:
                 d.idle()
@@ -554,28 +558,23 @@ class Engine:
         pipelined step only copies their rows: the records are made after the next launch (``PENDING``
         until then, :class:`Deferred`; such a sequence has one row: it does not speculate)."""
         asking = [(seq, toks) for seq, toks in picked if seq.params.logprobs]
-        found: dict[int, list[TokenLogprob]] = {}
-        graph = [(seq, toks) for seq, toks in asking if seq.sampling.graph_logprobs]  # one row each
-        if graph:
-            asking = [(seq, toks) for seq, toks in asking if not seq.sampling.graph_logprobs]
-            try:
-                records = self.output.logprob_records(
-                    [(seq.rows[0], toks[0], seq.params.top_logprobs) for seq, toks in graph], graph=True)
-                found = {seq.seq_id: [rec] for (seq, _), rec in zip(graph, records, strict=True)}
-            except Exception as e:
-                for seq, _ in graph:
-                    self._drop(seq, e, out)
-        wants = [(seq.rows[i], tok, seq.params.top_logprobs) for seq, toks in asking for i, tok in enumerate(toks)]
         try:
-            if self.gpu_sampling and asking:
-                rows = self.sampling.rows([w[0] for w in wants])
-                self._deferred = Deferred(rows, wants, [seq for seq, _ in asking])
-                return {**found, **{seq.seq_id: [PENDING] for seq, _ in asking}}
+            if self.gpu_sampling and asking:  # the graph's rows first (one row each), then the host's
+                asking.sort(key=lambda a: not a[0].sampling.graph_logprobs)
+                ng = sum(seq.sampling.graph_logprobs for seq, _ in asking)
+                wants = [(seq.rows[0], toks[0], seq.params.top_logprobs) for seq, toks in asking]
+                numbers = self.sampling.graph_logprobs([w[0] for w in wants[:ng]], max(w[2] for w in wants[:ng])) \
+                    if ng else None
+                rows = self.sampling.rows([w[0] for w in wants[ng:]]) if ng < len(wants) else None
+                self._deferred = Deferred(rows, wants, [seq for seq, _ in asking], numbers)
+                return {seq.seq_id: [PENDING] for seq, _ in asking}
+            wants = [(seq.rows[i], tok, seq.params.top_logprobs) for seq, toks in asking for i, tok in enumerate(toks)]
             records = self.output.logprob_records(wants)
         except Exception as e:
             for seq, _ in asking:
                 self._drop(seq, e, out)
-            return found
+            return {}
+        found: dict[int, list[TokenLogprob]] = {}
         for seq, toks in asking:
             found[seq.seq_id], records = records[: len(toks)], records[len(toks):]
         return found

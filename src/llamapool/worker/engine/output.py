@@ -53,16 +53,16 @@ class Output:
         return d
 
     def logprob_records(self, wants: list[tuple[int, int, int]], block: np.ndarray | None = None,
-                        graph: bool = False) -> list[TokenLogprob]:
+                        numbers: Numbers | None = None) -> list[TokenLogprob]:
         """The records of tokens ``(output row, token, top_logprobs)`` of the step just decoded, their
         numbers computed for all of them in one pass (``Sampling.logprobs``); from ``block`` (the rows'
-        logits, copied) when given; ``graph``: computed in the decode graph (the tokens are its greedy
-        picks: ``Sampling.graph_logprobs``)."""
+        logits, copied) when given; or the ``numbers`` themselves (``(chosen, ids, values)``: those the
+        decode graph computed, ``Sampling.graph_logprobs``)."""
         if not wants:
             return []
         rows, toks, tops = zip(*wants, strict=True)
-        if graph:
-            chosen, ids, vals = self.sampling.graph_logprobs(list(rows), max(tops))
+        if numbers is not None:
+            chosen, ids, vals = numbers
         else:
             chosen, ids, vals = (self.sampling.logprobs(list(rows), list(toks), max(tops)) if block is None
                                  else log_softmax_top(block, list(toks), max(tops)))
@@ -93,18 +93,21 @@ class Output:
 
 
 PENDING = TokenLogprob("", None, [], [])  # a record to be computed after the next launch (Deferred)
+Numbers = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows' logprobs: (chosen, ids, values), as log_softmax_top
 
 
 @dataclass(eq=False)
 class Deferred:
-    """A pipelined step's logprob rows, copied off the logits before the next batch is launched: their
-    records are computed after the launch, while the GPU computes (:meth:`resolve`), and put in the
-    places the sequences kept for them (a :data:`PENDING` record each, never sent: a sequence that ends
-    first has them resolved before its result is made)."""
+    """A pipelined step's logprob rows, taken off the step's outputs before the next batch is launched
+    (the numbers the graph computed for its first rows, then the other rows' logits): their records are
+    made after the launch, while the GPU computes (:meth:`resolve`), and put in the places the sequences
+    kept for them (a :data:`PENDING` record each, never sent: a sequence that ends first has them
+    resolved before its result is made)."""
 
-    rows: np.ndarray  # the rows' logits, (n, n_vocab)
-    wants: list[tuple[int, int, int]]  # (output row, token, top_logprobs) of each
+    rows: np.ndarray | None  # the host rows' logits, (n, n_vocab)
+    wants: list[tuple[int, int, int]]  # (output row, token, top_logprobs) of each: the graph's rows first
     seqs: list[Sequence]
+    numbers: Numbers | None = None  # the graph's rows' numbers
     places: list[tuple[int, list[TokenLogprob], int]] = field(default_factory=list)  # (k, records, index)
     records: list[TokenLogprob] | None = None
     index: dict[int, int] = field(default_factory=dict)  # sequence id -> its row's place in ``wants``
@@ -125,7 +128,9 @@ class Deferred:
 
     def resolve(self, output: Output) -> None:
         if self.records is None:
-            self.records = output.logprob_records(self.wants, self.rows)
+            ng = 0 if self.numbers is None else len(self.numbers[0])
+            self.records = [*output.logprob_records(self.wants[:ng], numbers=self.numbers),
+                            *output.logprob_records(self.wants[ng:], self.rows)]
             for k, lst, i in self.places:
                 lst[i] = self.records[k]
             self.places = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -83,6 +84,15 @@ def ngram_draft(hist: np.ndarray, k: int, n_max: int = NGRAM_MAX, n_min: int = N
             start = int(at[-1]) + n
             return [int(t) for t in hist[start : start + k]]
     return []
+
+
+class Proposer(Protocol):
+    """Another source of drafts than prompt lookup (:func:`ngram_draft`, the engine's own when it has none):
+    benchmarks in-process only (scripts/spec_oracle.py), no setting names one."""
+
+    def __call__(self, rid: int, hist: np.ndarray, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``hist`` (request ``rid``'s prompt and output so far)."""
+        ...
 
 
 def afford(chances: dict[int, list[float]], step_s: float, draft_s: float, outputs: int) -> dict[int, int]:
