@@ -3,7 +3,7 @@
 
 One engine on one model (GPU 0 with ``--gpu``; on the CPU its backend sampling forced), C greedy
 requests run three times: without logprobs (``plain``), with ``top_logprobs`` computed in the decode
-graph (``graph``: worker/graph_logprobs.py), and with them computed on the host as before it (``host``:
+graph (``graph``: worker/graph_samplers.py), and with them computed on the host as before it (``host``:
 the engine's ``in_graph`` made to refuse logprob requests, so their logits rows are copied and
 log-softmaxed in numpy while the next step runs). Prints, as one JSON line, whether graph and host gave
 the same texts, the largest difference of a token's and an alternative's logprob, the alternatives

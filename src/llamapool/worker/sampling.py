@@ -3,13 +3,13 @@
 A sequence's sampling state (:class:`SeqSampling`) is its llama.cpp sampler chain, where that chain
 runs, and its grammar matcher. Where it runs:
 
-- **in the decode graph** (GPU sampling): every slot has a greedy chain attached to the graph, and a
-  request with other parameters attaches its own chain. A constrained greedy row is sampled there too:
-  the graph's argmax is checked against the row's mask (one bit test), and only a refused token is
-  replaced by the likeliest allowed one, from the row's logits (llama.cpp keeps them beside the token);
-- a greedy request with **logprobs** is sampled there too, by a chain that also computes the row's
-  likeliest tokens and their probabilities in the graph (:mod:`llamapool.worker.graph_logprobs`): only
-  those leave the GPU;
+- **in the decode graph** (GPU sampling): every slot has a greedy chain attached to the graph (llamapool's
+  own, :mod:`llamapool.worker.graph_samplers`: only the token leaves the GPU), and a request with other
+  parameters attaches its own chain. A greedy request with **logprobs** is sampled there too, by a chain
+  that also computes the row's likeliest tokens and their probabilities in the graph. A constrained
+  greedy row is sampled there too, by the slot's other greedy chain (llama.cpp's: it keeps the row's
+  logits beside the token): the graph's argmax is checked against the row's mask (one bit test), and
+  only a refused token is replaced by the likeliest allowed one, from the row's logits;
 - **on the host**, from the row's logits, for what the graph cannot do: penalties (llama.cpp's
   repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, the logprobs of
   sampled, constrained or echoed requests, and the
@@ -35,7 +35,7 @@ import numpy as np
 from llamapool.protocol.params import ParamError, SamplingParams
 from llamapool.worker.closing import Closing
 from llamapool.worker.constraints import Masks
-from llamapool.worker.graph_logprobs import GraphLogprobs
+from llamapool.worker.graph_samplers import GraphSamplers
 
 PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
 
@@ -59,7 +59,7 @@ class SeqSampling:
 
     @property
     def graph_logprobs(self) -> bool:
-        """Its logprobs are computed in the decode graph (:class:`GraphLogprobs`)."""
+        """Its logprobs are computed in the decode graph (:class:`GraphSamplers`)."""
         return self.in_graph and self.params.logprobs
 
     @property
@@ -79,8 +79,11 @@ class Sampling:
         self.gpu = gpu
         self.n_vocab = n_vocab
         self.window = window  # the most tokens a sequence generates (presence/frequency penalties see all)
-        self._greedy: dict[int, Any] = {i: _greedy_chain() for i in range(slots)} if gpu else {}
-        self._graph_lp = GraphLogprobs() if gpu else None
+        self._graph = GraphSamplers() if gpu else None
+        # each slot's greedy chains (GPU sampling): llamapool's, which leaves only the token (attached with the
+        # context), and llama.cpp's, which keeps the row's logits (a constrained row's; made when first needed)
+        self._greedy: dict[int, Any] = {i: self._graph.greedy() for i in range(slots)} if self._graph else {}
+        self._keeping: dict[int, Any] = {}
         self._on: dict[int, Any] = dict(self._greedy)  # what the graph samples each slot with (None: nothing)
         self._seq_cfg: Any = None
         self.ctx: Any = None
@@ -128,13 +131,14 @@ class Sampling:
         and llama.cpp's backend sampling takes one)."""
         in_graph = self.in_graph(p) and not host
         if in_graph and p.logprobs:
-            assert self._graph_lp is not None
-            chain = self._graph_lp.chain()
+            assert self._graph is not None
+            chain = self._graph.logprobs()
         else:
             chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
         if self.gpu:  # the graph's chain for the slot: greedy, the request's own, or none (logits to the host)
             try:
-                self._put(slot, (self._greedy_for(slot) if chain is None else chain) if in_graph else None)
+                self._put(slot, (self._greedy_for(slot, p.constrained) if chain is None else chain)
+                          if in_graph else None)
             except Exception:
                 if chain is not None:
                     L.llama_sampler_free(chain)
@@ -153,23 +157,30 @@ class Sampling:
         if state.chain is not None and state.chain is not self._on.get(state.slot):
             L.llama_sampler_free(state.chain)
 
-    def _greedy_for(self, slot: int) -> Any:
-        """The slot's greedy chain: the one in the graph, or a new one (a chain taken off the graph is not
-        put back: llama.cpp set it up for the graph it was in)."""
-        if self._on.get(slot) is not self._greedy[slot]:
-            L.llama_sampler_free(self._greedy[slot])  # off the graph since another chain or none replaced it
-            self._greedy[slot] = _greedy_chain()
-        return self._greedy[slot]
+    def _greedy_for(self, slot: int, keeping: bool = False) -> Any:
+        """The slot's greedy chain (``keeping``: the one that keeps the row's logits): the one in the graph,
+        or a new one (a chain taken off the graph is not put back: llama.cpp set it up for the graph it
+        was in)."""
+        assert self._graph is not None
+        chains, make = (self._keeping, _greedy_chain) if keeping else (self._greedy, self._graph.greedy)
+        ch = chains.get(slot)
+        if ch is not None and self._on.get(slot) is ch:
+            return ch
+        if ch is not None:
+            L.llama_sampler_free(ch)  # off the graph since another chain or none replaced it
+        ch = chains[slot] = make()
+        return ch
 
     def _put(self, slot: int, chain: Any) -> None:
         """Let the graph sample ``slot`` with ``chain`` (None: not at all), changing it only if it must; a
-        finished sequence's own chain that it replaces is freed."""
+        finished sequence's own chain that it replaces is freed (the slot's greedy chains are freed when
+        made anew)."""
         old = self._on.get(slot)
         if old is chain:
             return
         self._attach(slot, chain)
         self._on[slot] = chain
-        if old is not None and old is not self._greedy.get(slot) and all(
+        if old is not None and old is not self._greedy.get(slot) and old is not self._keeping.get(slot) and all(
                 s.chain is not old for s in self.states.values()):
             L.llama_sampler_free(old)
 
@@ -257,8 +268,8 @@ class Sampling:
     def graph_logprobs(self, idxs: list[int], top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """As :meth:`logprobs`, for rows sampled with their logprobs in the graph (their tokens are the
         greedy picks): from the few numbers a row's graph left on the host."""
-        assert self._graph_lp is not None
-        return self._graph_lp.read(self.ctx, idxs, top)
+        assert self._graph is not None
+        return self._graph.read(self.ctx, idxs, top)
 
     def rows(self, idxs: list[int]) -> np.ndarray:
         """A copy of output rows ``idxs``' logits (the next decode reuses their buffer)."""
@@ -290,9 +301,9 @@ class Sampling:
         if self.masks is not None:
             self.masks.close()
         for slot, ch in self._on.items():  # finished sequences' chains still in the graph
-            if ch is not None and ch is not self._greedy.get(slot):
+            if ch is not None and ch is not self._greedy.get(slot) and ch is not self._keeping.get(slot):
                 L.llama_sampler_free(ch)
-        for ch in self._greedy.values():
+        for ch in [*self._greedy.values(), *self._keeping.values()]:
             L.llama_sampler_free(ch)
 
 

@@ -1,5 +1,6 @@
-"""Logprobs computed in the decode graph (worker/graph_logprobs.py): a greedy request's numbers and text
-are the host path's, while only the row's likeliest tokens leave the backend.
+"""llamapool's samplers in the decode graph (worker/graph_samplers.py): a greedy row leaves only its token,
+a greedy request's logprobs are the host path's numbers, while only the row's likeliest tokens leave the
+backend, and a constrained greedy row keeps its logits (a refused pick is replaced from them).
 
 The graph path runs where llama.cpp's backend sampling runs (GPU workers); ``backend_sampling=True``
 exercises the same code on the CPU backend, against the host path of a CPU engine."""
@@ -104,3 +105,21 @@ def test_only_a_greedy_unconstrained_request_without_echo_takes_the_graph_path(m
         for other in ({"temperature": 0.7}, {"echo": True}, {"json_schema": {"type": "object"}},
                       {"logit_bias": {3: 1.0}}, {"repeat_penalty": 1.2}):
             assert not s.in_graph(dataclasses.replace(GREEDY_LP, **other)), other
+
+
+def test_a_plain_greedy_row_leaves_only_its_token_and_a_constrained_one_its_logits(model_path: str) -> None:
+    """The slot's greedy chain copies no logits to the host; a constrained greedy request gets the slot's
+    other greedy chain (llama.cpp's, which keeps them), the slot's plain chain comes back after it, and
+    each gives the host path's text."""
+    import llama_cpp as L
+
+    for host, graph in engines(model_path, slots=1):
+        plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=6)
+        constrained = dataclasses.replace(plain, json_schema={"type": "object"}, ignore_eos=False)
+        s = graph.sampling
+        for rid, p in enumerate([plain, constrained, constrained, plain, constrained]):
+            run = Run(rid, "x" * (rid + 1), p, False)
+            assert run_all(graph, [run])[rid][0] == run_all(host, [run])[rid][0]
+            assert s._on[0] is (s._keeping if p.constrained else s._greedy)[0]
+            kept = L.llama_get_sampled_logits_count_ith(graph.ctx, -1)  # the last step's row
+            assert kept == (graph.n_vocab if p.constrained else 0), (rid, kept)

@@ -1,29 +1,31 @@
-"""Greedy picks with logprobs computed in the decode graph: only ``3k + 1`` numbers a row leave the GPU.
+"""llamapool's own samplers in the decode graph: greedy picks that leave only the token, and greedy picks
+with their logprobs that leave only ``3k`` numbers more.
 
-A request that asks for logprobs used to have its whole logits row copied to the host every step
-(32,000 floats at 1B, 128,256 at 8B) and log-softmaxed and partially sorted there in numpy: a third of
-the plain speed at 64 streams. This module is a llama.cpp sampler (its ``backend_apply`` adds ggml ops
-to the decode graph, as llama.cpp's own greedy, top-k and dist samplers do) that computes, once for
-all the step's output rows (llama.cpp calls a sampler for each row, with a view of its row of the
-step's logits; the first call builds the batched ops, the others take views of their results: one op
-a row would be a kernel a row, and ggml's CUDA top-k a row took ~5 ms a step at 64 rows):
+llama.cpp's backend sampling (its graph samplers) hands each sampler a view of its row of the step's
+logits, and copies to the host what the sampler leaves in its outputs (``sampled``, ``logits``, ``probs``,
+``candidates``). Its own greedy sampler leaves the whole row in ``logits``: every greedy row's logits cross
+to the host each step (64 rows of 128,256 floats, 32 MB a step at an 8B vocabulary). And a request that
+asked for logprobs had its row copied and log-softmaxed and partially sorted on the host in numpy: a
+third of the plain speed at 64 streams. The samplers here (their ``backend_apply`` adds ggml ops, as
+llama.cpp's own greedy, top-k and dist samplers do) compute, once for all the step's output rows (the
+first row's call builds the ops over the step's logits, the others take views of their results: one
+op a row would be a kernel a row, and ggml's CUDA top-k a row took ~5 ms a step at 64 rows):
 
-- ``ids``: each row's ``k`` likeliest tokens, likeliest first (``ggml_argsort_top_k``),
-- ``vals``: their raw logits (``ggml_get_rows``),
-- ``probs``: their softmax probabilities (``ggml_soft_max`` over the rows, then ``ggml_get_rows``),
-- ``sampled``: the greedy pick, the first of ``ids``,
+- ``greedy``: each row's argmax (``ggml_argmax``), and nothing else leaves the graph;
+- ``logprobs``: the argmax, and each row's ``k`` likeliest tokens (``ggml_argsort_top_k`` over many rows,
+  ``ggml_top_k`` over a few), their raw logits and softmax probabilities (``ggml_soft_max``, then
+  ``ggml_get_rows``).
 
-and hands them to llama.cpp's backend-sampling outputs (``logits``, ``probs``, ``candidates``,
-``sampled``), which copy just those to the host. There, the row's log-sum-exp is
-``vals[j] - log(probs[j])`` at the likeliest ``j`` (its probability is at least ``1/n_vocab``, so the
-log is well conditioned), and each alternative's logprob is ``vals - lse``: the log-softmax of the raw
-logits, as the host path gives (:func:`llamapool.worker.sampling.log_softmax_top`).
+On the host, a logprobs row's log-sum-exp is ``vals[j] - log(probs[j])`` at the likeliest ``j`` (its
+probability is at least ``1/n_vocab``, so the log is well conditioned), and each alternative's logprob
+is ``vals - lse``: the log-softmax of the raw logits, as the host path gives
+(:func:`llamapool.worker.sampling.log_softmax_top`).
 
-Only greedy rows without penalties, biases or a grammar take it (their pick is the row's argmax, so
-the chosen token is the first of the top ``k``); other logprob rows are still computed on the host.
-The sampler is written with llama-cpp-python's ctypes bindings and ggml's C API, so it needs no
-rebuild of llama.cpp; its callbacks run when llama.cpp builds a graph, not every step (a graph is
-reused while the batch's shape and samplers stay).
+Only greedy rows without penalties, biases or a grammar take them (a constrained greedy row keeps
+llama.cpp's greedy sampler: a refused pick is replaced from the row's logits). The samplers are written
+with llama-cpp-python's ctypes bindings and ggml's C API, so they need no rebuild of llama.cpp; their
+callbacks run when llama.cpp builds a graph, not every step (a graph is reused while the batch's shape
+and samplers stay).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import llama_cpp as L
 import numpy as np
 
 MAX_TOP = 20  # the most alternatives a row asks for (OpenAI's top_logprobs)
+FEW_ROWS = 8  # up to this many rows, ggml_top_k (one selection a row); more, one argsort over them all
 
 _vp = ctypes.c_void_p
 
@@ -48,6 +51,7 @@ def _ggml() -> Any:
                        ("ggml_get_rows", [_vp, _vp, _vp]), ("ggml_cont", [_vp, _vp]),
                        ("ggml_reshape_2d", [_vp, _vp, i64, i64]), ("ggml_reshape_3d", [_vp, _vp, i64, i64, i64]),
                        ("ggml_view_1d", [_vp, _vp, i64, ctypes.c_size_t]), ("ggml_soft_max", [_vp, _vp]),
+                       ("ggml_argmax", [_vp, _vp]),
                        ("ggml_set_name", [_vp, ctypes.c_char_p])):
         f = getattr(g, name)
         f.argtypes, f.restype = args, _vp
@@ -71,30 +75,38 @@ class _Iface(ctypes.Structure):
                 ("backend_set_input", _vp), ("backend_reset", _vp), ("copy_state", _vp)]
 
 
-class GraphLogprobs:
-    """The sampler's interface (one per engine: its callbacks must outlive every sampler made from it)
-    and the reading of a step's rows. Every row keeps :data:`MAX_TOP` alternatives (a request shows as
-    many as it asks for): one row costs what another does, and a step's rows read as one array."""
+class GraphSamplers:
+    """The samplers' interface (one per engine: its callbacks must outlive every sampler made from it)
+    and the reading of a step's logprob rows. Every logprobs row keeps :data:`MAX_TOP` alternatives (a
+    request shows as many as it asks for): one row costs what another does, and a step's rows read as
+    one array."""
 
     def __init__(self) -> None:
         self._g = _ggml()
-        self._name_buf = ctypes.create_string_buffer(b"llamapool-logprobs")
+        self._name_buf = ctypes.create_string_buffer(b"llamapool-graph")
         # llama_sampler_i, its pointer-returning callbacks typed as void * (ctypes callbacks return only
         # simple types); clone stays NULL (nothing clones these samplers)
         f = ctypes.CFUNCTYPE
         self._callbacks = (f(_vp, _vp)(self._name), L.llama_sampler_i_apply(self._apply_host),
                            L.llama_sampler_i_backend_init(self._init), L.llama_sampler_i_backend_apply(self._apply),
                            L.llama_sampler_i_backend_reset(self._reset))
-        name, apply, init, backend_apply = (ctypes.cast(c, _vp) for c in self._callbacks[:4])
+        name, apply, init, backend_apply, reset = (ctypes.cast(c, _vp) for c in self._callbacks)
         self._iface = _Iface(name=name, apply=apply, backend_init=init, backend_apply=backend_apply,
-                             backend_reset=ctypes.cast(self._callbacks[4], _vp))
-        self._batch: dict[int, tuple[int, int, int, int]] = {}  # the graph being built: its logits -> results
+                             backend_reset=reset)
+        self._batch: dict[tuple[int, int], tuple[int, ...]] = {}  # the graph being built: (logits, k) -> results
 
-    def chain(self) -> Any:
-        """A sampler chain (freed with ``llama_sampler_free``) that picks greedily and keeps the row's
-        :data:`MAX_TOP` likeliest tokens with their logits and probabilities."""
+    def greedy(self) -> Any:
+        """A sampler chain (freed with ``llama_sampler_free``) that picks greedily and leaves nothing else."""
+        return self._chain(0)
+
+    def logprobs(self) -> Any:
+        """A sampler chain that picks greedily and keeps the row's :data:`MAX_TOP` likeliest tokens with
+        their logits and probabilities."""
+        return self._chain(MAX_TOP)
+
+    def _chain(self, k: int) -> Any:
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, self._make(MAX_TOP))
+        L.llama_sampler_chain_add(chain, self._make(k))
         return chain
 
     def _make(self, k: int) -> Any:
@@ -107,16 +119,14 @@ class GraphLogprobs:
         return ctypes.addressof(self._name_buf)
 
     def _init(self, smpl: Any, buft: Any, n_outputs_max_per_seq: int) -> bool:
-        return True  # top_k, get_rows, soft_max and argmax: every backend has them
+        return True  # argmax, top_k, argsort, get_rows and soft_max: every backend has them
 
     def _reset(self, smpl: Any) -> None:
         """A graph is about to be built: the last one's batched results are not its."""
         self._batch.clear()
 
     def _apply(self, smpl: Any, ctx: int, gf: int, data: Any) -> None:
-        """The row's outputs: views of results computed once for all the step's output rows (llama.cpp
-        hands each sampler a view of its row of the step's logits; one op over all rows is one kernel,
-        where one a row would be one a row: at 64 rows, ggml's CUDA top-k alone took ~5 ms a step)."""
+        """The row's outputs: views of results computed once for all the step's output rows."""
         g, k = self._g, int(smpl.contents.ctx or 0)
         d = data.contents
         row = ctypes.cast(d.logits, ctypes.POINTER(_Tensor)).contents
@@ -124,26 +134,32 @@ class GraphLogprobs:
         t = ctypes.cast(whole, ctypes.POINTER(_Tensor)).contents
         n, rows = int(t.ne[0]), int(t.ne[1]) if row.view_src else 1
         r = int(row.view_offs) // int(t.nb[1]) if row.view_src else 0
-        if whole not in self._batch:
-            self._batch[whole] = self._batched(ctx, whole, n, rows, k)
-        ids, vals, probs, _ = self._batch[whole]
-        at = 4 * k * r
-        d.candidates = g.ggml_view_1d(ctx, ids, k, at)
-        d.logits = g.ggml_view_1d(ctx, vals, k, at)
-        d.probs = g.ggml_view_1d(ctx, probs, k, at)
-        d.sampled = g.ggml_view_1d(ctx, ids, 1, at)  # sorted likeliest first: the greedy pick
+        if (whole, k) not in self._batch:
+            self._batch[whole, k] = self._batched(ctx, whole, n, rows, k)
+        best, *rest = self._batch[whole, k]
+        d.sampled = g.ggml_view_1d(ctx, best, 1, 4 * r)
+        d.logits = None  # nothing of the row's logits leaves the graph
+        if k:
+            ids, vals, probs = rest
+            d.candidates = g.ggml_view_1d(ctx, ids, k, 4 * k * r)
+            d.logits = g.ggml_view_1d(ctx, vals, k, 4 * k * r)
+            d.probs = g.ggml_view_1d(ctx, probs, k, 4 * k * r)
 
-    def _batched(self, ctx: int, logits: int, n: int, rows: int, k: int) -> tuple[int, int, int, int]:
-        """Over all ``rows`` of ``logits`` (``n`` a row): the ``k`` likeliest ids sorted (``[k, rows]``), their
-        logits and softmax probabilities (``[1, k, rows]`` each)."""
+    def _batched(self, ctx: int, logits: int, n: int, rows: int, k: int) -> tuple[int, ...]:
+        """Over all ``rows`` of ``logits`` (``n`` a row): each row's argmax (``[rows]``), and with ``k`` its
+        ``k`` likeliest ids (``[k, rows]``, unordered), their logits and softmax probabilities (``[1, k, rows]``)."""
         g = self._g
         m = g.ggml_reshape_2d(ctx, logits, n, rows)
-        ids = g.ggml_cont(ctx, g.ggml_argsort_top_k(ctx, m, k))
+        best = g.ggml_argmax(ctx, m)
+        g.ggml_set_name(best, b"graph_greedy")
+        if not k:
+            return (best,)
+        ids = g.ggml_top_k(ctx, m, k) if rows <= FEW_ROWS else g.ggml_cont(ctx, g.ggml_argsort_top_k(ctx, m, k))
         vals = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, m, 1, n, rows), ids)
         probs = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, m), 1, n, rows), ids)
         for tensor, name in ((ids, b"logprobs_ids"), (vals, b"logprobs_vals"), (probs, b"logprobs_probs")):
             g.ggml_set_name(tensor, name)
-        return ids, vals, probs, rows
+        return best, ids, vals, probs
 
     def _apply_host(self, smpl: Any, cur_p: Any) -> None:
         """On the host (a graph that could not take the sampler): greedy."""
@@ -155,7 +171,7 @@ class GraphLogprobs:
     # ------------------------------------------------------------ a step's rows
 
     def read(self, ctx: Any, idxs: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For output rows ``idxs`` of the step just decoded (each sampled by a chain of :meth:`chain`):
+        """For output rows ``idxs`` of the step just decoded (each sampled by a chain of :meth:`logprobs`):
         the greedy token's logprob and the ``k`` (at most :data:`MAX_TOP`) likeliest tokens with theirs,
         likeliest first, equal values by token id (``(chosen, ids, values)``, shaped ``(n,)``,
         ``(n, k)``, ``(n, k)``)."""
