@@ -52,6 +52,7 @@ def _ggml() -> Any:
                        ("ggml_reshape_2d", [_vp, _vp, i64, i64]), ("ggml_reshape_3d", [_vp, _vp, i64, i64, i64]),
                        ("ggml_view_1d", [_vp, _vp, i64, ctypes.c_size_t]), ("ggml_soft_max", [_vp, _vp]),
                        ("ggml_argmax", [_vp, _vp]),
+                       ("ggml_view_2d", [_vp, _vp, i64, i64, ctypes.c_size_t, ctypes.c_size_t]),
                        ("ggml_set_name", [_vp, ctypes.c_char_p])):
         f = getattr(g, name)
         f.argtypes, f.restype = args, _vp
@@ -132,10 +133,11 @@ class GraphSamplers:
         row = ctypes.cast(d.logits, ctypes.POINTER(_Tensor)).contents
         whole = row.view_src or d.logits  # the step's logits (a probe graph's row is a tensor of its own)
         t = ctypes.cast(whole, ctypes.POINTER(_Tensor)).contents
-        n, rows = int(t.ne[0]), int(t.ne[1]) if row.view_src else 1
+        # llama.cpp pads the step's logits with a row no sampler reads (its graph then keeps its shape)
+        n, rows = int(t.ne[0]), max(1, int(t.ne[1]) - 1) if row.view_src else 1
         r = int(row.view_offs) // int(t.nb[1]) if row.view_src else 0
         if (whole, k) not in self._batch:
-            self._batch[whole, k] = self._batched(ctx, whole, n, rows, k)
+            self._batch[whole, k] = self._batched(ctx, whole, n, rows, int(t.nb[1]) if row.view_src else 4 * n, k)
         best, *rest = self._batch[whole, k]
         d.sampled = g.ggml_view_1d(ctx, best, 1, 4 * r)
         d.logits = None  # nothing of the row's logits leaves the graph
@@ -145,11 +147,12 @@ class GraphSamplers:
             d.logits = g.ggml_view_1d(ctx, vals, k, 4 * k * r)
             d.probs = g.ggml_view_1d(ctx, probs, k, 4 * k * r)
 
-    def _batched(self, ctx: int, logits: int, n: int, rows: int, k: int) -> tuple[int, ...]:
-        """Over all ``rows`` of ``logits`` (``n`` a row): each row's argmax (``[rows]``), and with ``k`` its
-        ``k`` likeliest ids (``[k, rows]``, unordered), their logits and softmax probabilities (``[1, k, rows]``)."""
+    def _batched(self, ctx: int, logits: int, n: int, rows: int, stride: int, k: int) -> tuple[int, ...]:
+        """Over the first ``rows`` of ``logits`` (``n`` a row, ``stride`` bytes apart): each row's argmax
+        (``[rows]``), and with ``k`` its ``k`` likeliest ids (``[k, rows]``, unordered), their logits and
+        softmax probabilities (``[1, k, rows]``)."""
         g = self._g
-        m = g.ggml_reshape_2d(ctx, logits, n, rows)
+        m = g.ggml_view_2d(ctx, logits, n, rows, stride, 0)
         best = g.ggml_argmax(ctx, m)
         g.ggml_set_name(best, b"graph_greedy")
         if not k:
