@@ -257,6 +257,8 @@ def test_a_restarted_router_gets_the_node_back_untouched(pool: dict[str, Any]) -
     d = pool["router"]()
     node = pool["node"]("nodeB")
     pids = {w["pid"] for w in wait_node_ready(d, "nodeB", 2)}
+    for w in ("cpu0", "cpu1"):  # the workers saw their welcome (the router counts them ready before)
+        node.wait_log(f"nodeB/{w}: joined the router at {pool['sections']['server']['backend']}")
     d.proc.kill()  # the router daemon dies: no goodbye to anyone
     d.proc.wait()
     t0 = time.monotonic()
