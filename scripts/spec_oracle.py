@@ -15,21 +15,24 @@ The engine runs in this process (no router, no sockets), on GPU 0 by default. Fo
    acceptance estimate decide, up to spec.MAX_DRAFT);
 3. **random**: alpha 0 under the step budget (drafts that never pay: the budget should keep them out;
    target at 64 streams >= 0.98x of off); **no-draft**: speculation on but nothing ever drafted (what
-   being a speculating request costs by itself: with GPU sampling its rows are sampled on the host);
+   being a speculating request costs by itself);
 4. **llama-server** (``--llama-server PATH``): the same requests over its HTTP API, B slots, B streams
    (it decodes without speculation).
 
 Greedy output with drafts must be the recorded one (a mismatch is reported, not asserted: at a near-tie
-a batch of several rows of one sequence may round otherwise). Each row: tok/s (tokens / wall, prompts
-included, as the llama-server driver counts), decode tok/s and ms a step (steps without prompt work;
+a batch of several rows of one sequence may round otherwise). So use a ``make-model --peaked`` model:
+the plain random one's tensors and decode cost, but each greedy token wins by tens of logits (a plain
+random model's logits are near-ties: on a GPU its output departed from the recording at once, and an
+"alpha 1.0" draft was kept 4 % of the time). Each row: tok/s (tokens / wall, prompts included, as the
+llama-server driver counts), decode tok/s and ms a step (steps without prompt work;
 llama-server's: B / ITL p50 and ITL p50), tokens a step (a sequence's, per step it samples in), drafts
 a sequence-step, the acceptance achieved (``alpha``: per draft token given the one before was kept,
 ``accepted / (accepted + rejections)``; ``acceptance``: accepted / verified, the engine's counter),
 mismatched sequences, and where the rows were sampled (``graph``: llama.cpp's backend sampling in the
-decode graph; ``host``: logits copied to the host). On a GPU with ``gpu_sampling`` (the default) a
-speculating sequence is always sampled on the host, drafts or not: llama.cpp's backend sampling takes
-at most one output row a sequence (``Engine._admit``, ``Sampling.admit(host=...)``); off rows are
-sampled in the graph. Under ``target_step = "auto"`` (the default) a decode step's token budget is its
+decode graph; ``host``: logits copied to the host). On a GPU with ``gpu_sampling`` (the default) these
+greedy requests' rows, drafts and all, are sampled in the graph (``Sampling.verifies``: llamapool's greedy
+takes any number of a sequence's rows; before 2026-11-26 a speculating sequence was sampled on the host,
+drafts or not). Under ``target_step = "auto"`` (the default) a decode step's token budget is its
 rows + 64, so at 64 streams the budget's rows carry at most 64 drafts a step (``--target-step off``
 lifts that); fixed-k rows run with "off".
 
@@ -38,13 +41,13 @@ markdown table. On the GPU machine (after ``. scripts/gpu_env.sh``), at the 1B s
 with ``--repeats 3`` (``--stop-after S``: no run starts after S seconds):
 
     python3 -m llamapool.cli make-model /tmp/m1b.gguf --n-embd 2048 --n-layer 16 --n-head 32 \\
-        --n-head-kv 8 --n-ff 8192 --n-vocab 32000 --type q8_0
+        --n-head-kv 8 --n-ff 8192 --n-vocab 32000 --type q8_0 --peaked
     python3 scripts/spec_oracle.py /tmp/m1b.gguf --device 0 --repeats 3 --stop-after 480 \\
         --llama-server /tmp/lsa/llama-server --out "$OUT/spec_oracle_1b.jsonl"
 
 On a CPU (checks the script; the tiny model's speeds mean nothing):
 
-    python3 -m llamapool.cli make-model /tmp/tiny.gguf
+    python3 -m llamapool.cli make-model /tmp/tiny.gguf --peaked
     PYTHONPATH=src .venv/bin/python scripts/spec_oracle.py /tmp/tiny.gguf --cpu --batch 1 4 --gen 32
 """
 
@@ -505,10 +508,8 @@ def main() -> int:
             emit(peer)
             rows.append(peer)
         emit({"mode": "timing", "B": b, "s": round(time.monotonic() - t0, 1)})
-    md = table(rows) + ("\n\nsampled: where each row's tokens were picked. With gpu_sampling (a GPU's default) "
-                        "off rows are sampled in the decode graph and every speculating request's rows on the "
-                        "host (llama.cpp's backend sampling takes one output row a sequence), drafts or not: "
-                        "the no-draft row is that price alone." if gpu and not args.no_gpu_sampling else "")
+    md = table(rows) + ("\n\nsampled: where each row's tokens were picked (graph: in the decode graph, drafts "
+                        "and all; host: logits copied to the host)." if gpu and not args.no_gpu_sampling else "")
     print(md)
     if out is not None:
         Path(str(out) + ".md").write_text(md + "\n")

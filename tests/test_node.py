@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -378,7 +379,13 @@ def test_a_frozen_node_worker_is_killed_by_its_node_and_comes_back(pool: dict[st
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(old, signal.SIGCONT)
-    rows = wait_node_ready(d, "nodeB", 1, timeout=60)
+    end, new = time.monotonic() + 60, None  # the new worker's pid (the router may list the old one a while)
+    while new is None:
+        assert time.monotonic() < end, node.log_text()
+        new = next((int(p) for p in re.findall(r"nodeB/cpu0: started pid (\d+)", node.log_text()) if int(p) != old),
+                   None)
+        time.sleep(0.1)
+    rows = wait_node_ready(d, "nodeB", 1, timeout=60, pids={new})
     assert rows[0]["pid"] != old, rows
     assert served_by(d, "nodeB/").startswith("nodeB/")
     assert "restarting" in node.log_text(), log

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llamapool.modelgen import make_model, peaked_next
 from llamapool.worker.engine import EngineConfig
 from llamapool.worker.engine.spec import Drafting
 
@@ -52,8 +53,8 @@ def engines(model_path: str) -> Iterator[dict[str, so.RecordingEngine]]:
 def test_the_oracle_is_accepted_exactly_as_set(engines: dict[str, so.RecordingEngine], sampling: str) -> None:
     """Three prompts on two slots (one waits), 24 tokens each: at acceptance 1 every draft is kept and the
     text is the recorded one; at 0 none is kept; the step budget's own choice at 1 keeps all it drafts;
-    a speculating engine with backend (GPU) sampling samples speculating rows on the host, the others
-    in the graph."""
+    a speculating engine with backend (GPU) sampling samples these greedy rows in the graph, drafts and
+    all (llamapool's greedy takes any number of a sequence's rows)."""
     engine = engines[sampling]
     prompts = so.make_prompts(3, 16, engine.n_vocab, seed=0)
     cases = [so.Case("oracle", 3, 1.0), so.Case("oracle", 3, 0.0), so.Case("oracle", so.BUDGET, 1.0),
@@ -77,6 +78,31 @@ def test_the_oracle_is_accepted_exactly_as_set(engines: dict[str, so.RecordingEn
     # the step budget decides how many: what it drafts at acceptance 1 is all kept, at 0 none
     assert budget["accepted"] == budget["drafted"] and random["accepted"] == 0
     assert empty["drafted"] == 0 and empty["tokens_per_step"] == 1.0
-    assert off["sampled"] == sampling and full["sampled"] == empty["sampled"] == "host"
+    assert off["sampled"] == full["sampled"] == empty["sampled"] == sampling
     assert off["vs_off"] == 1.0 and all(r["vs_off"] > 0 for r in rows)
     assert "| oracle | 3 | 1.0 | 1.0 | 1.0 |" in so.table([{**r, "B": 2} for r in rows])
+
+
+def test_a_peaked_model_keeps_every_oracle_draft_at_batch_4(tmp_path: Path) -> None:
+    """A ``peaked`` model (``make-model --peaked``), four streams of six prompts: its greedy output is the
+    successor cycle, and at acceptance 1 every draft is kept at k = 3 and at ``MAX_DRAFT``, the text
+    the recorded one (a wide top-1 margin: a batch of several rows cannot round it otherwise)."""
+    path = make_model(tmp_path / "peaked.gguf", peaked=True)
+    engine = so.RecordingEngine(EngineConfig(str(path), slots=4, ctx_per_slot=16 + GEN + 24, max_batch_tokens=64,
+                                             threads=2, speculative="ngram", prefix_cache=False))
+    try:
+        prompts = so.make_prompts(6, 16, engine.n_vocab, seed=0)
+        cases = [so.Case("oracle", 3, 1.0), so.Case("oracle", so.MAX_DRAFT, 1.0), so.Case("oracle", 3, 0.7)]
+        off, k3, kmax, part = so.measure(engine, prompts, GEN, cases)
+        nxt = peaked_next(engine.n_vocab)
+        for rid, p in enumerate(prompts):  # the last run's outputs: each token the successor of the one before
+            toks = np.concatenate([p[-1:], engine.outputs[rid]])
+            assert (toks[1:] == nxt[toks[:-1]]).all()
+    finally:
+        engine.close()
+    for r in (off, k3, kmax, part):
+        assert r["tokens"] == 6 * GEN and r["mismatched_seqs"] == 0 and r["agree"] == 1.0, r
+    for r, k in ((k3, 3), (kmax, so.MAX_DRAFT)):
+        assert r["accepted"] == r["drafted"] > 0 and r["alpha"] == 1.0 and max(r["draft_lengths"]) == k
+        assert r["tokens_per_step"] > min(k, 4)
+    assert 0 < part["accepted"] < part["drafted"]

@@ -30,6 +30,7 @@ from llamapool.worker.engine.spec import Drafting, afford, ngram_draft
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from spec_tasks import CODE, DOCS, INVOICE
 
+MAX_DRAFT_FOR_TESTS = 8  # draft tokens a step the oracle test asks for
 NEAR_TIE = 2.5  # nats between the two likeliest tokens under which the kernels' rounding may decide
 
 
@@ -170,6 +171,39 @@ def test_greedy_text_is_the_same_with_speculation(on: Engine, monkeypatch: pytes
     assert tokens > steps  # more than one token a step, on average
 
 
+def test_a_reply_whose_grammar_completes_in_a_verified_draft_keeps_its_last_tokens(
+        on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts of a constrained reply's own continuation (an oracle: the reply without speculation), so that
+    the step that completes the grammar verifies several tokens: every one of them is in the reply (the
+    matcher takes a step's tokens before they are taken one by one: the grammar completed only after the
+    last; it once ended the reply at the first, dropping the closing '"}', which did not parse)."""
+    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))
+    finished: dict[int, np.ndarray] = {}
+    finish = Engine._finish
+
+    def keep(self: Engine, seq: Any, reason: str, out: Step, delta: str = "") -> None:
+        finished[seq.rid] = seq.history[: seq.n_history].copy()
+        finish(self, seq, reason, out, delta)
+
+    monkeypatch.setattr(Engine, "_finish", keep)
+    g = SamplingParams(max_tokens=60, temperature=0.0, json_schema=SCHEMA, speculative=MAX_DRAFT_FOR_TESTS)
+    asks = [chat(f"{INVOICE}\n\nExtract the sender's name, email and total as JSON."),
+            chat(f"{INVOICE}\n\nGive the name, the email and the total of this invoice as JSON."),
+            chat("Make up a person with a name, an email and a total amount, as JSON.")]
+    ref = run(on, [(a, dataclasses.replace(g, speculative=False)) for a in asks])
+    whole = {i: finished[i] for i in range(len(asks))}
+    on.proposer = lambda rid, hist, k: [int(t) for t in whole[rid][len(hist): len(hist) + k]]
+    before = (on.accepted_tokens, on.sampled_tokens, on.sampling_steps)
+    try:
+        got = run(on, [(a, g) for a in asks])
+    finally:
+        on.proposer = None
+    assert on.accepted_tokens - before[0] > 0
+    for r, x in zip(ref, got, strict=True):
+        assert json.loads(r.text) and set(json.loads(x.text)) == {"name", "email", "total"}, x.text
+        assert (x.text, x.reason, x.completion_tokens) == (r.text, r.reason, r.completion_tokens)
+
+
 # ---------------------------------------------------------------- the sampling rule, statistically
 
 def test_sampled_drafts_keep_the_distribution(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,16 +287,32 @@ def test_the_daemon_speculates_reports_it_and_refuses_a_bad_setting(
         d.stop(signal.SIGQUIT, timeout=30)
 
 
-def test_a_backend_sampling_worker_samples_speculating_rows_on_the_host(model_path: str) -> None:
-    """llama.cpp's backend (GPU) sampling takes one output row a sequence: a speculating request's rows
-    are sampled on the host, the others' in the graph as before (backend sampling forced on the CPU)."""
-    engine = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=256, max_batch_tokens=64, threads=2,
-                                 speculative="ngram", backend_sampling=True))
+def test_a_backend_sampling_worker_verifies_greedy_drafts_in_the_graph(model_path: str) -> None:
+    """On a GPU worker (backend sampling, forced here on the CPU) a speculating greedy request's rows, its
+    token and its drafts, are all sampled in the graph (llamapool's greedy takes any number of a
+    sequence's rows: no logits leave the GPU) and give the host verification's text; a sampled
+    speculating request is verified on the host (its rule samples row after row with its chain)."""
+    kw: dict[str, Any] = {"slots": 3, "ctx_per_slot": 256, "max_batch_tokens": 64, "threads": 2,
+                          "speculative": "ngram"}
+    graph, host = Engine(EngineConfig(model_path, **kw, backend_sampling=True)), Engine(EngineConfig(model_path, **kw))
     try:
         p = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-        on, off = run(engine, [("hello hello hello hello", p),
-                               ("hello hello hello hello", dataclasses.replace(p, speculative=False))])
+        sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+        assert graph.sampling.rows_per_seq > 1 and graph.sampling.verifies(p) and not graph.sampling.verifies(sampled)
+        runs = [("hello hello hello hello", p), ("hello hello hello hello", dataclasses.replace(p, speculative=False)),
+                ("a b a b a b a b", sampled)]
+        for i, (prompt, q) in enumerate(runs):
+            graph.submit(Run(i, prompt, q, False), Step())
+        graph.step()
+        assert {seq.rid: seq.sampling.in_graph for seq in graph.active.values()} == {0: True, 1: True, 2: False}
+        while graph.busy:
+            assert not graph.step().failed
+        assert graph.accepted_tokens > 0
+        on, off, _ = run(graph, runs)
         assert on.text == off.text
-        assert engine.accepted_tokens > 0
+        h_on, _, h_sampled = run(host, runs)
+        assert on.text == h_on.text  # the same rows computed: the graph's argmax is the host's
+        assert run(graph, runs[2:])[0].text == h_sampled.text  # seeded, on the host in both
     finally:
-        engine.close()
+        graph.close()
+        host.close()

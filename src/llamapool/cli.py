@@ -316,8 +316,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
-                      qtype=args.type, seed=args.seed)
-    print(f"wrote {path} (random weights: its output is gibberish)")
+                      qtype=args.type, seed=args.seed, peaked=args.peaked)
+    print(f"wrote {path} (random weights: its output is gibberish"
+          + (", one long cycle of tokens, each far ahead of the rest)" if args.peaked else ")"))
     return 0
 
 
@@ -478,6 +479,10 @@ def _tool_commands(sub: Any) -> None:
     m.add_argument("--n-vocab", type=int, default=512, help="vocabulary size (1B: 32000; 8B: 128256)")
     m.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"), help="weight type")
     m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    m.add_argument("--peaked", action="store_true",
+                   help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
+                        "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
+                        "benchmarks such as scripts/spec_oracle.py)")
     m.set_defaults(fn=cmd_make_model)
 
     k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")

@@ -1,7 +1,9 @@
 """Random-weight llama GGUFs of any shape: the demo/test model, and benchmark models of real shapes.
 
 Speed does not depend on weight values, so a random model of a real shape measures the same
-decode cost as a trained one. Its output is gibberish.
+decode cost as a trained one. Its output is gibberish: near-ties everywhere, so batches of other shapes
+(rounding otherwise) pick other tokens. A ``peaked`` model has the same tensors (shapes, types, cost)
+but a greedy output that no rounding changes: each token's successor wins by tens of logits.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 _CHUNK = 1 << 22  # elements generated (and quantized) at a time
+PEAK_EMBD_STD = 64.0  # peaked: token embeddings' std, against O(1) a layer that the blocks add
+PEAK_LOGIT = 32.0  # peaked: the successor's logit; any other token's is about N(0, PEAK_LOGIT^2 / n_embd)
 _WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one "
     "had by word but not what all were we when your can said there use an each which she do how their "
@@ -110,7 +114,8 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 32768,
-               qtype: str = "f32", seed: int = 0, chat_template: str | None = CHATML_TEMPLATE) -> Path:
+               qtype: str = "f32", seed: int = 0, chat_template: str | None = CHATML_TEMPLATE,
+               peaked: bool = False) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
 
     Weights are N(0, 1/fan_in) (token embeddings N(0, 1)), norms are 1, so activations stay
@@ -119,6 +124,15 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     generated and written one at a time, and the file appears atomically (written to a temp
     file beside it, then renamed). ``chat_template`` goes into ``tokenizer.chat_template`` (ChatML
     by default, whose control tokens are in the vocab; None: the model has no chat template).
+
+    ``peaked``: the same tensors (names, shapes, types: the same decode cost), but greedy decoding
+    follows :func:`peaked_next`, one cycle through every normal token, whatever the context, each
+    successor ahead of every other token by about ``PEAK_LOGIT * (1 - sqrt(2 ln(n_vocab) / n_embd))``
+    logits (over 16 at the default shape, over 28 at the 1B one), so no rounding changes the output:
+    token embeddings have std ``PEAK_EMBD_STD``, so the blocks (weights as above, fed by RMS norms)
+    barely move the residual stream, and row ``peaked_next(t)`` of ``output.weight`` is token ``t``'s
+    embedding scaled to norm ``PEAK_LOGIT / sqrt(n_embd)``. Control and byte tokens embed as a normal
+    token does (so are never anyone's successor), and their output rows are random ones of that norm.
     """
     import gguf
 
@@ -153,14 +167,86 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
         w.write_ti_data_to_file()
         rng = np.random.default_rng(seed)
         ones = np.ones(n_embd, dtype=np.float32)
-        for _, shape, std in specs:
-            w.write_tensor_data(ones if std is None else _random_matrix(rng, shape, std, gtype))
+        embd: np.ndarray | None = None
+        for name, shape, std in specs:
+            if std is None:
+                w.write_tensor_data(ones)
+            elif peaked and name == "token_embd.weight":
+                embd = _peaked_embd(rng, n_vocab, n_embd, gtype, seed)
+                w.write_tensor_data(embd)
+            elif peaked and name == "output.weight":
+                assert embd is not None
+                w.write_tensor_data(_peaked_output(rng, embd, n_embd, gtype, seed))
+            else:
+                w.write_tensor_data(_random_matrix(rng, shape, std, gtype))
         w.close()
         os.replace(tmp, out)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
         raise
+    return out
+
+
+def _peaked_cycle(n_vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the normal tokens in cycle order, ``alias``: the normal token whose embedding each token has)."""
+    import gguf
+
+    types = np.array(build_vocab(n_vocab)[2])
+    normal = np.flatnonzero(types == int(gguf.TokenType.NORMAL))
+    rng = np.random.default_rng([seed, 0x9EA4])  # apart from the weights' stream
+    order = rng.permutation(normal)
+    alias = np.arange(n_vocab)
+    other = np.flatnonzero(types != int(gguf.TokenType.NORMAL))
+    alias[other] = rng.choice(normal, len(other))
+    return order, alias
+
+
+def peaked_next(n_vocab: int, seed: int = 0) -> np.ndarray:
+    """A ``peaked`` model's successor of every token (greedy decoding's next token after it, whatever
+    came before): one cycle through all normal tokens in a random order; a control or byte token is
+    followed by what follows the normal token it embeds as. Never a control or byte token."""
+    order, alias = _peaked_cycle(n_vocab, seed)
+    nxt = np.empty(n_vocab, dtype=np.int64)
+    nxt[order] = np.roll(order, -1)
+    return nxt[alias]
+
+
+def _peaked_embd(rng: np.random.Generator, n_vocab: int, n_embd: int, gtype: gguf.GGMLQuantizationType,
+                 seed: int) -> np.ndarray:
+    """Random token embeddings of std ``PEAK_EMBD_STD``; a control or byte token's row is its alias's."""
+    e = _random_matrix(rng, (n_vocab, n_embd), PEAK_EMBD_STD, gtype)
+    alias = _peaked_cycle(n_vocab, seed)[1]
+    moved = np.flatnonzero(alias != np.arange(n_vocab))
+    e[moved] = e[alias[moved]]
+    return e
+
+
+def _peaked_output(rng: np.random.Generator, embd: np.ndarray, n_embd: int, gtype: gguf.GGMLQuantizationType,
+                   seed: int) -> np.ndarray:
+    """``output.weight`` of a peaked model: row ``next(t)`` is token ``t``'s embedding (as stored) scaled to
+    norm ``PEAK_LOGIT / sqrt(n_embd)``; the other rows (control and byte tokens) random of that norm.
+    Q8_0 rows are the embedding's blocks with a new scale: no rounding beyond the fp16 scale's."""
+    import gguf
+
+    n_vocab = embd.shape[0]
+    order = _peaked_cycle(n_vocab, seed)[0]
+    succ = np.roll(order, -1)
+    norm = PEAK_LOGIT / np.sqrt(n_embd)
+    out = _random_matrix(rng, (n_vocab, n_embd), norm / np.sqrt(n_embd), gtype)
+    step = max(1, _CHUNK // n_embd)
+    for i in range(0, len(order), step):
+        src, dst = order[i : i + step], succ[i : i + step]
+        rows = embd[src]
+        if gtype == gguf.GGMLQuantizationType.Q8_0:
+            blocks = rows.reshape(len(src), -1, 34)
+            q = blocks[..., 2:].view(np.int8).astype(np.float32).reshape(len(src), -1)  # one scale a row
+            scale = (norm / np.linalg.norm(q, axis=1)).astype(np.float16)
+            blocks[..., :2] = scale.view(np.uint8).reshape(-1, 1, 2)
+            out[dst] = blocks.reshape(len(src), -1)
+        else:
+            r = rows.astype(np.float32)
+            out[dst] = (r * (norm / np.linalg.norm(r, axis=1, keepdims=True))).astype(out.dtype)
     return out
 
 

@@ -75,8 +75,11 @@ class Sampling:
     to it after (:meth:`bind`). Only the engine thread calls it.
     """
 
-    def __init__(self, slots: int, n_vocab: int, gpu: bool, window: int = 1 << 16):
+    def __init__(self, slots: int, n_vocab: int, gpu: bool, window: int = 1 << 16, rows_per_seq: int = 1):
         self.gpu = gpu
+        # a sequence's output rows a step the graph may sample (>1: a speculating greedy sequence's token
+        # and drafts, llamapool's greedy taking any number of a sequence's rows)
+        self.rows_per_seq = rows_per_seq if gpu else 1
         self.n_vocab = n_vocab
         self.window = window  # the most tokens a sequence generates (presence/frequency penalties see all)
         self._graph = GraphSamplers() if gpu else None
@@ -101,6 +104,7 @@ class Sampling:
             *[L.llama_sampler_seq_config(i, ctypes.cast(ch, ctypes.c_void_p)) for i, ch in self._greedy.items()])
         cp.samplers = ctypes.cast(self._seq_cfg, ctypes.POINTER(L.llama_sampler_seq_config))
         cp.n_samplers = len(self._greedy)
+        cp.n_outputs_max_per_seq = self.rows_per_seq
 
     def bind(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -115,6 +119,11 @@ class Sampling:
         if p.logprobs:
             return p.greedy and not p.constrained and not p.echo
         return p.greedy or not p.constrained
+
+    def verifies(self, p: SamplingParams) -> bool:
+        """Whether the graph samples all of a speculating request's rows (its token and its drafts): an
+        unconstrained greedy request without logprobs, where the graph takes several rows a sequence."""
+        return self.rows_per_seq > 1 and self.in_graph(p) and p.greedy and not p.constrained and not p.logprobs
 
     def check(self, p: SamplingParams) -> None:
         """What only the model can check: ``logit_bias`` names tokens of its vocabulary."""

@@ -47,7 +47,8 @@ class Engine:
             else cfg.backend_sampling
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot)
+        self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot,
+                                 rows_per_seq=1 + MAX_DRAFT if cfg.speculative == "ngram" else 1)
         self.sampling.context_params(cp)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -86,7 +87,8 @@ class Engine:
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
         self.step_s = 0.0  # whole steps, Python work included
-        # "all": every request that allows it speculates (on a GPU its rows are sampled on the host);
+        # "all": every request that allows it speculates (on a GPU a greedy unconstrained one's rows are
+        # sampled in the graph, the others' on the host);
         # "host": those sampled on the host anyway (logprobs, penalties, sampled grammars); "off"
         # "auto" is "off" until a GPU run shows speculation never costs at load: on an H100 at 64
         # streams (1B q8_0 random weights, docs/benchmarks.md) "ngram" gave 0.90x of plain's speed and
@@ -215,7 +217,8 @@ class Engine:
         seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
         try:
             closing = None if w.grammar is None else self.grammars.start(w.grammar.result(), self._budget(w))
-            sampling = self.sampling.admit(seq_id, p, closing, host=self.spec_mode == "all" and self._may_draft(p))
+            host = self.spec_mode == "all" and self._may_draft(p) and not self.sampling.verifies(p)
+            sampling = self.sampling.admit(seq_id, p, closing, host=host)
         except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
             self.kv.undo(seq_id)
             out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
@@ -246,10 +249,11 @@ class Engine:
 
     def _drafting(self, s: SeqSampling) -> Drafting | None:
         """The sequence's speculation (None: it does not speculate): the worker's mode and the request's;
-        never for a row the decode graph samples (llama.cpp's backend sampling takes one row a sequence),
-        nor with logprobs on a pipelined worker (its logprob rows are copied one a sequence: Deferred)."""
+        for a row the decode graph samples only where it samples all of them (``Sampling.verifies``), and
+        never with logprobs on a pipelined worker (its logprob rows are copied one a sequence: Deferred)."""
         p = s.params
-        if self.spec_mode == "off" or not self._may_draft(p) or s.in_graph or (p.logprobs and self.gpu_sampling):
+        if self.spec_mode == "off" or not self._may_draft(p) or (s.in_graph and not self.sampling.verifies(p)) \
+                or (p.logprobs and self.gpu_sampling):
             return None
         return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative))
 
@@ -592,7 +596,7 @@ class Engine:
         taken: list[int] = []
         for i, tok in enumerate(toks):
             seq.n_past += 1 if i else 0
-            t = self._take(seq, tok, records[i] if records else None, out, taken)
+            t = self._take(seq, tok, records[i] if records else None, out, taken, i == len(toks) - 1)
             if t is None:  # it ended: the tokens before are emitted
                 taken = []
                 break
@@ -608,9 +612,12 @@ class Engine:
                 L.llama_memory_seq_rm(self.mem, seq.seq_id, seq.n_past, -1)
         return taken
 
-    def _take(self, seq: Sequence, tok: int, record: TokenLogprob | None, out: Step, before: list[int]) -> int | None:
+    def _take(self, seq: Sequence, tok: int, record: TokenLogprob | None, out: Step, before: list[int],
+              last: bool = True) -> int | None:
         """The sequence's new token ``tok`` taken (``record``: its logprobs, if asked for), or None when
-        it ended (end of generation, length; the step's tokens ``before`` it are emitted first)."""
+        it ended (end of generation, length; the step's tokens ``before`` it are emitted first). ``last``:
+        the step's last token for the sequence (its matcher has taken all of them: only after the last
+        does a stopped matcher mean the grammar completed here)."""
         self.sampled_tokens += 1
         p = seq.params
         matcher = seq.sampling.matcher
@@ -625,7 +632,7 @@ class Engine:
         seq.generated_token(tok)
         if tok in self.chat.tool_format.special.values() and p.tools:
             seq.text.mark_here()  # a call opens with a control token (no text)
-        if matcher is not None and matcher.is_stopped():  # the grammar is complete (closed early: length)
+        if matcher is not None and last and matcher.is_stopped():  # the grammar is complete (closed early: length)
             self._end(seq, closed, out, before, tok)
             return None
         if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
