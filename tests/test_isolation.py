@@ -183,3 +183,66 @@ def test_the_issue_reproduction_on_smollm2(tmp_path, smollm2: str) -> None:  # t
         assert "FATAL" not in d.log.read_text(errors="replace")
     finally:
         d.stop()
+
+
+def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llguidance's batch fill raising (a matcher's bug) used to leave the engine's step: the worker died.
+    Each row is then filled alone, and the row that raises fails its request (``internal``, naming the
+    exception); the other constrained request and the plain one finish, and the engine goes on."""
+    import dataclasses
+
+    import llguidance.numpy as lln
+
+    from llamapool.protocol.messages import Run, SamplingParams, Step
+    from llamapool.worker.engine import Engine, EngineConfig
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    p = SamplingParams(max_tokens=16, temperature=0.0, json_schema=schema)
+    engine = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, threads=2))
+    try:
+        bad: list[Any] = []  # the matcher that raises: the first request's
+        one, par = lln.fill_next_token_bitmask, lln.fill_next_token_bitmask_par
+
+        def fill_one(matcher: Any, bits: Any, index: int = 0) -> None:
+            if matcher in bad:
+                raise RuntimeError("a matcher that cannot fill its mask")
+            one(matcher, bits, index)
+
+        def fill_par(executor: Any, rows: list[Any], bits: Any) -> None:
+            if any(m in bad for m, _ in rows):
+                raise RuntimeError("the batch fill failed")
+            par(executor, rows, bits)
+
+        monkeypatch.setattr(lln, "fill_next_token_bitmask", fill_one)
+        monkeypatch.setattr(lln, "fill_next_token_bitmask_par", fill_par)
+        runs = [Run(1, "x", p, False), Run(2, "y", p, False),
+                Run(3, "z", dataclasses.replace(p, json_schema=None, ignore_eos=True), False)]
+        for r in runs:
+            engine.submit(r, Step())
+        done, failed = {}, {}
+        steps = 0
+        while engine.busy:
+            step = engine.step()
+            steps += 1
+            if steps == 2:  # the first request's matcher starts failing once it runs
+                bad.extend(s.matcher for s in engine.sampling.states.values()
+                           if s.matcher is not None and engine.active[s.slot].rid == 1)
+            done.update((d.rid, d) for d in step.done)
+            failed.update((f.rid, f) for f in step.failed)
+        assert set(failed) == {1} and set(done) == {2, 3}, (failed, done)
+        assert "a matcher that cannot fill its mask" in failed[1].message
+        assert json.loads(done[2].text) is not None and done[3].completion_tokens == 16
+        assert run_again(engine, p)  # the engine goes on
+    finally:
+        engine.close()
+
+
+def run_again(engine: Any, p: Any) -> bool:
+    from llamapool.protocol.messages import Run, Step
+
+    engine.submit(Run(9, "again", p, False), Step())
+    out = []
+    while engine.busy:
+        out += engine.step().done
+    return bool(out) and json.loads(out[0].text) is not None

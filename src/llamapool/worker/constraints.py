@@ -217,6 +217,7 @@ class Masks:
         self._executor = llguidance.LLExecutor(num_threads=None)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._pending: Future[None] | None = None
+        self.failed: dict[int, Exception] = {}  # slot -> what filling its mask raised (its sequence fails)
 
     def start(self, rows: list[tuple[Any, int]]) -> None:
         """Fill the rows of ``(matcher, slot)`` in the background (the caller must :meth:`wait` first)."""
@@ -224,9 +225,25 @@ class Masks:
             self._pending = self._pool.submit(self._fill, rows)
 
     def _fill(self, rows: list[tuple[Any, int]]) -> None:
+        """Fill the rows at once; if that raises, each alone, and what one raises is kept for its slot
+        (:meth:`check`): one matcher's failure is its sequence's, not the engine's."""
         import llguidance.numpy as lln
 
-        lln.fill_next_token_bitmask_par(self._executor, rows, self.bits)
+        try:
+            lln.fill_next_token_bitmask_par(self._executor, rows, self.bits)
+        except Exception:
+            for matcher, slot in rows:
+                try:
+                    lln.fill_next_token_bitmask(matcher, self.bits, slot)
+                except Exception as e:
+                    self.failed[slot] = e
+
+    def check(self, slot: int) -> None:
+        """Raise what filling the slot's mask raised, if it did (once)."""
+        if self.failed:
+            e = self.failed.pop(slot, None)
+            if e is not None:
+                raise e
 
     def wait(self) -> None:
         if self._pending is not None:

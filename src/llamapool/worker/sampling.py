@@ -220,6 +220,8 @@ class Sampling:
         self.masks.wait()
         fresh = [s for s in states if s.matcher is not None and not s.masked]
         if fresh:
+            for s in fresh:  # a failure left by a sequence that ended before it was sampled is not theirs
+                self.masks.failed.pop(s.slot, None)
             self.masks.start([(s.matcher, s.slot) for s in fresh])
             self.masks.wait()
             for s in fresh:
@@ -251,6 +253,7 @@ class Sampling:
         mask allows it, else the likeliest allowed one from the row's logits (llama.cpp keeps a row's
         logits beside the token its graph sampled)."""
         assert self.masks is not None
+        self.masks.check(s.slot)  # its mask could not be filled: this sequence fails, the others go on
         if drawn >= 0 or s.host_greedy:
             tok = drawn if drawn >= 0 else self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
             if not self.masks.allows(s.slot, tok):  # the likeliest allowed token
