@@ -95,6 +95,10 @@ class GraphSamplers:
         self._iface = _Iface(name=name, apply=apply, backend_init=init, backend_apply=backend_apply,
                              backend_reset=reset)
         self._batch: dict[tuple[int, int], tuple[int, ...]] = {}  # the graph being built: (logits, k) -> results
+        # llama_get_sampled_{logits,probs,candidates}_ith returning addresses (ints: no pointer objects)
+        lib, at = L.llama_cpp._lib, ctypes.CFUNCTYPE(_vp, _vp, ctypes.c_int32)
+        self._sampled_at = tuple(at((f"llama_get_sampled_{what}_ith", lib))
+                                 for what in ("logits", "probs", "candidates"))
 
     def greedy(self) -> Any:
         """A sampler chain (freed with ``llama_sampler_free``) that picks greedily and leaves nothing else."""
@@ -183,21 +187,19 @@ class GraphSamplers:
         if m != MAX_TOP:
             raise RuntimeError(f"output row {idxs[0]} has {m} logprob candidates, not {MAX_TOP}: not sampled by "
                                "a logprobs chain")
-        v = _gather([L.llama_get_sampled_logits_ith(ctx, i) for i in idxs], np.float32)
-        p = _gather([L.llama_get_sampled_probs_ith(ctx, i) for i in idxs], np.float32)
-        c = _gather([L.llama_get_sampled_candidates_ith(ctx, i) for i in idxs], np.int32)
+        # llama.cpp keeps a step's sampled logits, probabilities and candidates in three buffers of rows of
+        # n_vocab: a row's place in one is its place in the others (one call a row, three for the first)
+        at = self._sampled_at
+        addrs = np.fromiter((at[0](ctx, i) or 0 for i in idxs), np.int64, len(idxs))
+        if not addrs.all():
+            raise RuntimeError("an output row has no logprob candidates")
+        first = idxs[int(addrs.argmin())]
+        offs = (addrs - addrs.min()) // 4
+        span = int(offs.max()) + MAX_TOP
+        cols = offs[:, None] + np.arange(MAX_TOP)
+        v, p, c = (np.frombuffer(memoryview((ctypes.c_char * (4 * span)).from_address(int(f(ctx, first)))),
+                                 dtype)[cols] for f, dtype in zip(at, (np.float32, np.float32, np.int32), strict=True))
         order = np.lexsort((c, -v), axis=-1)[:, :k]  # by value, largest first; equal values by token id
         vals, probs = np.take_along_axis(v, order, -1), np.take_along_axis(p, order, -1)
         lps = vals - (vals[:, :1] - np.log(probs[:, :1]))  # minus the row's log-sum-exp
         return lps[:, 0].copy(), np.take_along_axis(c, order, -1).astype(np.intp), lps
-
-
-def _gather(ptrs: list[Any], dtype: type[np.generic]) -> np.ndarray:
-    """The :data:`MAX_TOP` 4-byte values at each of ``ptrs`` (rows of one llama.cpp buffer), as one array:
-    a view of the span they lie in, indexed (a copy of just those)."""
-    addrs = np.array([ctypes.cast(q, _vp).value or 0 for q in ptrs], np.int64)
-    if not addrs.all():
-        raise RuntimeError("an output row has no logprob candidates")
-    lo = int(addrs.min())
-    span = np.frombuffer(memoryview((ctypes.c_char * (int(addrs.max()) - lo + 4 * MAX_TOP)).from_address(lo)), dtype)
-    return span[((addrs - lo) // 4)[:, None] + np.arange(MAX_TOP)]
