@@ -486,3 +486,33 @@ def test_logprobs_of_a_pipelined_step_equal_the_host_steps(model_path: str, engi
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b, strict=True)) < 1e-5
     assert [len(x.top) for x in got[3][1]] == [20] * len(got[3][1])
     assert got[4][0].endswith(first[:5]) and not got[5][1]
+
+
+def test_an_engine_waiting_only_for_grammars_is_stalled_not_busy_stepping(model_path: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """While every waiting run waits for its grammar to compile and nothing runs, ``stalled`` says so (the
+    worker's loop then waits 2 ms between steps instead of spinning a core); once compiled, it runs."""
+    import time
+
+    from llamapool.worker import constraints
+
+    build = constraints.Grammars._build
+
+    def slow(self: constraints.Grammars, spec: object) -> object:
+        time.sleep(0.3)
+        return build(self, spec)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(constraints.Grammars, "_build", slow)
+    eng = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=256, threads=2))
+    try:
+        p = dataclasses.replace(GREEDY, max_tokens=4, ignore_eos=False, json_schema={"type": "object"})
+        eng.submit(Run(1, "x", p, False), Step())
+        eng.step()
+        assert eng.busy and eng.stalled
+        done = []
+        end = time.monotonic() + 30
+        while eng.busy and time.monotonic() < end:
+            done += eng.step().done
+        assert not eng.stalled and [d.rid for d in done] == [1]
+    finally:
+        eng.close()

@@ -42,6 +42,10 @@ class EchoEngine:
     def busy(self) -> bool:
         return bool(self.active or self.waiting)
 
+    @property
+    def stalled(self) -> bool:
+        return False  # nothing waits for a compile
+
     def kv_cells(self) -> tuple[int, int]:
         return 0, 0  # no KV cache
 

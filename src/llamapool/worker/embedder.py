@@ -90,6 +90,10 @@ class Embedder:
     def busy(self) -> bool:
         return bool(self.waiting)
 
+    @property
+    def stalled(self) -> bool:
+        return False  # nothing waits for a compile
+
     def kv_cells(self) -> tuple[int, int]:
         return 0, 0  # nothing is kept between steps
 

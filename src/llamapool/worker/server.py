@@ -41,6 +41,7 @@ from llamapool.worker.contract import Engine
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
 # A node's worker logs these for people; its supervisor follows it by its reports (lifeline.report)
 JOINING = "joining the router at"  # its model is loaded
+STALLED_WAIT = 0.002  # s between two steps while every waiting run waits for its grammar (Engine.stalled)
 JOINED = "joined the router at"  # the router accepted it
 EXIT_ENGINE = 70  # EX_SOFTWARE: the engine thread failed; the supervisor restarts the worker
 REDIAL_MAX = 5.0  # seconds between re-dials after a refused handshake (libzmq does not retry it)
@@ -138,7 +139,8 @@ class EngineLoop(threading.Thread):
         while True:
             report = Step()
             try:
-                msg = self.inbox.get(timeout=None if not eng.busy and not self.draining else 0)
+                msg = self.inbox.get(timeout=None if not eng.busy and not self.draining
+                                     else STALLED_WAIT if eng.stalled else 0)
                 self._handle(msg, report)
                 while True:
                     self._handle(self.inbox.get_nowait(), report)

@@ -139,6 +139,14 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.active or self.waiting)
 
+    @property
+    def stalled(self) -> bool:
+        """Busy with nothing a step can do: no sequence runs, and every waiting run waits for its grammar
+        to compile (on the compile pool). The worker's loop then waits a little between steps rather than
+        spin."""
+        return (not self.active and not self.inflight and bool(self.waiting)
+                and all(w.grammar is not None and not w.grammar.done() for w in self.waiting))
+
     def speculation(self) -> list[int]:
         return [self.drafted_tokens, self.accepted_tokens, self.sampled_tokens, self.sampling_steps]
 
