@@ -516,3 +516,16 @@ def test_an_engine_waiting_only_for_grammars_is_stalled_not_busy_stepping(model_
         assert not eng.stalled and [d.rid for d in done] == [1]
     finally:
         eng.close()
+
+
+def test_a_chat_of_more_messages_than_the_context_is_refused_before_it_is_rendered(engine: Engine) -> None:
+    """Every message renders to a token at least: 100,000 one-letter messages are refused at once (their
+    rendering held the engine thread 8-14 s before its context_length_exceeded)."""
+    import time
+
+    out = Step()
+    t0 = time.monotonic()
+    engine.submit(Run(7, [{"role": "user", "content": "a"}] * 100_000, GREEDY, False), out)
+    assert time.monotonic() - t0 < 0.5
+    assert [(f.code, f.field) for f in out.failed] == [("context_length_exceeded", "messages")], out.failed
+    assert "the chat has 100000 messages" in out.failed[0].message

@@ -61,6 +61,11 @@ def test_a_prompt_over_the_context_is_context_length_exceeded(gw: tuple[Daemon, 
     err = e.value.body
     assert isinstance(err, dict) and (err["code"], err["param"]) == ("context_length_exceeded", "messages")
     assert "the limit is 511" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:  # many tiny messages: refused before they are rendered
+        oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}] * 100_000, max_tokens=2)
+    err = e.value.body
+    assert isinstance(err, dict) and (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+    assert "the chat has 100000 messages" in err["message"], err
 
 
 def test_cached_tokens_of_a_repeated_prompt(oa: openai.OpenAI) -> None:

@@ -45,6 +45,12 @@ class Prompts:
 
     def tokens(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's tokens; ``ValueError`` (:class:`ContextLengthExceeded` for a long one) when it cannot run."""
+        if not isinstance(prompt, str) and len(prompt) >= self.ctx_per_slot and isinstance(prompt[0], dict):
+            # every message renders to a token at least (its role's marker): refused before the template
+            # renders them (100,000 one-letter messages held the engine thread 8-14 s)
+            raise ContextLengthExceeded(
+                f"the chat has {len(prompt)} messages, at least a token each; the limit is {self.ctx_per_slot - 1} "
+                f"tokens (model.ctx_per_slot)")
         text_bytes = 0
         for part in [prompt] if isinstance(prompt, str) else prompt:
             content = part.get("content") if isinstance(part, dict) else part
