@@ -141,6 +141,14 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "'tool_choice' names the function 'nope'"),
     ({"tool_choice": {"type": "sometimes"}}, "'tool_choice.type' must be one of auto, any, tool, none"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools of type 'web_search_20250305'"),
+    ({"tools": [{"name": "get_weather", "description": "no schema"}]}, "'tools[0].input_schema' is required"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}]},
+     "'messages[0].content[0].tool_use_id' is 'toolu_9': no tool_use block of the assistant turn before it"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [{"type": "text", "text": "here:"},
+                                                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "x"}]}]},
+     "'messages[2].content[1].tool_use_id' is 'toolu_2'"),
 ]
 
 

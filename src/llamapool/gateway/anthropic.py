@@ -64,8 +64,10 @@ def _joined(blocks: list[dict[str, Any]]) -> str:
     return "".join(b["text"] for b in blocks if b.get("type") == "text")
 
 
-def _user(content: Any, at: str) -> list[dict[str, Any]]:
-    """A user turn: its tool results as ``tool`` messages, then its text as a user message."""
+def _user(content: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages, then its text as a user message. A result must
+    answer one of ``calls``, the ids of the assistant turn's tool_use blocks just before it (Anthropic's
+    API refuses any other ``tool_use_id``)."""
     out: list[dict[str, Any]] = []
     texts: list[dict[str, Any]] = []
     for j, block in enumerate(_texts(content, at, ("text", "tool_result", "image", "document"))):
@@ -78,6 +80,9 @@ def _user(content: Any, at: str) -> list[dict[str, Any]]:
         use_id = block.get("tool_use_id")
         if not isinstance(use_id, str) or not use_id:
             raise bad(f"{at}[{j}].tool_use_id", f"'{at}[{j}].tool_use_id' must be the id of a tool_use block")
+        if use_id not in calls:
+            raise bad(f"{at}[{j}].tool_use_id", f"'{at}[{j}].tool_use_id' is {use_id!r:.80}: no tool_use block of "
+                                                "the assistant turn before it has that id")
         result = block.get("content", "")
         text = _joined(_texts(result, f"{at}[{j}].content")) if result else ""
         if block.get("is_error") is True:
@@ -123,10 +128,12 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if "content" not in m:
             raise bad(f"{at}.content", f"'{at}.content' is required")
         if role == "user":
-            out.extend(_user(m["content"], f"{at}.content"))
+            before = out[-1] if out and out[-1]["role"] == "assistant" else {}
+            out.extend(_user(m["content"], f"{at}.content", {c["id"] for c in before.get("tool_calls", ())}))
         else:
             out.append(_assistant(m["content"], f"{at}.content"))
     return out
+
 
 
 def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
@@ -142,8 +149,10 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
                 raise unsupported(f"tools[{i}].type", f"'tools[{i}]': tools of type {kind!r:.80} are not "
                                                       f"supported by llamapool (only client tools with 'name' "
                                                       f"and 'input_schema')")
-            fn = {"name": t.get("name"), "description": t.get("description", ""),
-                  "parameters": t.get("input_schema", {"type": "object"})}
+            if "input_schema" not in t:  # Anthropic's API requires it (and refuses the request without it)
+                raise bad(f"tools[{i}].input_schema", f"'tools[{i}].input_schema' is required: the JSON schema of "
+                                                      "the tool's input")
+            fn = {"name": t.get("name"), "description": t.get("description", ""), "parameters": t["input_schema"]}
             fns.append({"type": "function", "function": fn})
         try:
             sent["tools"] = params.check("tools", fns) if fns else None
