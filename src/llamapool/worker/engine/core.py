@@ -427,7 +427,9 @@ class Engine:
             gain = sum(sum(chances[sid][:n]) for sid, n in take.items())
             if (outputs + gain) * step_s < outputs * (step_s + fixed + draft_s * sum(take.values())):
                 take = {}
-        left = self.budget - sum(chunk.values())
+        # bounded by the batch, not by the step budget: that budget sizes prompt chunks (at 64 streams
+        # under target_step "auto", rows + 64), and afford has already priced every draft token
+        left = self.cfg.max_batch_tokens - sum(chunk.values())
         for sid, n in take.items():
             n = min(n, left)
             if n > 0:
