@@ -189,19 +189,18 @@ def counting() -> Iterator[Verified]:
 @contextmanager
 def every_step(engine: Engine) -> Iterator[None]:
     """Every step carries each speculating sequence's k drafts: the step budget's cost model bypassed
-    (a draft token free, no extra micro-batch cost), the token budget at ``max_batch_tokens`` (``target_step
+    (a draft token free), the token budget at ``max_batch_tokens`` (``target_step
     = "off"``: under "auto" a decode step's budget is its rows + 64), and the depth at the request's k."""
     target, depth = engine.target, Drafting.depth
     engine.target = StepTarget.parse("off")
     setattr(engine, "_step_cost", lambda chunk: (1.0, 0.0))  # noqa: B010 - on the instance only
-    setattr(engine, "_draft_step_cost", lambda chunk: 0.0)  # noqa: B010
     Drafting.depth = lambda self: self.limit  # type: ignore[method-assign]
     try:
         yield
     finally:
         engine.target = target
         Drafting.depth = depth  # type: ignore[method-assign]
-        del engine._step_cost, engine._draft_step_cost  # type: ignore[attr-defined]
+        del engine._step_cost  # type: ignore[attr-defined]
 
 
 @dataclass

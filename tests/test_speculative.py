@@ -25,7 +25,7 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
 from llamapool.worker.engine import core as engine_core
-from llamapool.worker.engine.spec import Drafting, afford, ngram_draft
+from llamapool.worker.engine.spec import Drafting, ngram_draft, width
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from spec_tasks import CODE, DOCS, INVOICE
@@ -53,15 +53,28 @@ def test_draft_depth_follows_acceptance() -> None:
     assert d.rate < 0.05 and d.depth() == 1
 
 
-def test_a_step_takes_drafts_only_where_they_pay() -> None:
-    likely, unlikely = [0.9, 0.81, 0.73], [0.2, 0.04]
-    # two streams, a draft token at a tenth of a step: the likely drafts pay, not the unlikely ones
-    assert afford({0: likely, 1: unlikely}, 0.010, 0.001, 2) == {0: 3}
-    # a draft token at a fiftieth: the first unlikely one pays too
-    assert afford({0: likely, 1: unlikely}, 0.010, 0.0002, 2) == {0: 3, 1: 1}
-    # 64 streams and a draft token costing 2% of the step: a 0.9 draft no longer pays
-    assert afford({0: likely}, 0.010, 0.0002 * 64 / 4, 64) == {}
-    assert afford({}, 0.01, 0.001, 1) == {}
+def test_a_step_takes_the_draft_width_that_pays() -> None:
+    likely = [0.9 ** (j + 1) for j in range(7)]
+    # one stream, a draft token at a fiftieth of a step: the whole likely draft
+    assert width({0: likely}, 0.010, 0.0002, 1, 1, 8) == 7  # cut to the draft: the width of 8 takes 7
+    # ... at a step's cost each: none
+    assert width({0: likely}, 0.010, 0.010, 1, 1, 8) == 0
+    # an unlikely draft pays its first token only where it is cheap
+    assert width({0: [0.2, 0.04]}, 0.010, 0.0002, 2, 2, 8) == 1
+    assert width({0: [0.2, 0.04]}, 0.010, 0.002, 2, 2, 8) == 0
+    # 64 rows: every row is padded to the width, so one likely draft no longer pays ...
+    assert width({0: likely}, 0.010, 0.0002, 64, 64, 8) == 0
+    # ... but 64 of them do, as 64 streams' drafts at 0.9 measured on an H100 (1B: +2 ms a step for 64 tokens)
+    assert width({i: likely for i in range(64)}, 0.0047, 0.000031, 64, 64, 7) == 3
+    assert width({i: likely for i in range(64)}, 0.0047, 0.000010, 64, 64, 7) == 7  # cut to ``most``
+    # widths come from a few (llama.cpp rebuilds its graph for a new shape), cut to the longest draft, at most ``most``
+    assert width({0: likely[:5]}, 0.010, 0.0002, 1, 1, 8) == 5
+    assert width({0: likely}, 0.010, 0.0002, 1, 1, 4) == 4
+    assert width({0: likely}, 0.010, 0.0002, 1, 1, -1) == 0
+    # the last width stays while it is nearly as good
+    assert width({0: [*likely, 0.4]}, 0.010, 0.0027, 1, 1, 8) == 8
+    assert width({0: [*likely, 0.4]}, 0.010, 0.0027, 1, 1, 8, last=3) == 3  # 0.98x of 8's expected speed
+    assert width({}, 0.01, 0.001, 1, 1, 8) == 0
 
 
 def test_the_request_field_is_checked_by_name() -> None:
@@ -330,3 +343,54 @@ def test_a_backend_sampling_worker_verifies_greedy_drafts_in_the_graph(model_pat
     finally:
         graph.close()
         host.close()
+
+
+def test_a_step_with_drafts_of_unequal_lengths_gives_every_sequence_as_many_tokens(tmp_path: Path) -> None:
+    """llama.cpp computes per-sequence KV streams in micro-batches of equally many tokens a sequence, so a
+    step whose drafts differ in length (3 tokens, 1, none; and a free slot between busy ones) is filled
+    to one width with filler tokens: one micro-batch, not one a length. The fillers change no text, and
+    leave the KV cache with the drafts not kept. A ``peaked`` model: its greedy output is the successor
+    cycle whatever the batch, so the oracle's drafts are its true continuation, every one kept."""
+    import llama_cpp as L
+
+    from llamapool.modelgen import make_model, peaked_next
+
+    path = make_model(tmp_path / "peaked.gguf", peaked=True)
+    eng = Engine(EngineConfig(str(path), slots=4, ctx_per_slot=96, max_batch_tokens=64, threads=2,
+                              speculative="ngram", prefix_cache=False))
+    try:
+        nxt = peaked_next(eng.n_vocab)
+        lengths = {0: 3, 1: 1, 2: 0, 3: 2}
+
+        def oracle(rid: int, hist: np.ndarray, k: int) -> list[int]:
+            out, t = [], int(hist[-1])
+            for _ in range(min(k, lengths[rid])):
+                t = int(nxt[t])
+                out.append(t)
+            return out
+
+        eng.proposer = oracle
+        eng._step_cost = lambda chunk: (1.0, 0.0)  # type: ignore[method-assign]  # every draft pays
+        p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        runs = [(f"tok{i} tok{i + 1} tok{i + 2}", p) for i in range(4)]
+        runs[1] = (runs[1][0], dataclasses.replace(p, max_tokens=4))  # ends early: a free slot between busy ones
+        for i, (prompt, q) in enumerate(runs):
+            eng.submit(Run(i, prompt, q, False), Step())
+        done: dict[int, Any] = {}
+        widths = set()
+        while eng.busy:
+            prefill = bool(eng.waiting) or any(s.prefilling for s in eng.active.values())
+            step = eng.step()
+            assert not step.failed
+            done.update((d.rid, d) for d in step.done)
+            counts = Counter(eng.batch.seq[: eng.batch.n].tolist())
+            if not prefill:
+                assert len(set(counts.values())) == 1, counts  # one width: one micro-batch
+                widths.add(max(counts.values()))
+            for s in eng.active.values():  # drafts not kept and fillers left the cache
+                assert L.llama_memory_seq_pos_max(eng.mem, s.seq_id) == s.n_past - 1
+        assert max(widths) == 4 and eng.accepted_tokens == eng.drafted_tokens > 0
+        off = run(eng, [(prompt, dataclasses.replace(q, speculative=False)) for prompt, q in runs])
+        assert [done[i].text for i in range(4)] == [d.text for d in off]
+    finally:
+        eng.close()

@@ -62,12 +62,18 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     if not chunk:
         return done
     lo, hi = min(chunk), max(chunk)
-    lens = np.ones(hi - lo + 1, dtype=np.int64)
+    # the step's draft width: every decoding sequence and padding slot gets as many tokens (llama.cpp
+    # splits per-sequence KV streams into micro-batches of equally many tokens a sequence), the draft's
+    # and filler tokens after them, computed and dropped (``Sequence.tail``: spec.width)
+    wide = 1 + max((len(s.draft) for sid in chunk if (s := active.get(sid)) is not None and not s.prefilling),
+                   default=0)
+    lens = np.full(hi - lo + 1, wide, dtype=np.int64)
     one_at: list[int] = []  # entries of one token (decode or padding): filled vectorised
     one_tok: list[int] = []
     one_pos: list[int] = []
     chunks: list[tuple[int, Sequence]] = []
-    drafting: list[tuple[int, Sequence]] = []
+    drafting: list[tuple[int, Sequence]] = []  # decoding sequences of a step with drafts: ``wide`` tokens each
+    padding: list[tuple[int, int, int]] = []  # (entry, token, position) of a padding slot ``wide`` tokens long
     outputs: list[tuple[int, Sequence]] = []
     for k, sid in enumerate(range(lo, hi + 1)):
         running = active.get(sid)
@@ -75,11 +81,13 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
             keep = cached.get(sid)
             n = len(keep) if keep is not None else 0
             L.llama_memory_seq_rm(mem, sid, n, -1)
+            if wide > 1:
+                padding.append((k, int(keep[-1]) if keep is not None and n else 0, n))
+                continue
             one_at.append(k)
             one_tok.append(int(keep[-1]) if keep is not None and n else 0)
             one_pos.append(n)
-        elif running.draft:
-            lens[k] = 1 + len(running.draft)
+        elif wide > 1 and not running.prefilling:
             drafting.append((k, running))
             outputs.append((k, running))
         elif not running.prefilling:
@@ -102,24 +110,36 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     for k, seq in chunks:
         if _fill_chunk(b, seq, int(start[k]), int(lens[k]), done):
             outputs.append((k, seq))
+    for k, tok, n in padding:
+        o = int(start[k])
+        b.token[o : o + wide] = tok
+        b.pos[o : o + wide] = np.arange(n, n + wide, dtype=np.int32)
     for k, seq in drafting:
-        o, n, p = int(start[k]), int(lens[k]), seq.n_past
+        o, p, d = int(start[k]), seq.n_past, seq.draft
         b.token[o] = seq.last
-        b.token[o + 1 : o + n] = seq.draft
-        b.pos[o : o + n] = np.arange(p, p + n, dtype=np.int32)
-        seq.n_past = p + n
+        b.token[o + 1 : o + 1 + len(d)] = d
+        b.token[o + 1 + len(d) : o + wide] = seq.last  # filler
+        b.pos[o : o + wide] = np.arange(p, p + wide, dtype=np.int32)
+        seq.n_past = p + 1 + len(d)
+        seq.tail = wide - 1 - len(d)
     outputs.sort(key=lambda e: e[0])
+    wide_at = {k for k, _ in drafting}
     for k, seq in outputs:
-        first = int(start[k]) if seq.draft else int(start[k + 1]) - 1
-        seq.rows = list(range(first, int(start[k + 1])))
-        b.logits[first : int(start[k + 1])] = 1
+        o = int(start[k])
+        if k not in wide_at:
+            first, end = int(start[k + 1]) - 1, int(start[k + 1])
+        else:  # its token and draft; a sequence verified in the graph all ``wide`` rows (one output shape a step)
+            first, end = o, o + (wide if seq.sampling.in_graph and seq.drafting is not None else 1 + len(seq.draft))
+        seq.rows = list(range(first, end))
+        b.logits[first:end] = 1
     b.n = total
     done.outputs = [seq for _, seq in outputs]
-    done.drafts = int(sum(lens[k] - 1 for k, _ in drafting))
-    done.shape = (len(one_at) + len(chunks) + len(drafting), int(sum(lens[k] for k, _ in chunks)) + done.drafts)
-    # more than one micro-batch: a sequence with several tokens (per-sequence KV splits
-    # into equal shares per sequence), or more tokens than one micro-batch holds
-    done.split = bool(chunks) or bool(drafting) or total > n_ubatch
+    done.drafts = int(sum(len(seq.draft) for _, seq in drafting))
+    wide_rows = len(drafting) + len(padding)
+    done.shape = (len(one_at) + len(chunks) + wide_rows, int(sum(lens[k] for k, _ in chunks)) + (wide - 1) * wide_rows)
+    # more than one micro-batch: a prompt chunk (per-sequence KV splits into equal shares per
+    # sequence), or more tokens than one micro-batch holds
+    done.split = bool(chunks) or total > n_ubatch
     return done
 
 

@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, afford, ngram_draft
+from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, ngram_draft, width
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -99,6 +99,7 @@ class Engine:
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
         self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.ngram_draft)
+        self._width = 0  # the last step's draft width (spec.width)
 
     @property
     def free_ids(self) -> deque[int]:
@@ -421,40 +422,32 @@ class Engine:
                 continue
             drafts[seq.seq_id] = draft
             chances[seq.seq_id] = [d.rate ** (j + 1) for j in range(len(draft))]
-        take = afford(chances, step_s, draft_s, outputs)
-        fixed = self._draft_step_cost(chunk)
-        if fixed and take:  # the first draft makes the step one of several micro-batches: worth it still?
-            gain = sum(sum(chances[sid][:n]) for sid, n in take.items())
-            if (outputs + gain) * step_s < outputs * (step_s + fixed + draft_s * sum(take.values())):
-                take = {}
-        # bounded by the batch, not by the step budget: that budget sizes prompt chunks (at 64 streams
-        # under target_step "auto", rows + 64), and afford has already priced every draft token
-        left = self.cfg.max_batch_tokens - sum(chunk.values())
-        for sid, n in take.items():
-            n = min(n, left)
-            if n > 0:
-                self.active[sid].drafting.draft = drafts[sid][:n]  # type: ignore[union-attr]
-                left -= n
+        rows = self._padded_rows(chunk)
+        most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
+                   self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
+        k = width(chances, step_s, draft_s, outputs, rows, most, self._width)
+        self._width = k
+        for sid, draft in drafts.items():
+            if k:
+                self.active[sid].drafting.draft = draft[:k]  # type: ignore[union-attr]
+
+    def _padded_rows(self, chunk: dict[int, int]) -> int:
+        """The step's rows that a draft width pads: decoding sequences and free slots between busy ones
+        (``batch.fill``), not prompt chunks."""
+        prefilling = sum(1 for sid in chunk if (s := self.active.get(sid)) is not None and s.prefilling)
+        return max(1, max(chunk) - min(chunk) + 1 - prefilling)
 
     def _step_cost(self, chunk: dict[int, int]) -> tuple[float, float]:
         """The planned step's seconds and a draft token's, from the cost model (before it is fitted: a
-        draft token at a tenth of a one-row step). A draft token costs what a prompt token does: both
-        are a sequence's tokens after its first in the step."""
+        width of one draft, padded over the step's rows, at a tenth of the step). A draft token costs what
+        a prompt token does: both are a sequence's tokens after its first in the step."""
         coef = self.cost.coef
         if coef is None:
-            return 1.0, 0.1
+            return 1.0, 0.1 / self._padded_rows(chunk)
         base, per_row, per_token, prompt_step = coef
         prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
         step_s = base + per_row * len(chunk) + per_token * prompt + (prompt_step if prompt else 0.0)
         return max(step_s, 1e-6), max(per_token, 1e-9)
-
-    def _draft_step_cost(self, chunk: dict[int, int]) -> float:
-        """What drafts add to a step without prompt work besides their tokens: such a step runs as several
-        micro-batches, as a step with a prompt chunk does (the cost model's ``prompt_step``)."""
-        coef = self.cost.coef
-        if coef is None or any((s := self.active.get(sid)) is not None and s.prefilling for sid in chunk):
-            return 0.0
-        return coef[3]
 
     def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A constrained sequence's draft cut where its grammar refuses a token."""
@@ -601,7 +594,8 @@ class Engine:
         draft = seq.draft
         if seq.drafting is not None:
             seq.drafting.draft = []
-        written = seq.n_past
+        written = seq.n_past + seq.tail  # the filler positions after its draft leave too
+        seq.tail = 0
         seq.n_past -= len(draft)  # as without the draft: one more for each draft token kept
         taken: list[int] = []
         for i, tok in enumerate(toks):
@@ -618,8 +612,8 @@ class Engine:
             seq.drafting.verified(len(draft), kept)
             self.drafted_tokens += len(draft)
             self.accepted_tokens += kept
-            if seq.n_past < written and self.active.get(seq.seq_id) is seq:
-                L.llama_memory_seq_rm(self.mem, seq.seq_id, seq.n_past, -1)
+        if seq.n_past < written and self.active.get(seq.seq_id) is seq:
+            L.llama_memory_seq_rm(self.mem, seq.seq_id, seq.n_past, -1)
         return taken
 
     def _take(self, seq: Sequence, tok: int, record: TokenLogprob | None, out: Step, before: list[int],

@@ -38,6 +38,7 @@ class Sequence:
     n_history: int = 0  # tokens in ``history``
     ahead: int = 0  # tokens taken this step and not emitted yet (a stop string may end it before them)
     drafting: Drafting | None = None  # its speculation (None: it does not speculate)
+    tail: int = 0  # filler positions written after the step's tokens (a step with drafts: batch.fill)
 
     def generated_token(self, tok: int) -> None:
         """``tok`` is its next output token (the token its next step feeds)."""

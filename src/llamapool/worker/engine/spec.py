@@ -95,21 +95,32 @@ class Proposer(Protocol):
         ...
 
 
-def afford(chances: dict[int, list[float]], step_s: float, draft_s: float, outputs: int) -> dict[int, int]:
-    """Draft tokens per sequence for a step of ``step_s`` seconds yielding ``outputs`` tokens without
-    drafts, each draft token costing ``draft_s``: ``chances[key][j]`` is draft ``j + 1``'s chance of
-    being accepted (falling with ``j``). Drafts are taken likeliest first while they raise the step's
-    expected tokens a second: draft chance ``c`` pays while ``c / draft_s >= tokens / seconds``."""
-    order = sorted(((c, key, j) for key, cs in chances.items() for j, c in enumerate(cs)),
-                   key=lambda e: (-e[0], e[2]))
-    tokens, seconds = float(max(outputs, 1)), max(step_s, 1e-9)
-    take: dict[int, int] = {}
-    for c, key, j in order:
-        if take.get(key, 0) != j:  # a sequence's drafts are verified in order: an earlier one was not taken
-            continue
-        if c * seconds < tokens * draft_s:
-            break
-        take[key] = j + 1
-        tokens += c
-        seconds += draft_s
-    return take
+WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
+STICKY = 0.97  # the last step's width stays unless another one promises this much more
+
+
+def width(chances: dict[int, list[float]], step_s: float, draft_s: float, outputs: int, rows: int, most: int,
+          last: int = 0) -> int:
+    """The step's draft width ``k``: every decoding sequence, and every padding slot between them (``rows`` in
+    all), carries ``k`` tokens after its own, its draft cut or filled up to ``k`` with filler tokens that are
+    computed and dropped. llama.cpp computes a batch of per-sequence KV streams in micro-batches of equally
+    many tokens a sequence, so drafts of unequal lengths would split the step into one micro-batch per
+    length, each reading the weights again.
+
+    ``chances[key][j]`` is draft ``j + 1``'s chance of being accepted; a width ``k`` costs ``rows * k``
+    tokens of ``draft_s`` each and yields the chances of every draft's first ``k`` tokens. The width of
+    most expected tokens a second among ``WIDTHS`` (each cut to the longest draft and to ``most``) or
+    none; ``last`` stays unless another beats it by ``1 / STICKY`` (a new shape: llama.cpp's graph built
+    again)."""
+    seconds = max(step_s, 1e-9)
+
+    def speed(k: int) -> float:
+        gain = sum(sum(cs[:k]) for cs in chances.values())
+        return (max(outputs, 1) + gain) / (seconds + k * rows * draft_s)
+
+    longest = max((len(cs) for cs in chances.values()), default=0)
+    speeds = {k: speed(k) for k in (0, *(min(w, longest, most) for w in WIDTHS)) if k >= 0}
+    best = max(speeds, key=lambda k: speeds[k])
+    if last in speeds and speeds[last] >= STICKY * speeds[best]:
+        return last
+    return best
