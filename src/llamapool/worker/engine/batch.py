@@ -48,9 +48,14 @@ class Filled:
 
 
 def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: dict[int, np.ndarray],
-         mem: Any, n_ubatch: int) -> Filled:
+         mem: Any, n_ubatch: int, wide: int = 1) -> Filled:
     """Fill the batch with the step's tokens (``chunk``: prompt tokens per prefilling sequence id; a
     decoding sequence's entry is its next token, and its draft's tokens after it, each with logits).
+
+    ``wide``: the step's tokens a decoding sequence (spec.width): every decoding sequence and padding
+    slot gets as many (llama.cpp splits per-sequence KV streams into micro-batches of equally many
+    tokens a sequence), the draft's and filler tokens after its own, the fillers computed and dropped
+    (``Sequence.tail``). A fixed few widths keep the batch's shapes few: llama.cpp reuses its graphs.
 
     With per-sequence KV streams llama.cpp splits a batch into micro-batches of consecutive sequence
     ids, so the batch is filled in sequence-id order and a free slot between busy ones gets one padding
@@ -62,11 +67,6 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     if not chunk:
         return done
     lo, hi = min(chunk), max(chunk)
-    # the step's draft width: every decoding sequence and padding slot gets as many tokens (llama.cpp
-    # splits per-sequence KV streams into micro-batches of equally many tokens a sequence), the draft's
-    # and filler tokens after them, computed and dropped (``Sequence.tail``: spec.width)
-    wide = 1 + max((len(s.draft) for sid in chunk if (s := active.get(sid)) is not None and not s.prefilling),
-                   default=0)
     lens = np.full(hi - lo + 1, wide, dtype=np.int64)
     one_at: list[int] = []  # entries of one token (decode or padding): filled vectorised
     one_tok: list[int] = []

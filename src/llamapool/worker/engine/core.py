@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, ngram_draft, width
+from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, width
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -98,7 +98,7 @@ class Engine:
         self.accepted_tokens = 0  # draft tokens kept
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
-        self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.ngram_draft)
+        self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.Lookup)
         self._width = 0  # the last step's draft width (spec.width)
 
     @property
@@ -387,49 +387,71 @@ class Engine:
         """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
         with an output."""
         chunk = self._plan(out)
-        self._propose(chunk)
-        filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch)
+        wide = 1 + self._propose(chunk)
+        filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide)
         self._echoing = filled.echoing
         self._split = filled.split
         self._shape = filled.shape
         return filled.outputs
 
-    def _propose(self, chunk: dict[int, int]) -> None:
-        """Drafts for the step's decoding sequences that speculate (spec.py), as many as the step affords
-        within its token budget: a draft token costs a batch row (the cost model's), and pays its chance
-        of acceptance (the sequence's acceptance estimate to the power of its place in the draft)."""
-        decoding = [s for sid in chunk if (s := self.active.get(sid)) is not None and s.drafting is not None
-                    and not s.prefilling]
+    def _propose(self, chunk: dict[int, int]) -> int:
+        """Drafts for the step's decoding sequences that speculate (spec.py) and the step's draft width
+        (``spec.width``: every decoding row carries as many tokens after its own; returned): a draft token
+        costs what a prompt token does (the cost model's), and pays its chance of acceptance (the
+        sequence's acceptance estimate to the power of its place in the draft)."""
+        decoding: list[Sequence] = []
+        outputs = prefilling = 0
+        for sid in chunk:
+            seq = self.active.get(sid)
+            if seq is None:
+                continue
+            if seq.prefilling:
+                prefilling += 1
+                continue
+            outputs += 1
+            if seq.drafting is not None:
+                decoding.append(seq)
         if not decoding:
-            return
-        outputs = sum(1 for sid in chunk if (s := self.active.get(sid)) is not None and not s.prefilling)
+            self._width = 0
+            return 0
         step_s, draft_s = self._step_cost(chunk)
         least = outputs * draft_s / step_s  # the chance a first draft token needs to pay
         chances: dict[int, list[float]] = {}
         drafts: dict[int, list[int]] = {}
+        ctx = self.cfg.ctx_per_slot - 2
         for seq in decoding:
             d = seq.drafting
             assert d is not None
             d.draft = []
-            room = min(d.depth(), seq.params.max_tokens - seq.generated - 1, self.cfg.ctx_per_slot - seq.n_past - 2)
-            draft: list[int] = []
-            if room > 0 and d.rate >= least:
-                hist = seq.history[: seq.n_history]
-                draft = ngram_draft(hist, room) if self.proposer is None else self.proposer(seq.rid, hist, room)
-            draft = self._allowed(seq, draft)
+            if d.rate < least:
+                d.idle()
+                continue
+            if self.proposer is None:
+                draft = d.lookup.draft(seq.history, seq.n_history, MAX_DRAFT)
+            else:
+                draft = self.proposer(seq.rid, seq.history[: seq.n_history], MAX_DRAFT)
+            if draft:
+                draft = draft[: min(d.depth(), seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)]
+                if draft and seq.sampling.matcher is not None:
+                    draft = self._allowed(seq, draft)
             if not draft:
                 d.idle()
                 continue
             drafts[seq.seq_id] = draft
-            chances[seq.seq_id] = [d.rate ** (j + 1) for j in range(len(draft))]
-        rows = self._padded_rows(chunk)
+            rate = d.rate
+            chances[seq.seq_id] = [rate ** (j + 1) for j in range(len(draft))]
+        if not drafts:
+            self._width = 0
+            return 0
+        rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                    self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
         k = width(chances, step_s, draft_s, outputs, rows, most, self._width)
         self._width = k
-        for sid, draft in drafts.items():
-            if k:
+        if k:
+            for sid, draft in drafts.items():
                 self.active[sid].drafting.draft = draft[:k]  # type: ignore[union-attr]
+        return k
 
     def _padded_rows(self, chunk: dict[int, int]) -> int:
         """The step's rows that a draft width pads: decoding sequences and free slots between busy ones
