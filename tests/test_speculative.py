@@ -52,6 +52,21 @@ def test_draft_depth_follows_acceptance() -> None:
     assert d.rate < 0.05 and d.depth() == 1
 
 
+def test_the_acceptance_estimate_is_the_chance_a_draft_token_is_kept() -> None:
+    """At alpha 0.7 a step of 8 drafts keeps ~2.2 of them (accepted / drafted ~0.27): the estimate
+    counts the tokens kept and one refusal a step, so it reads alpha, whatever the draft length."""
+    rng = np.random.default_rng(3)
+    for k in (3, 8):
+        d, seen = Drafting(), []
+        for _ in range(400):
+            kept = 0
+            while kept < k and rng.random() < 0.7:
+                kept += 1
+            d.verified(k, kept)
+            seen.append(d.rate)
+        assert np.mean(seen[50:]) == pytest.approx(0.7, abs=0.06), k
+
+
 def test_a_step_takes_the_draft_width_that_pays() -> None:
     likely = [0.9 ** (j + 1) for j in range(7)]
     # one stream, a draft token at a fiftieth of a step: the whole likely draft

@@ -231,7 +231,8 @@ def print_status(st: dict[str, Any]) -> None:
         if w.get("step_target"):
             cost = w.get("step_cost_ms") or {}
             terms = [f"{_ms(cost[k])}{what}" for k, what in (("base", ""), ("per_row", " a sequence"),
-                     ("per_prompt_token", " a prompt token"), ("prompt_step", " a step with prompt work"))
+                     ("per_prompt_token", " a prompt token"), ("prompt_step", " a step with prompt work"),
+                     ("per_draft_token", " a draft token"))
                      if cost.get(k)]
             print(f"{w['id']}: steps sized by target_step {w['step_target']}, last budget {w['step_budget']} "
                   f"tokens" + (f"; step cost {' + '.join(terms)}" if terms else ""))

@@ -20,9 +20,11 @@ def schedule_view(schedule: Schedule) -> dict[str, Any]:
     """A worker's step scheduling for ``status``: its target, last budget and fitted step cost (ms)."""
     target, budget, cost = schedule
     view: dict[str, Any] = {"step_target": target, "step_budget": budget}
-    if len(cost) == 4:
+    if len(cost) >= 4:
         view["step_cost_ms"] = {"base": round(cost[0] * 1e3, 4), "per_row": round(cost[1] * 1e3, 5),
                                 "per_prompt_token": round(cost[2] * 1e3, 6), "prompt_step": round(cost[3] * 1e3, 4)}
+        if len(cost) > 4:
+            view["step_cost_ms"]["per_draft_token"] = round(cost[4] * 1e3, 6)
     return view
 
 

@@ -239,14 +239,16 @@ class _Snapshot(Collector):
                                    labels=["worker", "node", "target"])
         cost = GaugeMetricFamily("llamapool_step_cost_seconds", "The worker's fitted step cost: seconds per step "
                                  "(base), per sequence in the step (per_row), per prompt token (per_prompt_token), "
-                                 "and per step with prompt work (prompt_step)", labels=["worker", "node", "term"])
+                                 "per step with prompt work (prompt_step), and per draft or filler token a decoding "
+                                 "sequence carries (per_draft_token)", labels=["worker", "node", "term"])
         for name in self.names:
             w = self.rows[name].live
             if w is None or not w.schedule[0]:
                 continue
             target, tokens, fitted = w.schedule
             budget.add_metric([name, node_of(name), target], tokens)
-            for term, value in zip(("base", "per_row", "per_prompt_token", "prompt_step"), fitted, strict=False):
+            for term, value in zip(("base", "per_row", "per_prompt_token", "prompt_step", "per_draft_token"), fitted,
+                                   strict=False):
                 cost.add_metric([name, node_of(name), term], value)
         yield budget
         yield cost

@@ -43,7 +43,8 @@ class Filled:
     outputs: list[Sequence] = field(default_factory=list)  # sequences with output rows, in batch order
     echoing: list[Sequence] = field(default_factory=list)  # sequences with prompt rows (echo's logprobs)
     split: bool = False  # it runs as several micro-batches (``llama_decode`` blocks until the last)
-    shape: tuple[int, int] = (0, 0)  # (rows, tokens after a sequence's first): the cost model's measure
+    shape: tuple[int, int, int] = (0, 0, 0)  # (rows, prompt tokens, draft and filler
+    # tokens): the cost model's measure
     drafts: int = 0  # draft tokens in it
 
 
@@ -136,7 +137,8 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     done.outputs = [seq for _, seq in outputs]
     done.drafts = int(sum(len(seq.draft) for _, seq in drafting))
     wide_rows = len(drafting) + len(padding)
-    done.shape = (len(one_at) + len(chunks) + wide_rows, int(sum(lens[k] for k, _ in chunks)) + (wide - 1) * wide_rows)
+    done.shape = (len(one_at) + len(chunks) + wide_rows, int(sum(lens[k] for k, _ in chunks)),
+                  (wide - 1) * wide_rows)
     # more than one micro-batch: a prompt chunk (per-sequence KV splits into equal shares per
     # sequence), or more tokens than one micro-batch holds
     done.split = bool(chunks) or total > n_ubatch

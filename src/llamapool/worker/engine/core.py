@@ -79,8 +79,8 @@ class Engine:
         self.budget = cfg.max_batch_tokens  # the last step's token budget
         self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
-        self._measure: tuple[int, int, float] | None = None  # (rows, prompt tokens, start) of the last batch
-        self._shape = (0, 0)  # (rows, prompt tokens) of the batch being built
+        self._measure: tuple[int, int, int, float] | None = None  # (rows, prompt tokens, drafts, start): last batch
+        self._shape = (0, 0, 0)  # (rows, prompt tokens, draft and filler tokens) of the batch being built
         # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds and budget to PREFIX.<pid>
         trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
         self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1) if trace else None  # line by line
@@ -461,15 +461,15 @@ class Engine:
 
     def _step_cost(self, chunk: dict[int, int]) -> tuple[float, float]:
         """The planned step's seconds and a draft token's, from the cost model (before it is fitted: a
-        width of one draft, padded over the step's rows, at a tenth of the step). A draft token costs what
-        a prompt token does: both are a sequence's tokens after its first in the step."""
+        width of one draft, padded over the step's rows, at a tenth of the step; before a step with
+        drafts was seen, a draft token free: the first drafting steps measure it)."""
         coef = self.cost.coef
         if coef is None:
             return 1.0, 0.1 / self._padded_rows(chunk)
-        base, per_row, per_token, prompt_step = coef
+        base, per_row, per_token, prompt_step, per_draft = coef
         prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
         step_s = base + per_row * len(chunk) + per_token * prompt + (prompt_step if prompt else 0.0)
-        return max(step_s, 1e-6), max(per_token, 1e-9)
+        return max(step_s, 1e-6), max(per_draft, 1e-9)
 
     def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A constrained sequence's draft cut where its grammar refuses a token."""
@@ -501,17 +501,16 @@ class Engine:
     def _time_step(self, now: float) -> None:
         """Feed the cost model: the batch launched before this one took until now (launches follow each
         other while the engine is busy: with GPU sampling the host works while the GPU computes)."""
-        last, self._measure = self._measure, (self._shape[0], self._shape[1], now)
+        last, self._measure = self._measure, (*self._shape, now)
         if last is None:
             return
-        rows, tokens, start = last
+        rows, tokens, drafts, start = last
         seconds = now - start
-        coef = self.cost.coef
-        expected = coef[0] + coef[1] * rows + coef[2] * tokens if coef else 0.5
+        expected = self.cost.predict(rows, tokens, drafts) or 0.5
         if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
-            self.cost.observe(rows, tokens, seconds)
+            self.cost.observe(rows, tokens, seconds, drafts)
         if self._trace is not None:
-            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget}\n")
+            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts}\n")
 
     def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
         """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""

@@ -35,7 +35,7 @@ MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step 
 NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
 PRIOR = 0.5  # a new sequence's acceptance estimate
-EMA = 0.3  # how much one step's acceptance moves the estimate
+DECAY = 0.7  # a step's weight in the acceptance estimate, against the one after it
 WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
 
 
@@ -83,8 +83,13 @@ class Lookup:
 
 @dataclass(eq=False)
 class Drafting:
-    """One sequence's speculation: its acceptance estimate (per draft token, an exponential average),
-    the draft of the step in flight, and its counts."""
+    """One sequence's speculation: its acceptance estimate, the draft of the step in flight, and its counts.
+
+    The estimate is of ``alpha``, the chance that a draft token is kept given the one before it was:
+    a step that kept ``a`` of ``d`` drafts saw ``a`` tokens kept and, when ``a < d``, one refused (the
+    tokens after the first refusal tell nothing), so ``alpha`` is kept / (kept + refused) over the
+    recent steps (sums that halve in ~2 steps, from a prior of ``PRIOR``). Counting every draft token
+    after a refusal as refused instead reads 0.27 for 8 drafts at ``alpha`` 0.7."""
 
     limit: int = MAX_DRAFT  # the most draft tokens a step
     rate: float = PRIOR
@@ -92,6 +97,8 @@ class Drafting:
     lookup: Lookup = field(default_factory=Lookup)
     drafted: int = 0
     accepted: int = 0
+    kept_w: float = PRIOR  # recent tokens kept, decayed
+    tried_w: float = 1.0  # recent tokens kept and refusals, decayed
 
     def depth(self) -> int:
         """Draft tokens worth proposing: while ``rate ** j`` (draft ``j`` accepted) stays above ``WORTH``."""
@@ -102,16 +109,18 @@ class Drafting:
         return max(1, min(self.limit, int(math.log(WORTH) / math.log(self.rate))))
 
     def verified(self, drafted: int, accepted: int) -> None:
-        """A step verified ``drafted`` tokens and kept the first ``accepted``. The estimate counts a
-        token drafted after the first rejection as a rejection, not knowing better."""
+        """A step verified ``drafted`` tokens and kept the first ``accepted``."""
         self.drafted += drafted
         self.accepted += accepted
         if drafted:
-            self.rate += EMA * (accepted / drafted - self.rate)
+            self.kept_w = DECAY * self.kept_w + accepted
+            self.tried_w = DECAY * self.tried_w + accepted + (accepted < drafted)
+            self.rate = self.kept_w / self.tried_w
 
     def idle(self) -> None:
         """A step without a draft: the estimate drifts back towards the prior (text changes course)."""
-        self.rate += 0.02 * (PRIOR - self.rate)
+        self.kept_w += 0.02 * (PRIOR * self.tried_w - self.kept_w)
+        self.rate = self.kept_w / self.tried_w
 
 
 def ngram_draft(hist: np.ndarray, k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
