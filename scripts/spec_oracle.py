@@ -82,7 +82,6 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, visible_gpus
 from llamapool.worker.engine.sequence import Sequence
 from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer
-from llamapool.worker.engine import spec
 from llamapool.worker.scheduler import StepTarget
 
 BUDGET = "budget"  # k chosen by the engine (step budget, acceptance estimate), up to MAX_DRAFT
@@ -194,14 +193,12 @@ def every_step(engine: Engine) -> Iterator[None]:
     = "off"``: under "auto" a decode step's budget is its rows + 64), and the depth at the request's k."""
     target, depth = engine.target, Drafting.depth
     engine.target = StepTarget.parse("off")
-    setattr(engine, "_step_cost", lambda chunk: (1.0, 0.0, 0.0))  # noqa: B010 - on the instance only
-    widths, spec.WIDTHS = spec.WIDTHS, tuple(range(1, MAX_DRAFT + 1))  # any width: the draft's own
+    setattr(engine, "_step_cost", lambda chunk: (1.0, 0.0))  # noqa: B010 - on the instance only
     Drafting.depth = lambda self: self.limit  # type: ignore[method-assign]
     try:
         yield
     finally:
         engine.target = target
-        spec.WIDTHS = widths
         Drafting.depth = depth  # type: ignore[method-assign]
         del engine._step_cost  # type: ignore[attr-defined]
 

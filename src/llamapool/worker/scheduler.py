@@ -160,12 +160,10 @@ class CostModel:
     the host, so it costs more than its tokens: 8-20 ms more on an H200, docs/benchmarks.md), plus
     ``per_draft_token`` for each token a decoding row carries after its own (speculation's drafts and
     fillers: a GPU verifies them in a small batch at several times a prompt token's cost, 0.4-0.5 ms
-    a token at 8B and one stream on an H100), plus ``draft_step`` when there are any (several tokens
-    a row take other kernels: at 64 rows of 1B on an H100 a width of one draft cost 3.3 ms, of three
-    6 ms). Least squares over the steps seen, older ones weighing less (a step's weight halves in
-    ~35 steps)."""
+    a token at 8B and one stream on an H100). Least squares over the steps seen, older ones weighing
+    less (a step's weight halves in ~35 steps)."""
 
-    TERMS = ("base", "per_row", "per_prompt_token", "prompt_step", "per_draft_token", "draft_step")
+    TERMS = ("base", "per_row", "per_prompt_token", "prompt_step", "per_draft_token")
 
     def __init__(self, decay: float = 0.98, warmup: int = 16):
         self.decay, self.warmup = decay, warmup
@@ -173,11 +171,10 @@ class CostModel:
         self._xtx = [[0.0] * n for _ in range(n)]
         self._xty = [0.0] * n
         self.steps = 0
-        self.coef: tuple[float, float, float, float, float, float] | None = None  # seconds, as TERMS
+        self.coef: tuple[float, float, float, float, float] | None = None  # seconds, as TERMS
 
     def observe(self, rows: int, prompt_tokens: int, seconds: float, drafts: int = 0) -> None:
-        x = (1.0, float(rows), float(prompt_tokens), 1.0 if prompt_tokens else 0.0, float(drafts),
-             1.0 if drafts else 0.0)
+        x = (1.0, float(rows), float(prompt_tokens), 1.0 if prompt_tokens else 0.0, float(drafts))
         d = self.decay
         for i in range(len(x)):
             self._xty[i] = d * self._xty[i] + x[i] * seconds
@@ -191,20 +188,20 @@ class CostModel:
         """The fitted seconds of such a step (None before the fit)."""
         if self.coef is None:
             return None
-        base, per_row, per_token, prompt_step, per_draft, draft_step = self.coef
+        base, per_row, per_token, prompt_step, per_draft = self.coef
         return base + per_row * rows + per_token * prompt_tokens + (prompt_step if prompt_tokens else 0.0) \
-            + (per_draft * drafts + draft_step if drafts else 0.0)
+            + per_draft * drafts
 
-    def _solve(self) -> tuple[float, float, float, float, float, float] | None:
+    def _solve(self) -> tuple[float, float, float, float, float] | None:
         import numpy as np
 
         n = len(self.TERMS)
         a = np.array(self._xtx) + np.diag([1e-9] * n)  # a ridge: collinear steps stay solvable
         try:
-            base, row, tok, step, draft, dstep = (max(0.0, float(v)) for v in np.linalg.solve(a, np.array(self._xty)))
+            base, row, tok, step, draft = (max(0.0, float(v)) for v in np.linalg.solve(a, np.array(self._xty)))
         except np.linalg.LinAlgError:
             return self.coef
-        return (base, row, tok, step, draft, dstep) if tok > 0 else self.coef
+        return (base, row, tok, step, draft) if tok > 0 else self.coef
 
     def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = (),
                     arrivals: float = 0.0) -> int:
@@ -214,7 +211,7 @@ class CostModel:
         the model is fitted, and always at most ``cap``."""
         if not target.on or self.coef is None:
             return cap
-        base, per_row, per_token, prompt_step, *_ = self.coef
+        base, per_row, per_token, prompt_step, _ = self.coef
         decode_s = base + per_row * rows
         if target.auto:
             prompt = auto_chunk(line, decode_s + prompt_step, per_token, arrivals)

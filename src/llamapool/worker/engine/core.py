@@ -414,7 +414,7 @@ class Engine:
         if not decoding:
             self._width = 0
             return 0
-        step_s, draft_s, draft_step = self._step_cost(chunk)
+        step_s, draft_s = self._step_cost(chunk)
         least = outputs * draft_s / step_s  # the chance a first draft token needs to pay
         chances: dict[int, list[float]] = {}
         drafts: dict[int, list[int]] = {}
@@ -446,7 +446,7 @@ class Engine:
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                    self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
-        k = width(chances, step_s, draft_s, outputs, rows, most, self._width, draft_step)
+        k = width(chances, step_s, draft_s, outputs, rows, most, self._width)
         self._width = k
         if k:
             for sid, draft in drafts.items():
@@ -459,17 +459,17 @@ class Engine:
         prefilling = sum(1 for sid in chunk if (s := self.active.get(sid)) is not None and s.prefilling)
         return max(1, max(chunk) - min(chunk) + 1 - prefilling)
 
-    def _step_cost(self, chunk: dict[int, int]) -> tuple[float, float, float]:
-        """The planned step's seconds, a draft token's, and what a step with drafts costs besides them,
-        from the cost model (before it is fitted: a width of one draft, padded over the step's rows, at a
-        tenth of the step; before a step with drafts was seen, drafts free: the first ones measure it)."""
+    def _step_cost(self, chunk: dict[int, int]) -> tuple[float, float]:
+        """The planned step's seconds and a draft token's, from the cost model (before it is fitted: a
+        width of one draft, padded over the step's rows, at a tenth of the step; before a step with
+        drafts was seen, a draft token free: the first drafting steps measure it)."""
         coef = self.cost.coef
         if coef is None:
-            return 1.0, 0.1 / self._padded_rows(chunk), 0.0
-        base, per_row, per_token, prompt_step, per_draft, draft_step = coef
+            return 1.0, 0.1 / self._padded_rows(chunk)
+        base, per_row, per_token, prompt_step, per_draft = coef
         prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
         step_s = base + per_row * len(chunk) + per_token * prompt + (prompt_step if prompt else 0.0)
-        return max(step_s, 1e-6), max(per_draft, 1e-9), draft_step
+        return max(step_s, 1e-6), max(per_draft, 1e-9)
 
     def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A constrained sequence's draft cut where its grammar refuses a token."""
@@ -510,9 +510,7 @@ class Engine:
         if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
             self.cost.observe(rows, tokens, seconds, drafts)
         if self._trace is not None:
-            coef = self.cost.coef
-            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts} {self._width} "
-                              f"{coef[4] if coef else 0:.7f} {coef[5] if coef else 0:.6f}\n")
+            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts}\n")
 
     def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
         """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""

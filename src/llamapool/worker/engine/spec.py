@@ -35,7 +35,7 @@ MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step 
 NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
 PRIOR = 0.5  # a new sequence's acceptance estimate
-DECAY = 0.8  # a step's weight in the acceptance estimate, against the one after it
+DECAY = 0.7  # a step's weight in the acceptance estimate, against the one after it
 WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
 
 
@@ -88,7 +88,7 @@ class Drafting:
     The estimate is of ``alpha``, the chance that a draft token is kept given the one before it was:
     a step that kept ``a`` of ``d`` drafts saw ``a`` tokens kept and, when ``a < d``, one refused (the
     tokens after the first refusal tell nothing), so ``alpha`` is kept / (kept + refused) over the
-    recent steps (sums that halve in ~3 steps, from a prior of ``PRIOR``). Counting every draft token
+    recent steps (sums that halve in ~2 steps, from a prior of ``PRIOR``). Counting every draft token
     after a refusal as refused instead reads 0.27 for 8 drafts at ``alpha`` 0.7."""
 
     limit: int = MAX_DRAFT  # the most draft tokens a step
@@ -147,12 +147,12 @@ class Proposer(Protocol):
         ...
 
 
-WIDTHS = (3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes (one draft cost ~2/3 of three on an H100)
-STICKY = 0.9  # the last step's width stays unless another one promises this much more
+WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
+STICKY = 0.97  # the last step's width stays unless another one promises this much more
 
 
 def width(chances: dict[int, list[float]], step_s: float, draft_s: float, outputs: int, rows: int, most: int,
-          last: int = 0, fixed: float = 0.0) -> int:
+          last: int = 0) -> int:
     """The step's draft width ``k``: every decoding sequence, and every padding slot between them (``rows`` in
     all), carries ``k`` tokens after its own, its draft cut or filled up to ``k`` with filler tokens that are
     computed and dropped. llama.cpp computes a batch of per-sequence KV streams in micro-batches of equally
@@ -160,8 +160,7 @@ def width(chances: dict[int, list[float]], step_s: float, draft_s: float, output
     length, each reading the weights again.
 
     ``chances[key][j]`` is draft ``j + 1``'s chance of being accepted; a width ``k`` costs ``rows * k``
-    tokens of ``draft_s`` each and ``fixed`` (other kernels), and yields the chances of every draft's
-    first ``k`` tokens. The width of
+    tokens of ``draft_s`` each and yields the chances of every draft's first ``k`` tokens. The width of
     most expected tokens a second among ``WIDTHS`` (each cut to ``most``) or none, shorter drafts
     filled up to it; ``last`` stays unless another beats it by ``1 / STICKY`` (a new shape: llama.cpp's graph built
     again)."""
@@ -169,7 +168,7 @@ def width(chances: dict[int, list[float]], step_s: float, draft_s: float, output
 
     def speed(k: int) -> float:
         gain = sum(sum(cs[:k]) for cs in chances.values())
-        return (max(outputs, 1) + gain) / (seconds + (k * rows * draft_s + fixed if k else 0.0))
+        return (max(outputs, 1) + gain) / (seconds + k * rows * draft_s)
 
     speeds = {k: speed(k) for k in (0, *(min(w, most) for w in WIDTHS)) if k >= 0}
     best = max(speeds, key=lambda k: speeds[k])
