@@ -111,6 +111,25 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     for k, seq in chunks:
         if _fill_chunk(b, seq, int(start[k]), int(lens[k]), done):
             outputs.append((k, seq))
+    _fill_wide(b, start, wide, padding, drafting)
+    outputs.sort(key=lambda e: e[0])
+    _mark_outputs(b, start, wide, outputs, {k for k, _ in drafting})
+    b.n = total
+    done.outputs = [seq for _, seq in outputs]
+    done.drafts = int(sum(len(seq.draft) for _, seq in drafting))
+    wide_rows = len(drafting) + len(padding)
+    done.shape = (len(one_at) + len(chunks) + wide_rows, int(sum(lens[k] for k, _ in chunks)),
+                  (wide - 1) * wide_rows)
+    # more than one micro-batch: a prompt chunk (per-sequence KV splits into equal shares per
+    # sequence), or more tokens than one micro-batch holds
+    done.split = bool(chunks) or total > n_ubatch
+    return done
+
+
+def _fill_wide(b: Batch, start: np.ndarray, wide: int, padding: list[tuple[int, int, int]],
+               drafting: list[tuple[int, Sequence]]) -> None:
+    """The ``wide`` tokens of each padding slot (``(entry, token, position)``) and decoding sequence of a
+    step with drafts: a sequence's token, its draft, and filler tokens (``Sequence.tail``) after it."""
     for k, tok, n in padding:
         o = int(start[k])
         b.token[o : o + wide] = tok
@@ -123,26 +142,20 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
         b.pos[o : o + wide] = np.arange(p, p + wide, dtype=np.int32)
         seq.n_past = p + 1 + len(d)
         seq.tail = wide - 1 - len(d)
-    outputs.sort(key=lambda e: e[0])
-    wide_at = {k for k, _ in drafting}
+
+
+def _mark_outputs(b: Batch, start: np.ndarray, wide: int, outputs: list[tuple[int, Sequence]],
+                  wide_at: set[int]) -> None:
+    """Each output sequence's logits rows (``seq.rows``): a prompt's or a one-token entry's last row; a
+    wide entry's token and draft, all ``wide`` rows if verified in the graph (one output shape a step)."""
     for k, seq in outputs:
         o = int(start[k])
         if k not in wide_at:
             first, end = int(start[k + 1]) - 1, int(start[k + 1])
-        else:  # its token and draft; a sequence verified in the graph all ``wide`` rows (one output shape a step)
+        else:
             first, end = o, o + (wide if seq.sampling.in_graph and seq.drafting is not None else 1 + len(seq.draft))
         seq.rows = list(range(first, end))
         b.logits[first:end] = 1
-    b.n = total
-    done.outputs = [seq for _, seq in outputs]
-    done.drafts = int(sum(len(seq.draft) for _, seq in drafting))
-    wide_rows = len(drafting) + len(padding)
-    done.shape = (len(one_at) + len(chunks) + wide_rows, int(sum(lens[k] for k, _ in chunks)),
-                  (wide - 1) * wide_rows)
-    # more than one micro-batch: a prompt chunk (per-sequence KV splits into equal shares per
-    # sequence), or more tokens than one micro-batch holds
-    done.split = bool(chunks) or total > n_ubatch
-    return done
 
 
 def _fill_chunk(b: Batch, seq: Sequence, o: int, n: int, done: Filled) -> bool:
