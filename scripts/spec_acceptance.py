@@ -21,6 +21,7 @@ from spec_tasks import TASKS
 
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig
+from llamapool.worker.engine.spec import WidthCosts
 
 # ms a step verifying n tokens of one sequence (one llama_decode, logits for each), llama.cpp alone on an
 # H100, from issue 34 (measurement (a) of this code on a GPU is still to be made)
@@ -70,7 +71,9 @@ def main() -> None:
                          "the proposer's own acceptance, not the budget's choice")
     args = ap.parse_args()
     if args.every_step:
-        Engine._step_cost = lambda self, chunk: (1.0, 0.0)  # type: ignore[method-assign]
+        Engine._width_cost = lambda self, chunk, rows, prefilling: (lambda k: 1.0)  # type: ignore[method-assign]
+        WidthCosts.choose = lambda self, chances, outputs, rows, most, last, cost: min(  # type: ignore[method-assign]
+            max((len(c) for c in chances.values()), default=0), most)
     engine = Engine(EngineConfig(args.model, slots=1, ctx_per_slot=2048, max_batch_tokens=512, threads=args.threads,
                                  speculative="ngram", chat_template=args.template, prefix_cache=False))
     p = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

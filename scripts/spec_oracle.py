@@ -188,19 +188,28 @@ def counting() -> Iterator[Verified]:
 
 @contextmanager
 def every_step(engine: Engine) -> Iterator[None]:
-    """Every step carries each speculating sequence's k drafts: the step budget's cost model bypassed
-    (a draft token free), the token budget at ``max_batch_tokens`` (``target_step
-    = "off"``: under "auto" a decode step's budget is its rows + 64), and the depth at the request's k."""
+    """Every step carries each speculating sequence's k drafts: the step's width is its longest draft (the
+    measured widths' costs bypassed, every draft worth making), the token budget at ``max_batch_tokens``
+    (``target_step = "off"``: under "auto" a decode step's budget is its rows + 64), and the depth at
+    the request's k."""
     target, depth = engine.target, Drafting.depth
     engine.target = StepTarget.parse("off")
-    setattr(engine, "_step_cost", lambda chunk: (1.0, 0.0))  # noqa: B010 - on the instance only
+    setattr(engine, "_width_cost", lambda chunk, rows, prefilling: (lambda k: 1.0))  # noqa: B010 - the instance's
+    setattr(engine.widths, "choose", longest_draft)  # noqa: B010
     Drafting.depth = lambda self: self.limit  # type: ignore[method-assign]
     try:
         yield
     finally:
         engine.target = target
         Drafting.depth = depth  # type: ignore[method-assign]
-        del engine._step_cost  # type: ignore[attr-defined]
+        del engine._width_cost  # type: ignore[attr-defined]
+        del engine.widths.choose  # type: ignore[attr-defined]
+
+
+def longest_draft(chances: dict[int, list[float]], outputs: int, rows: int, most: int, last: int,
+                  cost: Callable[[int], float]) -> int:
+    """``WidthCosts.choose`` for a fixed k: the step's longest draft (at most ``most``)."""
+    return min(max((len(c) for c in chances.values()), default=0), most)
 
 
 @dataclass

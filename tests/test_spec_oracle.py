@@ -64,7 +64,8 @@ def test_the_oracle_is_accepted_exactly_as_set(engines: dict[str, so.RecordingEn
              so.Case("random", so.BUDGET, 0.0), so.Case("no-draft", None)]
     depth = Drafting.depth
     rows = so.measure(engine, prompts, GEN, cases, repeats=2)
-    assert Drafting.depth is depth and "_step_cost" not in vars(engine)  # the fixed-k patches are undone
+    # the fixed-k patches are undone
+    assert Drafting.depth is depth and "_width_cost" not in vars(engine) and "choose" not in vars(engine.widths)
     assert engine.proposer is None  # prompt lookup again
     off, full, none, budget, random, empty = rows
     assert off["tokens"] == 3 * GEN and off["drafted"] == 0 and off["tokens_per_step"] == 1.0

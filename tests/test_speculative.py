@@ -24,7 +24,7 @@ import pytest
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
-from llamapool.worker.engine.spec import Drafting, Lookup, ngram_draft, width
+from llamapool.worker.engine.spec import STALE, TRIAL, Drafting, Lookup, WidthCosts, ngram_draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from spec_tasks import CODE, DOCS, INVOICE
@@ -67,28 +67,101 @@ def test_the_acceptance_estimate_is_the_chance_a_draft_token_is_kept() -> None:
         assert np.mean(seen[50:]) == pytest.approx(0.7, abs=0.06), k
 
 
-def test_a_step_takes_the_draft_width_that_pays() -> None:
-    likely = [0.9 ** (j + 1) for j in range(7)]
-    # one stream, a draft token at a fiftieth of a step: the whole likely draft
-    assert width({0: likely}, 0.010, 0.0002, 1, 1, 8) == 8  # the widest: its 7 drafts and a filler
-    # ... at a step's cost each: none
-    assert width({0: likely}, 0.010, 0.010, 1, 1, 8) == 0
-    # an unlikely draft pays its first token only where it is cheap
-    assert width({0: [0.2, 0.04]}, 0.010, 0.0002, 2, 2, 8) == 1
-    assert width({0: [0.2, 0.04]}, 0.010, 0.002, 2, 2, 8) == 0
-    # 64 rows: every row is padded to the width, so one likely draft no longer pays ...
-    assert width({0: likely}, 0.010, 0.0002, 64, 64, 8) == 0
-    # ... but 64 of them do, as 64 streams' drafts at 0.9 measured on an H100 (1B: +2 ms a step for 64 tokens)
-    assert width({i: likely for i in range(64)}, 0.0047, 0.000031, 64, 64, 7) == 3
-    assert width({i: likely for i in range(64)}, 0.0047, 0.000010, 64, 64, 7) == 7  # cut to ``most``
-    # widths come from a few (llama.cpp builds its graph again for a new shape), at most ``most``
-    assert width({0: likely[:5]}, 0.010, 0.0002, 1, 1, 8) == 8
-    assert width({0: likely}, 0.010, 0.0002, 1, 1, 4) == 4
-    assert width({0: likely}, 0.010, 0.0002, 1, 1, -1) == 0
-    # the last width stays while it is nearly as good
-    assert width({0: [*likely, 0.4]}, 0.010, 0.0027, 1, 1, 8) == 8
-    assert width({0: [*likely, 0.4]}, 0.010, 0.0027, 1, 1, 8, last=3) == 3  # 0.98x of 8's expected speed
-    assert width({}, 0.01, 0.001, 1, 1, 8) == 0
+def draft_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step drafts what the proposer finds, its longest draft setting the width (the widths' costs
+    and choice bypassed: the choice is tested on its own)."""
+    monkeypatch.setattr(Engine, "_width_cost", lambda self, chunk, rows, prefilling: (lambda k: 1.0))
+    monkeypatch.setattr(WidthCosts, "choose", lambda self, chances, outputs, rows, most, last, cost:
+                        min(max((len(c) for c in chances.values()), default=0), most))
+
+
+def measured(seconds: dict[int, float], rows: int) -> WidthCosts:
+    """Width costs that have seen each width's decode steps take ``seconds`` over ``rows`` rows."""
+    w = WidthCosts()
+    for k, s in seconds.items():
+        w.observe(k, rows, s, changed=True)  # a new shape (a graph built again): not measured
+        w.observe(k, rows, s, changed=False)
+    return w
+
+
+def linear(step_s: float, draft_s: float, rows: int):  # type: ignore[no-untyped-def]
+    return lambda k: step_s + k * rows * draft_s
+
+
+# an H100's verify steps (issue 34's table, ms): 8B q8_0, one sequence and 64 (n tokens a sequence = k + 1)
+ONE = {0: 4.32, 1: 4.79, 3: 5.43, 8: 7.9}
+SIXTY_FOUR = {0: 14.5, 1: 21.2, 3: 32.8, 8: 58.0}
+
+
+def choose(w: WidthCosts, chances: dict[int, list[float]], outputs: int, rows: int, most: int = 8, last: int = 0,
+           cost=None) -> int:  # type: ignore[no-untyped-def]
+    return w.choose(chances, outputs, rows, most, last, cost or (lambda k: w.seconds(k, rows, 0.0) or 1.0))
+
+
+def test_a_step_takes_the_measured_draft_width_that_pays() -> None:
+    likely = [0.9 ** (j + 1) for j in range(8)]
+    one = measured(ONE, 1)
+    assert choose(one, {0: likely}, 1, 1) == 8  # one stream, a likely draft: the widest
+    assert choose(one, {0: [0.05, 0.0025]}, 1, 1) == 0  # an unlikely one pays nothing (one at 0.2 would)
+    assert choose(one, {0: [0.2, 0.04]}, 1, 1) == 1
+    assert choose(one, {0: likely}, 1, 1, most=4) == 4  # cut to ``most`` (its step estimated as width 8's)
+    assert choose(one, {0: likely}, 1, 1, most=0) == 0
+    assert choose(one, {}, 1, 1) == 0
+    alpha = [0.8, 0.64, 0.512]
+    sixty_four = measured(SIXTY_FOUR, 64)
+    # 64 streams at alpha 0.8: three drafts (2.95 tokens for 2.26x the step), not one (1.8 for 1.46x)
+    assert choose(sixty_four, {i: alpha for i in range(64)}, 64, 64) == 3
+    # ... and drafts never kept: none
+    assert choose(sixty_four, {i: [0.05, 0.0025, 0.0001] for i in range(64)}, 64, 64) == 0
+    # the last width stays while it is nearly as good (a new width: llama.cpp builds its graph again)
+    near = {0: [0.78 ** (j + 1) for j in range(8)]}  # width 8: 0.975x width 3's expected speed
+    assert choose(one, near, 1, 1) == 3
+    assert choose(one, near, 1, 1, last=8) == 8
+
+
+def serve(w: WidthCosts, chances: dict[int, list[float]], rows: int, true_ms: dict[int, float],
+          prior, steps: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """``steps`` decode steps as the engine runs them: each chooses a width, then takes its true time."""
+    picks: list[int] = []
+    for _ in range(steps):
+        k = w.choose(chances, rows, rows, 8, picks[-1] if picks else 0,
+                     lambda k: w.seconds(k, rows, 0.0) or prior(k))
+        w.observe(k, rows, true_ms[k], changed=bool(picks) and k != picks[-1])
+        picks.append(k)
+    return picks
+
+
+def test_measured_costs_overrule_the_linear_estimate() -> None:
+    """The linear cost model (a draft token's fitted cost) says one draft a row pays best at 64 rows and
+    alpha 0.8; measured, three drafts cost 2.26x a plain step, not 4x: they pay best. Serving, the widths
+    near the best estimate are tried and the measured best one kept."""
+    alpha = {i: [0.8, 0.64, 0.512] for i in range(64)}
+    prior = linear(14.5, 0.15, 64)  # expected tokens a ms: width 0 4.41, 1 4.78, 3 4.36, 8 2.07
+    w = measured({0: 14.5}, 64)
+    picks = serve(w, alpha, 64, SIXTY_FOUR, prior, 100)
+    assert picks[-50:] == [3] * 50 and 8 not in picks
+    assert sum(k != 3 for k in picks) <= 2 * TRIAL
+    # measurements move along the rows they were taken at (the cost model's per-row seconds), per band
+    assert w.seconds(3, 70, 0.1) == pytest.approx(32.8 + 6 * 0.1)  # 64-127 rows: one band
+    assert w.seconds(3, 8, 0.1) is None
+
+
+def test_a_width_near_the_best_is_tried_and_a_far_one_never() -> None:
+    """An unmeasured width whose estimate comes within WORTH_TRYING of the best one's runs TRIAL steps, and
+    a measured one again once its measurement is STALE; one far below is never tried. The first step of a
+    new width (llama.cpp builds its graph again) is not measured."""
+    likely = {0: [0.9 ** (j + 1) for j in range(8)]}
+    w = measured({0: 4.32}, 1)
+    prior = linear(4.32, 0.4, 1)  # estimated expected tokens a ms: width 1 0.40, 3 0.62, 8 0.82 (the best)
+    picks = [choose(w, likely, 1, 1, cost=lambda k: w.seconds(k, 1, 0.0) or prior(k)) for _ in range(3 * TRIAL)]
+    assert picks == [3] * TRIAL + [8] * (2 * TRIAL)  # 3 tried (0.62 >= 0.75 x 0.82); 1 not
+    w.observe(1, 1, 4.79, changed=True)
+    assert w.seconds(1, 1, 0.0) is None
+    costs = measured({0: 4.32, 1: 4.79, 3: 5.43}, 1)
+    unlikely = {0: [0.1, 0.01]}
+    far = [choose(costs, unlikely, 1, 1, cost=lambda k: costs.seconds(k, 1, 0.0) or 100.0)
+           for _ in range(STALE + TRIAL + 1)]
+    assert far == [0] * STALE + [1] * TRIAL + [3]  # stale, and near enough: tried again; 8 never
 
 
 def test_the_request_field_is_checked_by_name() -> None:
@@ -159,7 +232,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "email": 
 def test_one_stream_of_a_grounded_prompt_accepts_drafts(on: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Alone, copying its input, every step drafting what prompt lookup finds: most drafts are kept and
     a step gains more than a token (the step budget's choice is tested on its own, above)."""
-    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))
+    draft_always(monkeypatch)
     before = (on.drafted_tokens, on.accepted_tokens, on.sampled_tokens, on.sampling_steps)
     run(on, [(GROUNDED[0], SamplingParams(max_tokens=40, temperature=0.0))])
     drafted, accepted = on.drafted_tokens - before[0], on.accepted_tokens - before[1]
@@ -172,7 +245,7 @@ def test_greedy_text_is_the_same_with_speculation(on: Engine, monkeypatch: pytes
     """Held prompts, greedy, each with speculation (every step drafts what prompt lookup finds: the step
     budget's choice is another test's) and without (the request's ``speculative: false``), in one
     batch: the same tokens, the same ends; a stop string, a length limit and a JSON schema included."""
-    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))
+    draft_always(monkeypatch)
     g = SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, top_logprobs=2, speculative=4)
     runs = [(prompt, g) for prompt in [*GROUNDED, OPEN]]
     runs += [(GROUNDED[0], dataclasses.replace(g, stop=("\n\n",), max_tokens=40)),
@@ -204,7 +277,7 @@ def test_a_reply_whose_grammar_completes_in_a_verified_draft_keeps_its_last_toke
     the step that completes the grammar verifies several tokens: every one of them is in the reply (the
     matcher takes a step's tokens before they are taken one by one: the grammar completed only after the
     last; it once ended the reply at the first, dropping the closing '"}', which did not parse)."""
-    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))
+    draft_always(monkeypatch)
     finished: dict[int, np.ndarray] = {}
     finish = Engine._finish
 
@@ -279,7 +352,7 @@ def test_sampled_drafts_keep_the_distribution(model_path: str, monkeypatch: pyte
     assert off.drafted_tokens == 0
     draft = off_counts.most_common(1)[0][0]
     monkeypatch.setattr(Lookup, "draft", lambda self, hist, size, k: [draft])
-    monkeypatch.setattr(Engine, "_step_cost", lambda self, chunk: (1.0, 0.0))  # drafts cost nothing: always
+    draft_always(monkeypatch)  # drafts cost nothing: always
     on_counts, on = sample("ngram", 10_000)  # other seeds: independent samples
     assert on.drafted_tokens == n  # every second token came from a draft's row (or ended the text there)
     assert on.accepted_tokens == on_counts[draft]  # kept exactly when the row's sample is the draft
@@ -359,7 +432,8 @@ def test_a_backend_sampling_worker_verifies_greedy_drafts_in_the_graph(model_pat
         host.close()
 
 
-def test_a_step_with_drafts_of_unequal_lengths_gives_every_sequence_as_many_tokens(tmp_path: Path) -> None:
+def test_a_step_with_drafts_of_unequal_lengths_gives_every_sequence_as_many_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp computes per-sequence KV streams in micro-batches of equally many tokens a sequence, so a
     step whose drafts differ in length (3 tokens, 1, none; and a free slot between busy ones) is filled
     to one width with filler tokens: one micro-batch, not one a length. The fillers change no text, and
@@ -384,7 +458,7 @@ def test_a_step_with_drafts_of_unequal_lengths_gives_every_sequence_as_many_toke
             return out
 
         eng.proposer = oracle
-        eng._step_cost = lambda chunk: (1.0, 0.0)  # type: ignore[method-assign]  # every draft pays
+        draft_always(monkeypatch)  # every draft pays
         p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
         runs = [(f"tok{i} tok{i + 1} tok{i + 2}", p) for i in range(4)]
         runs[1] = (runs[1][0], dataclasses.replace(p, max_tokens=4))  # ends early: a free slot between busy ones

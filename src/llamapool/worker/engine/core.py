@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, width
+from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, WidthCosts
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -79,7 +79,9 @@ class Engine:
         self.budget = cfg.max_batch_tokens  # the last step's token budget
         self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
-        self._measure: tuple[int, int, int, float] | None = None  # (rows, prompt tokens, drafts, start): last batch
+        # the last batch: (rows, prompt tokens, drafts, draft width, a new width, start)
+        self._measure: tuple[int, int, int, int, bool, float] | None = None
+        self._launched_width = 0  # the draft width of the batch launched last
         self._shape = (0, 0, 0)  # (rows, prompt tokens, draft and filler tokens) of the batch being built
         # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds and budget to PREFIX.<pid>
         trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
@@ -99,7 +101,8 @@ class Engine:
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
         self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.Lookup)
-        self._width = 0  # the last step's draft width (spec.width)
+        self._width = 0  # the last step's draft width (spec.WidthCosts.choose)
+        self.widths = WidthCosts()  # decode steps' seconds at each draft width
 
     @property
     def free_ids(self) -> deque[int]:
@@ -396,8 +399,8 @@ class Engine:
 
     def _propose(self, chunk: dict[int, int]) -> int:
         """Drafts for the step's decoding sequences that speculate (spec.py) and the step's draft width
-        (``spec.width``: every decoding row carries as many tokens after its own; returned): a draft token
-        costs what a prompt token does (the cost model's), and pays its chance of acceptance (the
+        (``WidthCosts.choose``: every decoding row carries as many tokens after its own; returned): a
+        width costs its measured step time, and a draft token pays its chance of acceptance (the
         sequence's acceptance estimate to the power of its place in the draft)."""
         decoding: list[Sequence] = []
         outputs = prefilling = 0
@@ -414,10 +417,27 @@ class Engine:
         if not decoding:
             self._width = 0
             return 0
-        step_s, draft_s = self._step_cost(chunk)
-        least = outputs * draft_s / step_s  # the chance a first draft token needs to pay
-        chances: dict[int, list[float]] = {}
-        drafts: dict[int, list[int]] = {}
+        rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
+        cost = self._width_cost(chunk, rows, prefilling)
+        least = outputs * max(cost(1) - cost(0), 0.0) / cost(0) / rows  # the chance a first draft needs to pay
+        drafts = self._drafts(decoding, least)
+        if not drafts:
+            self._width = 0
+            return 0
+        chances = {sid: [seq.drafting.rate ** (j + 1) for j in range(len(draft))]  # type: ignore[union-attr]
+                   for sid, (seq, draft) in drafts.items()}
+        most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
+                   self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
+        k = self.widths.choose(chances, outputs, rows + prefilling, most, self._width, cost)
+        self._width = k
+        if k:
+            for seq, draft in drafts.values():
+                seq.drafting.draft = draft[:k]  # type: ignore[union-attr]
+        return k
+
+    def _drafts(self, decoding: list[Sequence], least: float) -> dict[int, tuple[Sequence, list[int]]]:
+        """The drafts of the decoding sequences whose acceptance estimate is at least ``least`` (by sequence id)."""
+        drafts: dict[int, tuple[Sequence, list[int]]] = {}
         ctx = self.cfg.ctx_per_slot - 2
         for seq in decoding:
             d = seq.drafting
@@ -437,39 +457,31 @@ class Engine:
             if not draft:
                 d.idle()
                 continue
-            drafts[seq.seq_id] = draft
-            rate = d.rate
-            chances[seq.seq_id] = [rate ** (j + 1) for j in range(len(draft))]
-        if not drafts:
-            self._width = 0
-            return 0
-        rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
-        most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
-                   self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
-        k = width(chances, step_s, draft_s, outputs, rows, most, self._width)
-        self._width = k
-        if k:
-            for sid, draft in drafts.items():
-                self.active[sid].drafting.draft = draft[:k]  # type: ignore[union-attr]
-        return k
+            drafts[seq.seq_id] = (seq, draft)
+        return drafts
 
-    def _padded_rows(self, chunk: dict[int, int]) -> int:
-        """The step's rows that a draft width pads: decoding sequences and free slots between busy ones
-        (``batch.fill``), not prompt chunks."""
-        prefilling = sum(1 for sid in chunk if (s := self.active.get(sid)) is not None and s.prefilling)
-        return max(1, max(chunk) - min(chunk) + 1 - prefilling)
-
-    def _step_cost(self, chunk: dict[int, int]) -> tuple[float, float]:
-        """The planned step's seconds and a draft token's, from the cost model (before it is fitted: a
-        width of one draft, padded over the step's rows, at a tenth of the step; before a step with
-        drafts was seen, a draft token free: the first drafting steps measure it)."""
+    def _width_cost(self, chunk: dict[int, int], rows: int, prefilling: int) -> Callable[[int], float]:
+        """The planned step's seconds at each draft width: a decode step's measured seconds at that width
+        (``WidthCosts``), else the cost model's (before it is fitted: a width of one draft, padded over
+        the step's ``rows``, at a tenth of the step), plus the cost model's for its prompt work; a width
+        costs at most what a wider one does (a measurement too high is never chosen, so never corrected)."""
         coef = self.cost.coef
         if coef is None:
-            return 1.0, 0.1 / self._padded_rows(chunk)
+            return lambda k: 1.0 + 0.1 * k
         base, per_row, per_token, prompt_step, per_draft = coef
         prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
-        step_s = base + per_row * len(chunk) + per_token * prompt + (prompt_step if prompt else 0.0)
-        return max(step_s, 1e-6), max(per_draft, 1e-9)
+        decode_s = max(base + per_row * len(chunk), 1e-6)
+        prompt_s = per_token * prompt + (prompt_step if prompt else 0.0)
+        total = rows + prefilling
+        costs = [self._decode_cost(k, total, rows, decode_s, per_row, per_draft) + prompt_s
+                 for k in range(MAX_DRAFT + 1)]
+        for k in range(MAX_DRAFT - 1, -1, -1):  # a width never costs more than a wider one
+            costs[k] = min(costs[k], costs[k + 1])
+        return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
+
+    def _decode_cost(self, k: int, total: int, rows: int, decode_s: float, per_row: float, per_draft: float) -> float:
+        seen = self.widths.seconds(k, total, per_row)
+        return seen if seen is not None else decode_s + max(per_draft, 1e-9) * k * rows
 
     def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A constrained sequence's draft cut where its grammar refuses a token."""
@@ -499,16 +511,20 @@ class Engine:
         return True
 
     def _time_step(self, now: float) -> None:
-        """Feed the cost model: the batch launched before this one took until now (launches follow each
-        other while the engine is busy: with GPU sampling the host works while the GPU computes)."""
-        last, self._measure = self._measure, (*self._shape, now)
+        """Feed the cost model, and the draft widths' costs for a decode step: the batch launched before
+        this one took until now (launches follow each other while the engine is busy: with GPU sampling
+        the host works while the GPU computes)."""
+        last, self._measure = self._measure, (*self._shape, self._width, self._width != self._launched_width, now)
+        self._launched_width = self._width
         if last is None:
             return
-        rows, tokens, drafts, start = last
+        rows, tokens, drafts, k, changed, start = last
         seconds = now - start
         expected = self.cost.predict(rows, tokens, drafts) or 0.5
         if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
             self.cost.observe(rows, tokens, seconds, drafts)
+            if not tokens:
+                self.widths.observe(k, rows, seconds, changed)
         if self._trace is not None:
             self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts}\n")
 

@@ -17,13 +17,14 @@ disagreement (or the last row) ends it; the positions of the drafts not kept lea
 Drafts come from the sequence itself (prompt lookup): the longest recent n-gram match of its last
 tokens in its prompt and output proposes the tokens that followed it. How many a sequence may draft
 adapts to its acceptance (:class:`Drafting`), and how many a step carries is the step's business
-(:func:`afford`): a draft token costs what a batch row costs, and pays its expected acceptance.
+(:class:`WidthCosts`): each width's measured step time against the tokens its drafts are expected to keep.
 No llama.cpp here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -149,29 +150,96 @@ class Proposer(Protocol):
 
 WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
 STICKY = 0.97  # the last step's width stays unless another one promises this much more
+SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
+STALE = 256  # decisions: a width not measured for this long in a band of rows is tried again ...
+WORTH_TRYING = 0.75  # ... if its estimate promises at least this share of the best width's speed
+TRIAL = 3  # steps a trial runs (its first, a new shape, is not measured)
+OUTLIER = 2.5  # a step this many times a width's estimate is not measured
 
 
-def width(chances: dict[int, list[float]], step_s: float, draft_s: float, outputs: int, rows: int, most: int,
-          last: int = 0) -> int:
-    """The step's draft width ``k``: every decoding sequence, and every padding slot between them (``rows`` in
-    all), carries ``k`` tokens after its own, its draft cut or filled up to ``k`` with filler tokens that are
-    computed and dropped. llama.cpp computes a batch of per-sequence KV streams in micro-batches of equally
-    many tokens a sequence, so drafts of unequal lengths would split the step into one micro-batch per
-    length, each reading the weights again.
+@dataclass
+class _Seen:
+    """A width's measured decode steps in one band of rows: their seconds and rows (moving averages)."""
 
-    ``chances[key][j]`` is draft ``j + 1``'s chance of being accepted; a width ``k`` costs ``rows * k``
-    tokens of ``draft_s`` each and yields the chances of every draft's first ``k`` tokens. The width of
-    most expected tokens a second among ``WIDTHS`` (each cut to ``most``) or none, shorter drafts
-    filled up to it; ``last`` stays unless another beats it by ``1 / STICKY`` (a new shape: llama.cpp's graph built
-    again)."""
-    seconds = max(step_s, 1e-9)
+    seconds: float
+    rows: float
+    at: int  # the decision count when last measured
 
-    def speed(k: int) -> float:
-        gain = sum(sum(cs[:k]) for cs in chances.values())
-        return (max(outputs, 1) + gain) / (seconds + k * rows * draft_s)
 
-    speeds = {k: speed(k) for k in (0, *(min(w, most) for w in WIDTHS)) if k >= 0}
-    best = max(speeds, key=lambda k: speeds[k])
-    if last in speeds and speeds[last] >= STICKY * speeds[best]:
-        return last
-    return best
+class WidthCosts:
+    """What a decode step costs at each draft width, measured, and the step's width chosen from it.
+
+    A verify step's cost is far from linear in its draft tokens: on an H100 (docs/benchmarks.md) one
+    draft token a row at 64 rows cost 1.4x a plain step, three 1.9x, seven 2.9x (matrix-vector kernels
+    give way to matrix-matrix ones), and a step whose width differs from the last one's costs 0.4-2 ms
+    more (llama.cpp builds its graph again). So each width's decode steps (no prompt work) are timed,
+    per band of rows (1, 2-3, 4-7, ... rows), as moving averages; a width not measured in the band is
+    estimated by the linear cost model (``prior``), and tried for a few steps when that estimate (or a
+    stale measurement) comes near the best width's: so the choice follows measured speeds, not a
+    fitted line, and a trial costs little. The first step after a change of width is not measured."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, int], _Seen] = {}
+        self.decisions = 0
+        self._tried: dict[tuple[int, int], int] = {}  # (width, band) -> the decision count of its last trial
+        self._trial: tuple[int, int] | None = None  # (width, steps left)
+
+    @staticmethod
+    def band(rows: int) -> int:
+        return max(rows, 1).bit_length()
+
+    def observe(self, k: int, rows: int, seconds: float, changed: bool) -> None:
+        """A decode step of width ``k`` over ``rows`` rows took ``seconds`` (``changed``: its width was new)."""
+        if changed:
+            return
+        key = (k, self.band(rows))
+        s = self.seen.get(key)
+        if s is None:
+            self.seen[key] = _Seen(seconds, float(rows), self.decisions)
+            return
+        if seconds > OUTLIER * s.seconds:  # the engine waited for work in between, not computing
+            return
+        s.seconds = SETTLE * s.seconds + (1 - SETTLE) * seconds
+        s.rows = SETTLE * s.rows + (1 - SETTLE) * rows
+        s.at = self.decisions
+
+    def seconds(self, k: int, rows: int, per_row: float) -> float | None:
+        """A decode step's measured seconds at width ``k`` over ``rows`` rows (None: not measured in their
+        band), moved along the cost model's ``per_row`` from the rows it was measured at."""
+        s = self.seen.get((k, self.band(rows)))
+        return None if s is None else max(s.seconds + per_row * (rows - s.rows), 1e-6)
+
+    def choose(self, chances: dict[int, list[float]], outputs: int, rows: int, most: int, last: int,
+               cost: Callable[[int], float]) -> int:
+        """The step's draft width ``k``: every decoding sequence and padding slot carries ``k`` tokens after
+        its own (drafts cut, or filled with filler tokens), so a step has one shape (llama.cpp computes
+        per-sequence KV streams in micro-batches of equally many tokens a sequence: drafts of unequal
+        lengths would split the step, each part reading the weights again).
+
+        ``chances[key][j]`` is draft ``j + 1``'s chance of being kept; a width yields the chances of every
+        draft's first ``k`` tokens besides the ``outputs`` rows' own tokens, in a step of ``cost(k)``
+        seconds (the step's ``rows``: the band its measurements are kept in). The width of most expected
+        tokens a second among none and ``WIDTHS`` (each cut to ``most``); ``last`` stays unless another
+        beats it by ``1 / STICKY``; a width worth trying whose measurement is missing or stale runs
+        ``TRIAL`` steps."""
+        self.decisions += 1
+        ks = sorted({0, *(min(w, most) for w in WIDTHS if most >= 1)})
+        speeds = {k: (max(outputs, 1) + sum(sum(cs[:k]) for cs in chances.values())) / max(cost(k), 1e-9)
+                  for k in ks}
+        best = max(speeds, key=lambda k: speeds[k])
+        if self._trial is not None:
+            k, left = self._trial
+            self._trial = (k, left - 1) if left > 1 else None
+            if k in speeds:
+                return k
+        band = self.band(rows)
+        for k in ks:
+            s, tried = self.seen.get((k, band)), self._tried.get((k, band), -STALE - 1)
+            fresh = s is not None and self.decisions - s.at <= STALE
+            if not fresh and self.decisions - tried > STALE and k != best and speeds[k] >= WORTH_TRYING * speeds[best]:
+                self._tried[k, band] = self.decisions
+                self._trial = (k, TRIAL - 1)
+                return k
+        if last in speeds and speeds[last] >= STICKY * speeds[best]:
+            return last
+        return best
