@@ -372,6 +372,39 @@ def test_tokens_ready_before_a_prompt_step_are_flushed_before_it_is_launched(mod
         eng.close()
 
 
+def test_a_first_token_is_sent_before_the_next_launch(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a prompt step the next launch is slow on a GPU (a CUDA graph captured again), so a prompt's
+    first token is handed to ``flush`` before the next batch is launched; the other sequences' tokens go
+    after the launch, as in every pipelined step."""
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=512, max_batch_tokens=256, threads=2,
+                              backend_sampling=True))
+    events: list[str] = []
+    launch = Engine._launch
+
+    def recording(self: Engine, order: list, out: Step) -> bool:  # type: ignore[type-arg]
+        events.append("launch")
+        return launch(self, order, out)
+
+    monkeypatch.setattr(Engine, "_launch", recording)
+    try:
+        p = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        eng.submit(Run(1, "Hello", p, True), Step())
+        for _ in range(3):
+            eng.step()
+        eng.submit(Run(2, "Hello there", p, True), Step())
+        flushed: list[Step] = []
+        eng.step(lambda part: (events.append("flush"), flushed.append(part)))  # the prompt step
+        assert events[-1] == "launch"
+        events.clear()
+        flushed.clear()
+        rest = eng.step(lambda part: (events.append("flush"), flushed.append(part)))
+        assert events == ["flush", "launch"]
+        assert [d[0] for d in flushed[0].deltas] == [2]  # the first token, alone
+        assert [d[0] for d in rest.deltas] == [1]  # the running sequence's, after the launch
+    finally:
+        eng.close()
+
+
 def test_every_sampling_parameter_builds_a_sampler_and_generates(engine: Engine) -> None:
     """repeat_penalty, top_k, top_p, min_p, temperature and seed, alone and together: each request
     generates its tokens (a sampler llama.cpp refused would fail the request, not the engine)."""

@@ -283,12 +283,16 @@ class Engine:
         when all but the last have run (each waits for the one before to copy its inputs). So
         before launching such a batch, the text of the tokens just read is worked out and handed
         to ``flush`` (the worker sends it at once): otherwise every client would wait a whole
-        prefill step longer for tokens that are ready.
+        prefill step longer for tokens that are ready. A prompt's first token goes to ``flush`` before
+        the next launch too (``_send_first``): time to first token.
         """
         out = Step()
         t_step = time.perf_counter()
         if self.gpu_sampling:
+            fresh = [seq for seq in self.inflight if not seq.generated and not seq.params.logprobs]
             ready = self._collect(out)
+            if flush is not None and fresh:  # first tokens: sent before the next launch
+                ready, out = self._send_first(ready, fresh, out, flush)
             order = self._build(out)
             blocking = flush is not None and self._split  # several micro-batches: decode blocks
             if blocking:
@@ -311,6 +315,22 @@ class Engine:
         out.active = len(self.active)
         self.step_s += time.perf_counter() - t_step
         return out
+
+    def _send_first(self, ready: list[tuple[Sequence, int]], fresh: list[Sequence], out: Step,
+                    flush: Callable[[Step], None]) -> tuple[list[tuple[Sequence, int]], Step]:
+        """The first tokens of the sequences whose prompt just ended (``fresh``), emitted and handed to
+        ``flush`` before the next batch is built and launched; the rest of ``ready`` is returned, with a new
+        report. After a prompt step the next launch is a slow one (llama.cpp's CUDA graph is captured
+        again for the decode shape, its kernels launched one by one meanwhile), and the first token would
+        otherwise wait for it: time to first token."""
+        first = {id(seq) for seq in fresh}
+        early = [(seq, tok) for seq, tok in ready if id(seq) in first]
+        if not early:
+            return ready, out
+        self._emit_ready(early, out)
+        out.active = len(self.active)
+        flush(out)
+        return [(seq, tok) for seq, tok in ready if id(seq) not in first], Step()
 
     def _emit_ready(self, ready: list[tuple[Sequence, int]], out: Step) -> None:
         for seq, tok in ready:
@@ -498,6 +518,7 @@ class Engine:
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
         self._time_step(t0)
+        self.sampling.before_launch()  # the masks the graph applies are its inputs
         rc = L.llama_decode(self.ctx, b.raw)
         self.decode_s += time.perf_counter() - t0
         self.steps += 1
