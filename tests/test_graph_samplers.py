@@ -1,6 +1,7 @@
 """llamapool's samplers in the decode graph (worker/graph_samplers.py): a greedy row leaves only its token,
 a greedy request's logprobs are the host path's numbers, while only the row's likeliest tokens leave the
-backend, and a constrained greedy row keeps its logits (a refused pick is replaced from them).
+backend, and a constrained greedy row is sampled under its grammar's mask in the graph (only its token
+leaves it), or with ``graph_masks`` off keeps its logits (a refused pick is replaced from them).
 
 The graph path runs where llama.cpp's backend sampling runs (GPU workers); ``backend_sampling=True``
 exercises the same code on the CPU backend, against the host path of a CPU engine."""
@@ -40,8 +41,8 @@ def gemma() -> str:
     return str(default_model.fetch(Path(__file__).resolve().parent.parent / "models"))
 
 
-def engines(path: str, slots: int) -> Iterator[tuple[Engine, Engine]]:
-    kw = {"slots": slots, "ctx_per_slot": 256, "max_batch_tokens": 256, "n_ubatch": 256, "threads": 2}
+def engines(path: str, slots: int, **over: int | bool) -> Iterator[tuple[Engine, Engine]]:
+    kw = {"slots": slots, "ctx_per_slot": 256, "max_batch_tokens": 256, "n_ubatch": 256, "threads": 2, **over}
     host, graph = Engine(EngineConfig(path, **kw)), Engine(EngineConfig(path, **kw, backend_sampling=True))
     try:
         yield host, graph
@@ -107,19 +108,143 @@ def test_only_a_greedy_unconstrained_request_without_echo_takes_the_graph_path(m
             assert not s.in_graph(dataclasses.replace(GREEDY_LP, **other)), other
 
 
-def test_a_plain_greedy_row_leaves_only_its_token_and_a_constrained_one_its_logits(model_path: str) -> None:
-    """The slot's greedy chain copies no logits to the host; a constrained greedy request gets the slot's
-    other greedy chain (llama.cpp's, which keeps them), the slot's plain chain comes back after it, and
-    each gives the host path's text."""
+def test_a_plain_greedy_row_and_a_masked_one_leave_only_their_tokens(model_path: str) -> None:
+    """The slot's greedy chain copies no logits to the host, nor does a constrained greedy request's
+    masked chain (with ``graph_masks`` off: llama.cpp's greedy chain, which keeps them); the slot's plain
+    chain comes back after it, and each gives the host path's text."""
     import llama_cpp as L
 
     for host, graph in engines(model_path, slots=1):
         plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=6)
         constrained = dataclasses.replace(plain, json_schema={"type": "object"}, ignore_eos=False)
         s = graph.sampling
-        for rid, p in enumerate([plain, constrained, constrained, plain, constrained]):
+        for rid, (p, masks) in enumerate([(plain, True), (constrained, True), (constrained, False),
+                                          (constrained, True), (plain, True), (constrained, False)]):
+            s.graph_masks = masks
             run = Run(rid, "x" * (rid + 1), p, False)
             assert run_all(graph, [run])[rid][0] == run_all(host, [run])[rid][0]
-            assert s._on[0] is (s._keeping if p.constrained else s._greedy)[0]
+            chains = s._greedy if not p.constrained else s._masked if masks else s._keeping
+            assert s._on[0] is chains[0]
             kept = L.llama_get_sampled_logits_count_ith(graph.ctx, -1)  # the last step's row
-            assert kept == (graph.n_vocab if p.constrained else 0), (rid, kept)
+            assert kept == (graph.n_vocab if p.constrained and not masks else 0), (rid, kept)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 10},
+                                           "b": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+          "required": ["a", "b", "c"], "additionalProperties": False}
+CONSTRAINED = [dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=48, ignore_eos=False,
+                                   **kw) for kw in ({"json_schema": SCHEMA}, {"regex": r"[a-z]{2,8}( [0-9]{1,3}){2,5}"},
+                                                    {"grammar": 'root ::= "(" [a-z]+ ", " ("yes" | "no") ")"'})]
+
+
+def masked_and_host_agree(host: Engine, graph: Engine, runs: list[Run]) -> dict[int, str]:
+    """``runs`` on both engines: the same texts, every constrained token of the graph engine picked in
+    the graph under its mask (the host's replacement of a refused pick never runs; llama.cpp set the
+    masked rows' inputs at least once a token)."""
+    s = graph.sampling
+
+    def no_host_pick(*a: object) -> int:
+        raise AssertionError("a constrained row of the graph engine was picked on the host")
+
+    s._pick_constrained = no_host_pick  # type: ignore[method-assign]
+    assert s._graph is not None
+    before = s._graph.masked_inputs
+    want, got = run_all(host, runs), run_all(graph, runs)
+    for r in runs:
+        assert got[r.rid][0] == want[r.rid][0], (r.params, got[r.rid][0], want[r.rid][0])
+    tokens = sum(len(host.tokenize(want[r.rid][0])) for r in runs if r.params.constrained)
+    assert s._graph.masked_inputs - before >= tokens // 2 > 0
+    return {r.rid: want[r.rid][0] for r in runs}
+
+
+@pytest.mark.parametrize("n_vocab", [512, 1001])
+def test_constrained_greedy_rows_masked_in_the_graph_give_the_host_paths_text(
+        tmp_path_factory: pytest.TempPathFactory, n_vocab: int) -> None:
+    """A random model (its argmaxes refused all the time: the mask decides), a vocabulary a multiple of
+    32 and one that is not (the mask's last word padded): JSON schema, regex and grammar requests beside
+    plain ones in one batch, waves of them in slots changing hands, token for token the host's text."""
+    import json
+    import re
+
+    from llamapool.modelgen import make_model
+
+    path = str(make_model(tmp_path_factory.mktemp("vocab") / f"v{n_vocab}.gguf", n_vocab=n_vocab))
+    plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=20)
+    for host, graph in engines(path, slots=5):
+        for wave in range(3):
+            kinds = [*CONSTRAINED, plain, CONSTRAINED[wave]]
+            runs = [Run(10 * wave + i, PROMPTS[(i + wave) % len(PROMPTS)], kinds[(i + wave) % 5], False)
+                    for i in range(5)]
+            texts = masked_and_host_agree(host, graph, runs)
+            for r in runs:
+                if r.params.json_schema is not None and texts[r.rid].endswith("}"):
+                    assert set(json.loads(texts[r.rid])) == {"a", "b", "c"}
+                if r.params.regex is not None:
+                    assert re.fullmatch(r"[a-z]{2,8}( [0-9]{1,3}){0,5}", texts[r.rid]), texts[r.rid]
+            assert len(graph.free_ids) == 5
+
+
+def test_masked_rows_on_gemma(gemma: str) -> None:
+    """Gemma 3 270M (262,144 tokens): constrained greedy replies masked in the graph are the host's. Its
+    near-ties make a reply depend on the batch it was decoded in (the CPU's kernels for one row and for
+    several), and a request joins a batch when its grammar has compiled (a thread), its prompt partly
+    cached or not: the grammars are compiled by a first round, the second is compared, without the
+    prefix cache."""
+    import json
+
+    runs = [Run(i, f"Describe item {i} as JSON:", CONSTRAINED[0], False) for i in range(3)]
+    runs += [Run(3, "Name a colour and two numbers:", CONSTRAINED[1], False),
+             Run(4, "Is the sky green?", CONSTRAINED[2], False),
+             Run(5, PROMPTS[0], dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0), False)]
+    for host, graph in engines(gemma, slots=6, prefix_cache=False):
+        run_all(host, runs), run_all(graph, runs)
+        texts = masked_and_host_agree(host, graph, runs)
+        assert all(json.loads(texts[i]) for i in range(3) if texts[i].endswith("}"))
+        assert texts[4].startswith("(")
+
+
+def test_without_the_mask_table_constrained_rows_keep_their_logits(model_path: str) -> None:
+    """A backend where the table cannot be made: the masked samplers take the plain argmax and keep the
+    row, and a refused pick is replaced on the host (the host path's text)."""
+    for host, graph in engines(model_path, slots=3):
+        g = graph.sampling._graph
+        assert g is not None
+
+        def no_table(buft: object) -> tuple[int, int, int]:
+            raise MemoryError("no room")
+
+        g._make_table = no_table  # type: ignore[method-assign]
+        runs = [Run(i, PROMPTS[i], CONSTRAINED[i], False) for i in range(3)]
+        assert {k: v[0] for k, v in run_all(graph, runs).items()} == {k: v[0] for k, v in run_all(host, runs).items()}
+        assert g._table is None and graph.sampling._on[0] is graph.sampling._masked[0]
+
+
+def test_masked_rows_in_steps_of_several_micro_batches(model_path: str) -> None:
+    """Long prompts arriving while others decode, in micro-batches of 16 tokens: a step's masked rows
+    lie in several micro-batches (each sets the masked inputs of its own graph), the host's text."""
+
+    def staggered(engine: Engine, runs: list[Run]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for n in range(10_000):
+            if n % 3 == 0 and n // 3 < len(runs):
+                engine.submit(runs[n // 3], Step())
+            if not engine.busy and n // 3 >= len(runs):
+                return out
+            step = engine.step() if engine.busy else Step()
+            assert not step.failed, step.failed
+            out.update((d.rid, d.text) for d in step.done)
+        raise AssertionError("not done")
+
+    plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=30)
+    runs = [Run(i, f"word{i} " * (5 + 7 * i), [*CONSTRAINED, plain][i % 4], False) for i in range(8)]
+    for host, graph in engines(model_path, slots=6, max_batch_tokens=128, n_ubatch=16):
+        s = graph.sampling
+        assert s._graph is not None
+
+        def no_host_pick(*a: object) -> int:
+            raise AssertionError("a constrained row of the graph engine was picked on the host")
+
+        s._pick_constrained = no_host_pick  # type: ignore[method-assign]
+        assert staggered(graph, runs) == staggered(host, runs)
+        assert s._graph.masked_inputs > 0

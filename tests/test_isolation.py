@@ -185,10 +185,14 @@ def test_the_issue_reproduction_on_smollm2(tmp_path, smollm2: str) -> None:  # t
         d.stop()
 
 
-def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, monkeypatch: pytest.MonkeyPatch,
+                                                              graph: bool) -> None:
     """llguidance's batch fill raising (a matcher's bug) used to leave the engine's step: the worker died.
     Each row is then filled alone, and the row that raises fails its request (``internal``, naming the
-    exception); the other constrained request and the plain one finish, and the engine goes on."""
+    exception); the other constrained request and the plain one finish, and the engine goes on. So too
+    where the decode graph applies the masks (``graph``: backend sampling, the failed row's stale mask
+    uploaded)."""
     import dataclasses
 
     import llguidance.numpy as lln
@@ -199,7 +203,8 @@ def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, m
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
     p = SamplingParams(max_tokens=16, temperature=0.0, json_schema=schema)
-    engine = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, threads=2))
+    engine = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, threads=2,
+                                 **({"backend_sampling": True} if graph else {})))  # type: ignore[arg-type]
     try:
         bad: list[Any] = []  # the matcher that raises: the first request's
         one, par = lln.fill_next_token_bitmask, lln.fill_next_token_bitmask_par
@@ -231,6 +236,9 @@ def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, m
         assert set(failed) == {1} and set(done) == {2, 3}, (failed, done)
         assert "a matcher that cannot fill its mask" in failed[1].message
         assert json.loads(done[2].text) is not None and done[3].completion_tokens == 16
+        if graph:  # the masks were applied in the graph
+            assert engine.sampling._graph is not None and engine.sampling._graph.masked_inputs > 0
+            assert engine.sampling.states == {} and engine.sampling._masked
         assert run_again(engine, p)  # the engine goes on
     finally:
         engine.close()

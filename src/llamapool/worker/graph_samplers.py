@@ -14,15 +14,23 @@ op a row would be a kernel a row, and ggml's CUDA top-k a row took ~5 ms a step 
 - ``greedy``: each row's argmax (``ggml_argmax``), and nothing else leaves the graph;
 - ``logprobs``: the argmax, and each row's ``k`` likeliest tokens (``ggml_argsort_top_k`` over many rows,
   ``ggml_top_k`` over a few), their raw logits and softmax probabilities (``ggml_soft_max``, then
-  ``ggml_get_rows``).
+  ``ggml_get_rows``);
+- ``masked`` (a constrained greedy row): the argmax of the row under its grammar's mask, and nothing
+  else leaves the graph. A table ``[16, 65536]`` (4 MiB, made once in a buffer of the logits' backend)
+  holds in row ``v`` 0 where bit ``j`` of ``v`` is set, else :data:`REFUSED`; the step's masked rows'
+  masks (llguidance's uint32 words as uint16 halves, one int32 index each) and their rows of the logits
+  are two graph inputs, set by the masked samplers' ``backend_set_input`` inside ``llama_decode``
+  (so the masks must be complete before it). Four kernels for all masked rows: the rows (``get_rows``),
+  their bias (``get_rows`` of the table, the first ``n_vocab`` of each row's taken), the sum, its argmax.
 
 On the host, a logprobs row's log-sum-exp is ``vals[j] - log(probs[j])`` at the likeliest ``j`` (its
 probability is at least ``1/n_vocab``, so the log is well conditioned), and each alternative's logprob
 is ``vals - lse``: the log-softmax of the raw logits, as the host path gives
 (:func:`llamapool.worker.sampling.log_softmax_top`).
 
-Only greedy rows without penalties, biases or a grammar take them (a constrained greedy row keeps
-llama.cpp's greedy sampler: a refused pick is replaced from the row's logits). The samplers are written
+Only greedy rows without penalties or biases take them (with ``Sampling.graph_masks`` off, a constrained
+greedy row keeps llama.cpp's greedy sampler: a refused pick is replaced from the row's logits). The
+samplers are written
 with llama-cpp-python's ctypes bindings and ggml's C API, so they need no rebuild of llama.cpp; their
 callbacks run when llama.cpp builds a graph, not every step (a graph is reused while the batch's shape
 and samplers stay).
@@ -31,6 +39,8 @@ and samplers stay).
 from __future__ import annotations
 
 import ctypes
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp as L
@@ -38,6 +48,11 @@ import numpy as np
 
 MAX_TOP = 20  # the most alternatives a row asks for (OpenAI's top_logprobs)
 FEW_ROWS = 8  # up to this many rows, ggml_top_k (one selection a row); more, one argsort over them all
+MASKED = 1 << 16  # a sampler context from here on: the masked greedy sampler of slot ``ctx - MASKED``
+CHUNK_BITS = 16  # a mask's tokens one row of the table covers (a uint32 word of llguidance's mask: two rows)
+REFUSED = -1e30  # a refused token's bias: finite, so a row that allows nothing still has an argmax
+F32, I32 = 0, 26  # ggml_type
+WEIGHTS = 1  # GGML_BACKEND_BUFFER_USAGE_WEIGHTS: ops on the table run where it lies
 
 _vp = ctypes.c_void_p
 
@@ -53,11 +68,26 @@ def _ggml() -> Any:
                        ("ggml_view_1d", [_vp, _vp, i64, ctypes.c_size_t]), ("ggml_soft_max", [_vp, _vp]),
                        ("ggml_argmax", [_vp, _vp]),
                        ("ggml_view_2d", [_vp, _vp, i64, i64, ctypes.c_size_t, ctypes.c_size_t]),
-                       ("ggml_set_name", [_vp, ctypes.c_char_p])):
+                       ("ggml_set_name", [_vp, ctypes.c_char_p]), ("ggml_add", [_vp, _vp, _vp]),
+                       ("ggml_new_tensor_1d", [_vp, ctypes.c_int, i64]),
+                       ("ggml_new_tensor_2d", [_vp, ctypes.c_int, i64, i64]), ("ggml_init", [_InitParams]),
+                       ("ggml_backend_alloc_ctx_tensors_from_buft", [_vp, _vp])):
         f = getattr(g, name)
         f.argtypes, f.restype = args, _vp
+    for name, args in (("ggml_set_input", [_vp]), ("ggml_free", [_vp]), ("ggml_backend_buffer_free", [_vp]),
+                       ("ggml_backend_buffer_set_usage", [_vp, ctypes.c_int]),
+                       ("ggml_backend_tensor_set", [_vp, _vp, ctypes.c_size_t, ctypes.c_size_t])):
+        f = getattr(g, name)
+        f.argtypes, f.restype = args, None
     g.ggml_nelements.argtypes, g.ggml_nelements.restype = [_vp], ctypes.c_int64
+    g.ggml_tensor_overhead.argtypes, g.ggml_tensor_overhead.restype = [], ctypes.c_size_t
     return g
+
+
+class _InitParams(ctypes.Structure):
+    """ggml's ``struct ggml_init_params``."""
+
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _vp), ("no_alloc", ctypes.c_bool)]
 
 
 class _Tensor(ctypes.Structure):
@@ -76,6 +106,30 @@ class _Iface(ctypes.Structure):
                 ("backend_set_input", _vp), ("backend_reset", _vp), ("copy_state", _vp)]
 
 
+@dataclass(eq=False)
+class _MaskedRows:
+    """The masked rows of the graph being built: its two inputs (each masked row's mask in 16-bit chunks,
+    ``[n_chunks * m]``, and its row of the step's logits, ``[m]``), their argmaxes (``[m]``), and what
+    fills them: each column's slot and row, as llama.cpp applies the masked samplers."""
+
+    whole: int  # the step's logits
+    idx: int
+    rows: int
+    best: int
+    chunks: np.ndarray  # the idx input's host copy, (m, n_chunks) int32
+    slots: list[int] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)
+    called: set[int] = field(default_factory=set)  # slots whose inputs were set since the last upload
+    uploaded: bool = False
+
+
+def mask_table() -> np.ndarray:
+    """Row ``v`` of the table: 0 where bit ``j`` of ``v`` is set (an allowed token), else :data:`REFUSED`
+    (``(2**CHUNK_BITS, CHUNK_BITS)`` float32: ggml's ``[CHUNK_BITS, 2**CHUNK_BITS]``, 4 MiB)."""
+    bits = (np.arange(1 << CHUNK_BITS)[:, None] >> np.arange(CHUNK_BITS)) & 1
+    return np.where(bits.astype(bool), 0.0, REFUSED).astype(np.float32)
+
+
 class GraphSamplers:
     """The samplers' interface (one per engine: its callbacks must outlive every sampler made from it)
     and the reading of a step's logprob rows. Every logprobs row keeps :data:`MAX_TOP` alternatives (a
@@ -91,10 +145,24 @@ class GraphSamplers:
         self._callbacks = (f(_vp, _vp)(self._name), L.llama_sampler_i_apply(self._apply_host),
                            L.llama_sampler_i_backend_init(self._init), L.llama_sampler_i_backend_apply(self._apply),
                            L.llama_sampler_i_backend_reset(self._reset))
+        self._masked_callbacks = (f(_vp, _vp)(self._masked_name), L.llama_sampler_i_backend_init(self._init_masked),
+                                  L.llama_sampler_i_backend_set_input(self._set_input))
         name, apply, init, backend_apply, reset = (ctypes.cast(c, _vp) for c in self._callbacks)
         self._iface = _Iface(name=name, apply=apply, backend_init=init, backend_apply=backend_apply,
                              backend_reset=reset)
+        m_name, m_init, set_input = (ctypes.cast(c, _vp) for c in self._masked_callbacks)
+        self._masked_iface = _Iface(name=m_name, apply=apply, backend_init=m_init, backend_apply=backend_apply,
+                                    backend_set_input=set_input, backend_reset=reset)
+        self._masked_name_buf = ctypes.create_string_buffer(b"llamapool-graph-masked")
         self._batch: dict[tuple[int, int], tuple[int, ...]] = {}  # the graph being built: (logits, k) -> results
+        # masked rows: the constrained slots' masks (Masks.bits, set by the owner), the slots whose masked
+        # sampler is in the graph (the owner keeps it), the table (ggml context, buffer, tensor: made on
+        # the first masked sampler's backend) and the graph being built's masked rows
+        self.mask_bits: np.ndarray | None = None
+        self.masked_on: set[int] = set()
+        self._table: tuple[int, int, int] | None = None
+        self._rows: _MaskedRows | None = None
+        self.masked_inputs = 0  # masked samplers' inputs set (llama.cpp's calls: one a masked row a step)
         # llama_get_sampled_{logits,probs,candidates}_ith returning addresses (ints: no pointer objects)
         lib, at = L.llama_cpp._lib, ctypes.CFUNCTYPE(_vp, _vp, ctypes.c_int32)
         self._sampled_at = tuple(at((f"llama_get_sampled_{what}_ith", lib))
@@ -109,14 +177,28 @@ class GraphSamplers:
         their logits and probabilities."""
         return self._chain(MAX_TOP)
 
-    def _chain(self, k: int) -> Any:
+    def masked(self, slot: int) -> Any:
+        """A sampler chain for slot ``slot``'s constrained greedy rows: the argmax of the row's logits
+        under the slot's mask (row ``slot`` of :attr:`mask_bits`, read when llama.cpp sets the step's
+        inputs: it must be complete before ``llama_decode``), and nothing else leaves the graph."""
+        return self._chain(MASKED + slot, self._masked_iface)
+
+    def _chain(self, k: int, iface: _Iface | None = None) -> Any:
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, self._make(k))
+        L.llama_sampler_chain_add(chain, self._make(k, iface or self._iface))
         return chain
 
-    def _make(self, k: int) -> Any:
-        iface = ctypes.cast(ctypes.pointer(self._iface), ctypes.POINTER(L.llama_sampler_i))
-        return L.llama_sampler_init(iface, _vp(k))  # the sampler's context is k itself
+    def _make(self, k: int, iface: _Iface) -> Any:
+        ptr = ctypes.cast(ctypes.pointer(iface), ctypes.POINTER(L.llama_sampler_i))
+        return L.llama_sampler_init(ptr, _vp(k))  # the sampler's context is k itself
+
+    def close(self) -> None:
+        """Free the table (after the context that used it)."""
+        if self._table is not None:
+            ctx, buf, _ = self._table
+            self._table = None
+            self._g.ggml_backend_buffer_free(buf)
+            self._g.ggml_free(ctx)
 
     # ------------------------------------------------------------ callbacks (from llama.cpp)
 
@@ -126,14 +208,47 @@ class GraphSamplers:
     def _init(self, smpl: Any, buft: Any, n_outputs_max_per_seq: int) -> bool:
         return True  # argmax, top_k, argsort, get_rows and soft_max: every backend has them
 
+    def _masked_name(self, smpl: int) -> int:
+        return ctypes.addressof(self._masked_name_buf)
+
+    def _init_masked(self, smpl: Any, buft: Any, n_outputs_max_per_seq: int) -> bool:
+        """The table, once, in a buffer of the backend that holds the step's logits (a failure leaves the
+        masked samplers greedy, keeping their rows: the host applies the masks, :meth:`_apply_masked`)."""
+        if self._table is None:
+            try:
+                self._table = self._make_table(buft)
+            except Exception as e:  # a callback: nothing may escape
+                print(f"llamapool: no mask table on this backend ({e!r}): masks are applied on the host",
+                      file=sys.stderr, flush=True)
+        return True
+
+    def _make_table(self, buft: Any) -> tuple[int, int, int]:
+        g, table = self._g, mask_table()
+        ctx = g.ggml_init(_InitParams(2 * g.ggml_tensor_overhead(), None, True))
+        if not ctx:
+            raise MemoryError("ggml_init")
+        t = g.ggml_new_tensor_2d(ctx, F32, CHUNK_BITS, 1 << CHUNK_BITS)
+        g.ggml_set_name(t, b"llamapool_mask_table")
+        buf = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+        if not buf:
+            g.ggml_free(ctx)
+            raise MemoryError(f"{table.nbytes} bytes for the mask table")
+        g.ggml_backend_buffer_set_usage(buf, WEIGHTS)
+        g.ggml_backend_tensor_set(t, table.ctypes.data, 0, table.nbytes)
+        return ctx, buf, t
+
     def _reset(self, smpl: Any) -> None:
         """A graph is about to be built: the last one's batched results are not its."""
         self._batch.clear()
+        self._rows = None
 
     def _apply(self, smpl: Any, ctx: int, gf: int, data: Any) -> None:
         """The row's outputs: views of results computed once for all the step's output rows."""
         g, k = self._g, int(smpl.contents.ctx or 0)
         d = data.contents
+        if k >= MASKED:
+            self._apply_masked(ctx, d, k - MASKED)
+            return
         row = ctypes.cast(d.logits, ctypes.POINTER(_Tensor)).contents
         whole = row.view_src or d.logits  # the step's logits (a probe graph's row is a tensor of its own)
         t = ctypes.cast(whole, ctypes.POINTER(_Tensor)).contents
@@ -167,6 +282,73 @@ class GraphSamplers:
         for tensor, name in ((ids, b"logprobs_ids"), (vals, b"logprobs_vals"), (probs, b"logprobs_probs")):
             g.ggml_set_name(tensor, name)
         return best, ids, vals, probs
+
+    def _apply_masked(self, ctx: int, d: Any, slot: int) -> None:
+        """A masked row's token: a view of the argmaxes computed once for all the graph's masked rows
+        (:meth:`_masked_rows`; a probe graph, whose node count llama.cpp reserves room by, builds them
+        too); its column is the next one. A graph without the table (or with more masked rows than
+        expected) takes the plain argmax of the row, and keeps the row (the host applies the mask)."""
+        g = self._g
+        row = ctypes.cast(d.logits, ctypes.POINTER(_Tensor)).contents
+        whole = row.view_src or d.logits  # the step's logits (a probe graph's row is a tensor of its own)
+        t = ctypes.cast(whole, ctypes.POINTER(_Tensor)).contents
+        st = self._rows
+        if self._table is not None and (st is None or st.whole != whole):
+            rows = max(1, int(t.ne[1]) - 1) if row.view_src else 1  # llama.cpp pads the logits with a row
+            st = self._rows = self._masked_rows(ctx, whole, int(t.ne[0]), rows, int(t.nb[1]))
+        if st is None or len(st.slots) >= len(st.chunks):
+            d.sampled = g.ggml_argmax(ctx, d.logits)
+            return
+        d.sampled = g.ggml_view_1d(ctx, st.best, 1, 4 * len(st.slots))
+        d.logits = None
+        st.slots.append(slot)
+        st.at.append(int(row.view_offs) // int(t.nb[1]) if row.view_src else 0)
+
+    def _masked_rows(self, ctx: int, logits: int, n: int, rows: int, stride: int) -> _MaskedRows:
+        """Over the graph's masked rows (as many as :attr:`masked_on` says are in the graph): each one's
+        row of ``logits`` (``get_rows`` by the ``rows`` input), its bias (``get_rows`` of the table by
+        the ``idx`` input: ``[CHUNK_BITS, n_chunks * m]``, a row's first ``n`` taken: the padding of the last
+        word is never chosen), their sum's argmax: four kernels for all of them."""
+        g = self._g
+        assert self._table is not None
+        m, n_chunks = max(1, len(self.masked_on)), 2 * -(-n // 32)
+        idx = g.ggml_new_tensor_1d(ctx, I32, n_chunks * m)
+        at = g.ggml_new_tensor_1d(ctx, I32, m)
+        for tensor, name in ((idx, b"mask_chunks"), (at, b"mask_rows")):
+            g.ggml_set_name(tensor, name)
+            g.ggml_set_input(tensor)
+        picked = g.ggml_get_rows(ctx, g.ggml_view_2d(ctx, logits, n, rows, stride, 0), at)
+        bias = g.ggml_reshape_2d(ctx, g.ggml_get_rows(ctx, self._table[2], idx), CHUNK_BITS * n_chunks, m)
+        bias = g.ggml_view_2d(ctx, bias, n, m, 4 * CHUNK_BITS * n_chunks, 0)
+        best = g.ggml_argmax(ctx, g.ggml_add(ctx, picked, bias))
+        g.ggml_set_name(best, b"graph_masked")
+        return _MaskedRows(logits, idx, at, best, np.zeros((m, n_chunks), np.int32))
+
+    def _set_input(self, smpl: Any) -> None:
+        """A masked sampler whose sequence has a row in the micro-batch: the graph's masked inputs, all of
+        them at once, from the first such call after the graph was built, or after a call of the same
+        sampler (a micro-batch or a step that reuses the graph has the same samplers with rows); the
+        inputs lie in host memory, copied to the backend when the graph runs."""
+        st, slot = self._rows, int(smpl.contents.ctx or 0) - MASKED
+        self.masked_inputs += 1
+        if st is None:
+            return
+        if st.uploaded and slot not in st.called:
+            st.called.add(slot)
+            return
+        st.called, st.uploaded = {slot}, True
+        k = len(st.slots)
+        try:  # every index in the table's range, whatever happens (a garbage index reads out of bounds)
+            assert self.mask_bits is not None
+            st.chunks[:k] = self.mask_bits.view(np.uint16)[st.slots]
+        except Exception as e:  # a callback: nothing may escape
+            print(f"llamapool: masks not read ({e!r}): every token refused", file=sys.stderr, flush=True)
+            st.chunks[:k] = 0
+        at = np.zeros(len(st.chunks), np.int32)
+        at[:k] = st.at
+        g = self._g
+        g.ggml_backend_tensor_set(st.idx, st.chunks.ctypes.data, 0, st.chunks.nbytes)
+        g.ggml_backend_tensor_set(st.rows, at.ctypes.data, 0, at.nbytes)
 
     def _apply_host(self, smpl: Any, cur_p: Any) -> None:
         """On the host (a graph that could not take the sampler): greedy."""

@@ -7,9 +7,10 @@ runs, and its grammar matcher. Where it runs:
   own, :mod:`llamapool.worker.graph_samplers`: only the token leaves the GPU), and a request with other
   parameters attaches its own chain. A greedy request with **logprobs** is sampled there too, by a chain
   that also computes the row's likeliest tokens and their probabilities in the graph. A constrained
-  greedy row is sampled there too, by the slot's other greedy chain (llama.cpp's: it keeps the row's
-  logits beside the token): the graph's argmax is checked against the row's mask (one bit test), and
-  only a refused token is replaced by the likeliest allowed one, from the row's logits;
+  greedy row is sampled there too, by the slot's masked chain: the graph adds the row's mask (an input
+  of the step, uploaded inside ``llama_decode``: :meth:`Sampling.before_launch` waits for the masks
+  first) and only the allowed argmax leaves it. With ``graph_masks`` off, by llama.cpp's greedy chain
+  (it keeps the row's logits beside the token): a refused argmax is replaced from the row's logits;
 - **on the host**, from the row's logits, for what the graph cannot do: penalties (llama.cpp's
   repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, the logprobs of
   sampled, constrained or echoed requests, and the
@@ -18,8 +19,9 @@ runs, and its grammar matcher. Where it runs:
   logits in place, in one call for the step's rows.
 
 Masks are filled by :class:`~llamapool.worker.constraints.Masks` on a thread of their own while the GPU
-runs the step, and only constrained rows pay anything: unconstrained rows in the same batch take the
-path they take without them.
+runs the step (for a masked row: from its token's taking to the next launch), and only constrained rows
+pay anything: unconstrained rows in the same batch take the path they take without them. A row the graph
+samples under its mask does not speculate (``verifies``: no constrained request does in the graph).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class SeqSampling:
     in_graph: bool
     closing: Closing | None = None
     masked: bool = False  # its mask for the next token is filled, or being filled
+    graph_masked: bool = False  # the graph applies its mask (GraphSamplers.masked): the mask is an input
 
     @property
     def matcher(self) -> Any:
@@ -87,6 +90,8 @@ class Sampling:
         # context), and llama.cpp's, which keeps the row's logits (a constrained row's; made when first needed)
         self._greedy: dict[int, Any] = {i: self._graph.greedy() for i in range(slots)} if self._graph else {}
         self._keeping: dict[int, Any] = {}
+        self._masked: dict[int, Any] = {}  # each slot's masked greedy chain (a constrained row's; made when needed)
+        self.graph_masks = True  # constrained greedy rows: masked in the graph (False: llama.cpp's, keeping)
         self._on: dict[int, Any] = dict(self._greedy)  # what the graph samples each slot with (None: nothing)
         self._seq_cfg: Any = None
         self.ctx: Any = None
@@ -111,9 +116,9 @@ class Sampling:
 
     def in_graph(self, p: SamplingParams) -> bool:
         """Whether the decode graph samples for ``p``: GPU sampling, and nothing the graph cannot do
-        (penalties and biases, and masks, are applied on the host: llama.cpp's in-graph samplers are
-        its greedy, top-k/p, min-p, temperature and dist ones; logprobs are computed there for an
-        unconstrained greedy request whose prompt's are not asked for)."""
+        (penalties and biases are applied on the host, and so are masks, but for a greedy row's:
+        llama.cpp's in-graph samplers are its greedy, top-k/p, min-p, temperature and dist ones; logprobs
+        are computed there for an unconstrained greedy request whose prompt's are not asked for)."""
         if not self.gpu or p.adjusts_logits:
             return False
         if p.logprobs:
@@ -144,17 +149,20 @@ class Sampling:
             chain = self._graph.logprobs()
         else:
             chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
+        masked = in_graph and chain is None and p.constrained and self.graph_masks
         if self.gpu:  # the graph's chain for the slot: greedy, the request's own, or none (logits to the host)
             try:
-                self._put(slot, (self._greedy_for(slot, p.constrained) if chain is None else chain)
-                          if in_graph else None)
+                self._put(slot, (self._greedy_for(slot, "masked" if masked else "keeping" if p.constrained else "")
+                                 if chain is None else chain) if in_graph else None)
             except Exception:
                 if chain is not None:
                     L.llama_sampler_free(chain)
                 raise
-        state = SeqSampling(slot, p, chain, in_graph, closing)
+        state = SeqSampling(slot, p, chain, in_graph, closing, graph_masked=masked)
         if closing is not None and self.masks is None:
             self.masks = Masks(self._slots, self.n_vocab)
+            if self._graph is not None:
+                self._graph.mask_bits = self.masks.bits
         self.states[slot] = state
         return state
 
@@ -166,12 +174,14 @@ class Sampling:
         if state.chain is not None and state.chain is not self._on.get(state.slot):
             L.llama_sampler_free(state.chain)
 
-    def _greedy_for(self, slot: int, keeping: bool = False) -> Any:
-        """The slot's greedy chain (``keeping``: the one that keeps the row's logits): the one in the graph,
-        or a new one (a chain taken off the graph is not put back: llama.cpp set it up for the graph it
-        was in)."""
+    def _greedy_for(self, slot: int, kind: str = "") -> Any:
+        """The slot's greedy chain of ``kind`` ("": llamapool's; "masked": llamapool's under the slot's
+        mask; "keeping": llama.cpp's, which keeps the row's logits): the one in the graph, or a new one
+        (a chain taken off the graph is not put back: llama.cpp set it up for the graph it was in)."""
         assert self._graph is not None
-        chains, make = (self._keeping, _greedy_chain) if keeping else (self._greedy, self._graph.greedy)
+        graph = self._graph
+        chains, make = {"": (self._greedy, graph.greedy), "keeping": (self._keeping, _greedy_chain),
+                        "masked": (self._masked, lambda: graph.masked(slot))}[kind]
         ch = chains.get(slot)
         if ch is not None and self._on.get(slot) is ch:
             return ch
@@ -189,9 +199,14 @@ class Sampling:
             return
         self._attach(slot, chain)
         self._on[slot] = chain
-        if old is not None and old is not self._greedy.get(slot) and old is not self._keeping.get(slot) and all(
-                s.chain is not old for s in self.states.values()):
+        if self._graph is not None:  # how many masked rows a graph may have
+            (self._graph.masked_on.add if chain is self._masked.get(slot) else self._graph.masked_on.discard)(slot)
+        if old is not None and not self._own(slot, old) and all(s.chain is not old for s in self.states.values()):
             L.llama_sampler_free(old)
+
+    def _own(self, slot: int, chain: Any) -> bool:
+        """``chain`` is one of the slot's greedy chains (freed when made anew, or on close)."""
+        return any(chain is chains.get(slot) for chains in (self._greedy, self._keeping, self._masked))
 
     def _attach(self, slot: int, chain: Any) -> None:
         """Put ``chain`` on ``slot`` in the decode graph (None: take it off; the next decode re-plans)."""
@@ -237,16 +252,39 @@ class Sampling:
             s.masked = True
         self.masks.start([(s.matcher, s.slot) for s in todo])
 
+    def before_launch(self) -> None:
+        """Right before ``llama_decode``: the masks the graph applies are complete (they are its inputs,
+        read inside ``llama_decode``; filled in the background since the last step's tokens were taken),
+        a new sequence's first mask filled now; and the mask thread is done with the matchers."""
+        if self.masks is not None and any(s.graph_masked for s in self.states.values()):
+            self.masks_ready([s for s in self.states.values() if s.graph_masked])
+
     def pick(self, s: SeqSampling, idx: int) -> int:
         """The sequence's token from output row ``idx`` of the step just decoded."""
-        if s.in_graph:  # a constrained greedy row too: the graph's argmax, checked against the mask
+        if s.in_graph:  # a constrained greedy row too: the graph's argmax, under the mask or checked against it
             tok = int(L.llama_get_sampled_token_ith(self.ctx, idx))
-            return tok if s.matcher is None else self._pick_constrained(s, idx, tok)
+            if s.matcher is None:
+                return tok
+            return self._pick_masked(s, idx, tok) if s.graph_masked else self._pick_constrained(s, idx, tok)
         if s.matcher is None:
             if s.host_greedy:
                 return self._best[idx] if idx in self._best else int(self._logits(idx).argmax())
             return int(L.llama_sampler_sample(s.chain, self.ctx, idx))
         return self._pick_constrained(s, idx)
+
+    def _pick_masked(self, s: SeqSampling, idx: int, tok: int) -> int:
+        """A row the graph sampled under its mask: its token is allowed. Where it is not, the mask allows
+        nothing (the token is taken as the host path takes it), or the graph could not apply masks and
+        kept the row's logits (the host path replaces it from them); else the sequence fails."""
+        assert self.masks is not None and s.closing is not None
+        self.masks.check(s.slot)  # its mask could not be filled: this sequence fails, the others go on
+        if not self.masks.allows(s.slot, tok) and self.masks.bits[s.slot].any():
+            if L.llama_get_sampled_logits_count_ith(self.ctx, idx) != self.n_vocab:
+                raise RuntimeError(f"the decode graph picked token {tok}, which the mask of slot {s.slot} "
+                                   "refuses")
+            return self._pick_constrained(s, idx, tok)
+        s.masked = False
+        return s.closing.take(tok)
 
     def _pick_constrained(self, s: SeqSampling, idx: int, drawn: int = -1) -> int:
         """A constrained row's token: the likeliest (``drawn`` by the graph, or the host's argmax) if the
@@ -313,10 +351,12 @@ class Sampling:
         if self.masks is not None:
             self.masks.close()
         for slot, ch in self._on.items():  # finished sequences' chains still in the graph
-            if ch is not None and ch is not self._greedy.get(slot) and ch is not self._keeping.get(slot):
+            if ch is not None and not self._own(slot, ch):
                 L.llama_sampler_free(ch)
-        for ch in [*self._greedy.values(), *self._keeping.values()]:
+        for ch in [*self._greedy.values(), *self._keeping.values(), *self._masked.values()]:
             L.llama_sampler_free(ch)
+        if self._graph is not None:
+            self._graph.close()
 
 
 CHUNK = 1 << 18  # log_softmax_top: logits a pass takes at once (1 MB: its temporaries stay in the cache)

@@ -518,6 +518,7 @@ class Engine:
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
         self._time_step(t0)
+        self.sampling.before_launch()  # the masks the graph applies are its inputs
         rc = L.llama_decode(self.ctx, b.raw)
         self.decode_s += time.perf_counter() - t0
         self.steps += 1
