@@ -24,7 +24,7 @@ import pytest
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
-from llamapool.worker.engine.spec import STALE, TRIAL, Drafting, Lookup, WidthCosts, ngram_draft
+from llamapool.worker.engine.spec import SETTLING, STALE, TRIAL, Drafting, Lookup, WidthCosts, ngram_draft
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from spec_tasks import CODE, DOCS, INVOICE
@@ -123,10 +123,12 @@ def serve(w: WidthCosts, chances: dict[int, list[float]], rows: int, true_ms: di
           prior, steps: int) -> list[int]:  # type: ignore[no-untyped-def]
     """``steps`` decode steps as the engine runs them: each chooses a width, then takes its true time."""
     picks: list[int] = []
+    settled = 0
     for _ in range(steps):
         k = w.choose(chances, rows, rows, 8, picks[-1] if picks else 0,
                      lambda k: w.seconds(k, rows, 0.0) or prior(k))
-        w.observe(k, rows, true_ms[k], changed=bool(picks) and k != picks[-1])
+        settled = settled + 1 if picks and k == picks[-1] else 0
+        w.observe(k, rows, true_ms[k], changed=settled < SETTLING)
         picks.append(k)
     return picks
 

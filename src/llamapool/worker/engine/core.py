@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer, WidthCosts
+from llamapool.worker.engine.spec import MAX_DRAFT, SETTLING, Drafting, Proposer, WidthCosts
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -82,8 +82,11 @@ class Engine:
         # the last batch: (rows, prompt tokens, drafts, draft width, a new width, start)
         self._measure: tuple[int, int, int, int, bool, float] | None = None
         self._launched_width = 0  # the draft width of the batch launched last
+        self._launched_prompt = False  # the batch launched last had prompt work
+        self._settled = 0  # decode batches launched since the draft width changed or a prompt step
         self._shape = (0, 0, 0)  # (rows, prompt tokens, draft and filler tokens) of the batch being built
-        # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds and budget to PREFIX.<pid>
+        # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds, budget, draft and filler
+        # tokens, draft width and whether its time is left out of the width's (settling) to PREFIX.<pid>
         trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
         self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1) if trace else None  # line by line
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
@@ -535,8 +538,10 @@ class Engine:
         """Feed the cost model, and the draft widths' costs for a decode step: the batch launched before
         this one took until now (launches follow each other while the engine is busy: with GPU sampling
         the host works while the GPU computes)."""
-        last, self._measure = self._measure, (*self._shape, self._width, self._width != self._launched_width, now)
-        self._launched_width = self._width
+        new = self._width != self._launched_width or self._launched_prompt  # a decode graph built again
+        self._settled = 0 if new else self._settled + 1
+        last, self._measure = self._measure, (*self._shape, self._width, self._settled < SETTLING, now)
+        self._launched_width, self._launched_prompt = self._width, self._shape[1] > 0
         if last is None:
             return
         rows, tokens, drafts, k, changed, start = last
@@ -547,7 +552,7 @@ class Engine:
             if not tokens:
                 self.widths.observe(k, rows, seconds, changed)
         if self._trace is not None:
-            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts}\n")
+            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts} {k} {int(changed)}\n")
 
     def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
         """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""

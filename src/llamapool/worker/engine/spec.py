@@ -153,7 +153,8 @@ STICKY = 0.97  # the last step's width stays unless another one promises this mu
 SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
 STALE = 256  # decisions: a width not measured for this long in a band of rows is tried again ...
 WORTH_TRYING = 0.75  # ... if its estimate promises at least this share of the best width's speed
-TRIAL = 3  # steps a trial runs (its first, a new shape, is not measured)
+SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
+TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
 
 
@@ -172,11 +173,13 @@ class WidthCosts:
     A verify step's cost is far from linear in its draft tokens: on an H100 (docs/benchmarks.md) one
     draft token a row at 64 rows cost 1.4x a plain step, three 1.9x, seven 2.9x (matrix-vector kernels
     give way to matrix-matrix ones), and a step whose width differs from the last one's costs 0.4-2 ms
-    more (llama.cpp builds its graph again). So each width's decode steps (no prompt work) are timed,
+    more (llama.cpp builds its graph again, and the step after it captures a CUDA graph: on an H100 a
+    width-8 step measured at its second step looked too slow ever to be chosen again). So each width's
+    decode steps (no prompt work) are timed,
     per band of rows (1, 2-3, 4-7, ... rows), as moving averages; a width not measured in the band is
     estimated by the linear cost model (``prior``), and tried for a few steps when that estimate (or a
     stale measurement) comes near the best width's: so the choice follows measured speeds, not a
-    fitted line, and a trial costs little. The first step after a change of width is not measured."""
+    fitted line, and a trial costs little. The first ``SETTLING`` steps of a new width are not measured."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[int, int], _Seen] = {}
@@ -189,7 +192,8 @@ class WidthCosts:
         return max(rows, 1).bit_length()
 
     def observe(self, k: int, rows: int, seconds: float, changed: bool) -> None:
-        """A decode step of width ``k`` over ``rows`` rows took ``seconds`` (``changed``: its width was new)."""
+        """A decode step of width ``k`` over ``rows`` rows took ``seconds`` (``changed``: its width is new,
+        one of the first ``SETTLING`` steps at it)."""
         if changed:
             return
         key = (k, self.band(rows))
