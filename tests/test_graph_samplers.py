@@ -44,6 +44,7 @@ def gemma() -> str:
 def engines(path: str, slots: int, **over: int | bool) -> Iterator[tuple[Engine, Engine]]:
     kw = {"slots": slots, "ctx_per_slot": 256, "max_batch_tokens": 256, "n_ubatch": 256, "threads": 2, **over}
     host, graph = Engine(EngineConfig(path, **kw)), Engine(EngineConfig(path, **kw, backend_sampling=True))
+    graph.sampling.graph_masks = True  # constrained greedy rows masked in the graph
     try:
         yield host, graph
     finally:

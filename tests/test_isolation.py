@@ -205,6 +205,7 @@ def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, m
     p = SamplingParams(max_tokens=16, temperature=0.0, json_schema=schema)
     engine = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, threads=2,
                                  **({"backend_sampling": True} if graph else {})))  # type: ignore[arg-type]
+    engine.sampling.graph_masks = graph
     try:
         bad: list[Any] = []  # the matcher that raises: the first request's
         one, par = lln.fill_next_token_bitmask, lln.fill_next_token_bitmask_par

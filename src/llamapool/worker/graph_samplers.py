@@ -28,10 +28,9 @@ probability is at least ``1/n_vocab``, so the log is well conditioned), and each
 is ``vals - lse``: the log-softmax of the raw logits, as the host path gives
 (:func:`llamapool.worker.sampling.log_softmax_top`).
 
-Only greedy rows without penalties or biases take them (with ``Sampling.graph_masks`` off, a constrained
-greedy row keeps llama.cpp's greedy sampler: a refused pick is replaced from the row's logits). The
-samplers are written
-with llama-cpp-python's ctypes bindings and ggml's C API, so they need no rebuild of llama.cpp; their
+Only greedy rows without penalties or biases take them (with ``Sampling.graph_masks`` off, the default, a
+constrained greedy row keeps llama.cpp's greedy sampler: a refused pick is replaced from the row's
+logits). The samplers are written with llama-cpp-python's ctypes bindings and ggml's C API, so they need no rebuild of llama.cpp; their
 callbacks run when llama.cpp builds a graph, not every step (a graph is reused while the batch's shape
 and samplers stay).
 """

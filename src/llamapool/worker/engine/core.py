@@ -424,7 +424,10 @@ class Engine:
         """Drafts for the step's decoding sequences that speculate (spec.py) and the step's draft width
         (``WidthCosts.choose``: every decoding row carries as many tokens after its own; returned): a
         width costs its measured step time, and a draft token pays its chance of acceptance (the
-        sequence's acceptance estimate to the power of its place in the draft)."""
+        sequence's acceptance estimate to the power of its place in the draft). A step with prompt work
+        drafts nothing: llama.cpp splits it into one micro-batch a prompt after a first one of every
+        sequence's width, and on an H100 (1B, 64 streams, prompts arriving) such steps with drafts of 3
+        cost 2.5x the time a prompt of those without."""
         decoding: list[Sequence] = []
         outputs = prefilling = 0
         for sid in chunk:
@@ -437,7 +440,7 @@ class Engine:
             outputs += 1
             if seq.drafting is not None:
                 decoding.append(seq)
-        if not decoding:
+        if not decoding or prefilling:  # a step with prompt work carries no drafts (see below)
             self._width = 0
             return 0
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)

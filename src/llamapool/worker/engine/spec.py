@@ -152,7 +152,8 @@ WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes
 STICKY = 0.97  # the last step's width stays unless another one promises this much more
 SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
 STALE = 256  # decisions: a width not measured for this long in a band of rows is tried again ...
-WORTH_TRYING = 0.75  # ... if its estimate promises at least this share of the best width's speed
+WORTH_TRYING = 0.85  # ... if its estimate promises at least this share of the best width's speed
+MIN_GAIN = 0.05  # a width is a choice when its drafts are expected to add this share of the step's tokens
 SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
 TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
@@ -223,13 +224,15 @@ class WidthCosts:
         ``chances[key][j]`` is draft ``j + 1``'s chance of being kept; a width yields the chances of every
         draft's first ``k`` tokens besides the ``outputs`` rows' own tokens, in a step of ``cost(k)``
         seconds (the step's ``rows``: the band its measurements are kept in). The width of most expected
-        tokens a second among none and ``WIDTHS`` (each cut to ``most``); ``last`` stays unless another
-        beats it by ``1 / STICKY``; a width worth trying whose measurement is missing or stale runs
-        ``TRIAL`` steps."""
+        tokens a second among none and ``WIDTHS`` (each cut to ``most``) whose drafts are expected to
+        add ``MIN_GAIN`` of the step's tokens (drafts unlikely to be kept never tie with none); ``last``
+        stays unless another beats it by ``1 / STICKY``; a width worth trying whose measurement is
+        missing or stale runs ``TRIAL`` steps."""
         self.decisions += 1
-        ks = sorted({0, *(min(w, most) for w in WIDTHS if most >= 1)})
-        speeds = {k: (max(outputs, 1) + sum(sum(cs[:k]) for cs in chances.values())) / max(cost(k), 1e-9)
-                  for k in ks}
+        own = max(outputs, 1)
+        gains = {k: sum(sum(cs[:k]) for cs in chances.values()) for k in {min(w, most) for w in WIDTHS if most >= 1}}
+        ks = [0, *sorted(k for k, gain in gains.items() if gain >= MIN_GAIN * own)]
+        speeds = {k: (own + gains.get(k, 0.0)) / max(cost(k), 1e-9) for k in ks}
         best = max(speeds, key=lambda k: speeds[k])
         if self._trial is not None:
             k, left = self._trial
