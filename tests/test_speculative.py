@@ -103,7 +103,8 @@ def test_a_step_takes_the_measured_draft_width_that_pays() -> None:
     one = measured(ONE, 1)
     assert choose(one, {0: likely}, 1, 1) == 8  # one stream, a likely draft: the widest
     assert choose(one, {0: [0.05, 0.0025]}, 1, 1) == 0  # an unlikely one pays nothing (one at 0.2 would)
-    assert choose(one, {0: [0.2, 0.04]}, 1, 1) == 1
+    assert choose(one, {0: [0.2, 0.04]}, 1, 1, last=1) == 1
+    assert choose(one, {0: [0.2, 0.04]}, 1, 1) == 0  # 8 % faster: not worth a change of width
     assert choose(one, {0: likely}, 1, 1, most=4) == 4  # cut to ``most`` (its step estimated as width 8's)
     assert choose(one, {0: likely}, 1, 1, most=0) == 0
     assert choose(one, {}, 1, 1) == 0
@@ -119,6 +120,7 @@ def test_a_step_takes_the_measured_draft_width_that_pays() -> None:
     near = {0: [0.78 ** (j + 1) for j in range(8)]}  # width 8: 0.975x width 3's expected speed
     assert choose(one, near, 1, 1) == 3
     assert choose(one, near, 1, 1, last=8) == 8
+    assert choose(one, {0: [0.7 ** (j + 1) for j in range(8)]}, 1, 1, last=8) == 3  # 0.87x: it changes
 
 
 def serve(w: WidthCosts, chances: dict[int, list[float]], rows: int, true_ms: dict[int, float],

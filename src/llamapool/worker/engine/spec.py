@@ -36,7 +36,8 @@ MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step 
 NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
 PRIOR = 0.5  # a new sequence's acceptance estimate
-DECAY = 0.7  # a step's weight in the acceptance estimate, against the one after it
+DECAY = 0.85  # a step's weight in the acceptance estimate, against the one after it (0.7 flapped: one
+# stream on an H100 at alpha 0.7, the width moved between 3 and 8 with each step's luck)
 WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
 
 
@@ -89,7 +90,7 @@ class Drafting:
     The estimate is of ``alpha``, the chance that a draft token is kept given the one before it was:
     a step that kept ``a`` of ``d`` drafts saw ``a`` tokens kept and, when ``a < d``, one refused (the
     tokens after the first refusal tell nothing), so ``alpha`` is kept / (kept + refused) over the
-    recent steps (sums that halve in ~2 steps, from a prior of ``PRIOR``). Counting every draft token
+    recent steps (sums that halve in ~4 steps, from a prior of ``PRIOR``). Counting every draft token
     after a refusal as refused instead reads 0.27 for 8 drafts at ``alpha`` 0.7."""
 
     limit: int = MAX_DRAFT  # the most draft tokens a step
@@ -149,7 +150,9 @@ class Proposer(Protocol):
 
 
 WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
-STICKY = 0.97  # the last step's width stays unless another one promises this much more
+STICKY = 0.9  # the last step's width stays unless another one promises this much more: a change costs
+# about a step (on an H100 at 64 streams, a new width's first step took 1.3-1.6x a settled one's, and the
+# next one captures a CUDA graph)
 SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
 STALE = 256  # decisions: a width not measured for this long in a band of rows is tried again ...
 WORTH_TRYING = 0.85  # ... if its estimate promises at least this share of the best width's speed
