@@ -468,6 +468,27 @@ def test_a_step_with_prompt_work_carries_no_drafts(model_path: str, monkeypatch:
         eng.close()
 
 
+def test_drafts_a_step_does_not_verify_let_the_estimate_drift(model_path: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose width is none verifies no draft: the sequences that proposed one drift back towards
+    the prior as on a step without a draft (else an estimate just too low to win a width stays so)."""
+    monkeypatch.setattr(WidthCosts, "choose", lambda self, chances, outputs, rows, most, last, cost: 0)
+    eng = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=128, threads=2, speculative="ngram",
+                              prefix_cache=False))
+    try:
+        eng.proposer = lambda rid, hist, k: [5, 6]
+        eng.submit(Run(1, "tok1 tok2", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), True), Step())
+        eng.step()
+        d = next(iter(eng.active.values())).drafting
+        assert d is not None
+        d.kept_w, d.rate = 0.1 * d.tried_w, 0.1
+        for _ in range(20):
+            eng.step()
+        assert 0.2 < d.rate < 0.5 and eng.drafted_tokens == 0
+    finally:
+        eng.close()
+
+
 def test_a_step_with_drafts_of_unequal_lengths_gives_every_sequence_as_many_tokens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp computes per-sequence KV streams in micro-batches of equally many tokens a sequence, so a

@@ -445,8 +445,10 @@ class Engine:
             return 0
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         cost = self._width_cost(chunk, rows, prefilling)
-        least = outputs * max(cost(1) - cost(0), 0.0) / cost(0) / rows  # the chance a first draft needs to pay
-        drafts = self._drafts(decoding, least)
+        # the chance a draft token needs to pay at the cheapest width a token (a token's worth: a plain
+        # step's seconds over its tokens): one a row at 64 rows cost nearly what three did on an H100
+        least = min((cost(k) - cost(0)) / (k * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
+        drafts = self._drafts(decoding, max(least, 0.0))
         if not drafts:
             self._width = 0
             return 0
@@ -456,9 +458,13 @@ class Engine:
                    self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
         k = self.widths.choose(chances, outputs, rows + prefilling, most, self._width, cost)
         self._width = k
-        if k:
-            for seq, draft in drafts.values():
-                seq.drafting.draft = draft[:k]  # type: ignore[union-attr]
+        for seq, draft in drafts.values():
+            d = seq.drafting
+            assert d is not None
+            if k:
+                d.draft = draft[:k]
+            else:  # not verified: the estimate drifts, as without a draft (else it could stay below for good)
+                d.idle()
         return k
 
     def _drafts(self, decoding: list[Sequence], least: float) -> dict[int, tuple[Sequence, list[int]]]:

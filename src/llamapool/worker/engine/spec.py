@@ -39,6 +39,7 @@ PRIOR = 0.5  # a new sequence's acceptance estimate
 DECAY = 0.85  # a step's weight in the acceptance estimate, against the one after it (0.7 flapped: one
 # stream on an H100 at alpha 0.7, the width moved between 3 and 8 with each step's luck)
 WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
+DRIFT = 0.05  # a step without a draft moves the estimate this share of the way back to the prior
 
 
 class Lookup:
@@ -121,7 +122,7 @@ class Drafting:
 
     def idle(self) -> None:
         """A step without a draft: the estimate drifts back towards the prior (text changes course)."""
-        self.kept_w += 0.02 * (PRIOR * self.tried_w - self.kept_w)
+        self.kept_w += DRIFT * (PRIOR * self.tried_w - self.kept_w)
         self.rate = self.kept_w / self.tried_w
 
 
