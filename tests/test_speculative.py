@@ -103,8 +103,14 @@ def test_a_step_takes_the_measured_draft_width_that_pays() -> None:
     one = measured(ONE, 1)
     assert choose(one, {0: likely}, 1, 1) == 8  # one stream, a likely draft: the widest
     assert choose(one, {0: [0.05, 0.0025]}, 1, 1) == 0  # an unlikely one pays nothing (one at 0.2 would)
+    # drafting starts where it beats none by ENTER (there and back: two new graphs) ...
     assert choose(one, {0: [0.2, 0.04]}, 1, 1, last=1) == 1
-    assert choose(one, {0: [0.2, 0.04]}, 1, 1) == 0  # 8 % faster: not worth a change of width
+    assert choose(one, {0: [0.2, 0.04]}, 1, 1) == 0  # 8 % faster: not worth starting
+    assert choose(one, {0: [0.3, 0.09, 0.027]}, 1, 1) == 0  # width 3 at 1.12x: neither
+    assert choose(one, {0: [0.45, 0.2, 0.09]}, 1, 1) == 3  # 1.38x
+    # ... and stops as soon as none is best
+    dear = measured({**ONE, 1: 5.0}, 1)
+    assert choose(dear, {0: [0.15, 0.03, 0.005]}, 1, 1, last=3) == 0  # width 3 at 0.94x of none
     assert choose(one, {0: likely}, 1, 1, most=4) == 4  # cut to ``most`` (its step estimated as width 8's)
     assert choose(one, {0: likely}, 1, 1, most=0) == 0
     assert choose(one, {}, 1, 1) == 0

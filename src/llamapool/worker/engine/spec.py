@@ -39,7 +39,7 @@ PRIOR = 0.5  # a new sequence's acceptance estimate
 DECAY = 0.85  # a step's weight in the acceptance estimate, against the one after it (0.7 flapped: one
 # stream on an H100 at alpha 0.7, the width moved between 3 and 8 with each step's luck)
 WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
-DRIFT = 0.05  # a step without a draft moves the estimate this share of the way back to the prior
+DRIFT = 0.02  # a step without a draft moves the estimate this share of the way back to the prior
 
 
 class Lookup:
@@ -154,6 +154,8 @@ WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes
 STICKY = 0.9  # the last step's width stays unless another one promises this much more: a change costs
 # about a step (on an H100 at 64 streams, a new width's first step took 1.3-1.6x a settled one's, and the
 # next one captures a CUDA graph)
+ENTER = 1.25  # drafting starts when a width promises this much more than none (there and back: two changes;
+# one stream of drafts never kept lost 20 % on an H100 where it started on any promise)
 SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
 STALE = 256  # decisions: a width not measured for this long in a band of rows is tried again ...
 WORTH_TRYING = 0.85  # ... if its estimate promises at least this share of the best width's speed
@@ -229,9 +231,10 @@ class WidthCosts:
         draft's first ``k`` tokens besides the ``outputs`` rows' own tokens, in a step of ``cost(k)``
         seconds (the step's ``rows``: the band its measurements are kept in). The width of most expected
         tokens a second among none and ``WIDTHS`` (each cut to ``most``) whose drafts are expected to
-        add ``MIN_GAIN`` of the step's tokens (drafts unlikely to be kept never tie with none); ``last``
-        stays unless another beats it by ``1 / STICKY``; a width worth trying whose measurement is
-        missing or stale runs ``TRIAL`` steps."""
+        add ``MIN_GAIN`` of the step's tokens (drafts unlikely to be kept never tie with none); from none,
+        drafting starts where the best width beats none by ``ENTER``; a width stays unless another beats
+        it by ``1 / STICKY``, but for none, taken as soon as it is best; a width worth trying whose
+        measurement is missing or stale runs ``TRIAL`` steps."""
         self.decisions += 1
         own = max(outputs, 1)
         gains = {k: sum(sum(cs[:k]) for cs in chances.values()) for k in {min(w, most) for w in WIDTHS if most >= 1}}
@@ -251,6 +254,8 @@ class WidthCosts:
                 self._tried[k, band] = self.decisions
                 self._trial = (k, TRIAL - 1)
                 return k
-        if last in speeds and speeds[last] >= STICKY * speeds[best]:
+        if last == 0 and speeds[best] < ENTER * speeds[0]:  # drafting starts where it pays for its way back
+            return 0
+        if best and last in speeds and speeds[last] >= STICKY * speeds[best]:  # none never waits
             return last
         return best
