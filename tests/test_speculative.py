@@ -176,6 +176,21 @@ def test_a_width_near_the_best_is_tried_and_a_far_one_never() -> None:
     assert far == [0] * STALE + [1] * TRIAL + [3]  # stale, and near enough: tried again; 8 never
 
 
+def test_while_none_stays_a_promising_width_is_probed_now_and_then() -> None:
+    """At 64 rows a new sequence's prior (alpha 0.5) promises 0.94x of none for three drafts, short of
+    ENTER: a width is probed for TRIAL steps once in STALE decisions, so the acceptance is learnt."""
+    import itertools
+
+    w = measured(SIXTY_FOUR, 64)
+    prior = {i: [0.5, 0.25, 0.125] for i in range(64)}  # expected tokens a ms: none 4.41, one draft 4.53
+    picks = [choose(w, prior, 64, 64) for _ in range(2 * STALE + 3 * TRIAL)]
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(picks)]
+    assert runs[0][0] == 0 and runs[0][1] > STALE
+    assert [r for r in runs if r[0]] == [(1, TRIAL), (1, TRIAL)]  # the most promising width, twice
+    unlikely = {i: [0.05, 0.0025] for i in range(64)}  # under MIN_GAIN's share: never probed
+    assert set(choose(w, unlikely, 64, 64) for _ in range(2 * STALE)) == {0}
+
+
 def test_the_request_field_is_checked_by_name() -> None:
     assert parse({"speculative": False}).speculative is False
     assert parse({"speculative": 3}).speculative == 3

@@ -193,6 +193,20 @@ class WidthCosts:
         self.decisions = 0
         self._tried: dict[tuple[int, int], int] = {}  # (width, band) -> the decision count of its last trial
         self._trial: tuple[int, int] | None = None  # (width, steps left)
+        self._probed = 0  # the decision count of the last probe (:meth:`_probe`)
+
+    def _probe(self, speeds: dict[int, float]) -> int:
+        """Width none stays; but once in ``STALE`` decisions the width of most promise within
+        ``WORTH_TRYING`` of none runs ``TRIAL`` steps: the acceptance estimates are only learnt by
+        drafting (at 64 streams the prior's promise never reached ``ENTER``, and drafts always kept were
+        never drafted)."""
+        if self.decisions - self._probed <= STALE:
+            return 0
+        k = max((k for k in speeds if k and speeds[k] >= WORTH_TRYING * speeds[0]), key=speeds.__getitem__, default=0)
+        if k:
+            self._probed = self.decisions
+            self._trial = (k, TRIAL - 1)
+        return k
 
     @staticmethod
     def band(rows: int) -> int:
@@ -234,7 +248,8 @@ class WidthCosts:
         add ``MIN_GAIN`` of the step's tokens (drafts unlikely to be kept never tie with none); from none,
         drafting starts where the best width beats none by ``ENTER``; a width stays unless another beats
         it by ``1 / STICKY``, but for none, taken as soon as it is best; a width worth trying whose
-        measurement is missing or stale runs ``TRIAL`` steps."""
+        measurement is missing or stale runs ``TRIAL`` steps, and so does one near none's speed now and
+        then while none stays (:meth:`_probe`)."""
         self.decisions += 1
         own = max(outputs, 1)
         gains = {k: sum(sum(cs[:k]) for cs in chances.values()) for k in {min(w, most) for w in WIDTHS if most >= 1}}
@@ -255,7 +270,7 @@ class WidthCosts:
                 self._trial = (k, TRIAL - 1)
                 return k
         if last == 0 and speeds[best] < ENTER * speeds[0]:  # drafting starts where it pays for its way back
-            return 0
+            return self._probe(speeds)
         if best and last in speeds and speeds[last] >= STICKY * speeds[best]:  # none never waits
             return last
         return best
