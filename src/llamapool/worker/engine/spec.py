@@ -188,24 +188,28 @@ class WidthCosts:
     stale measurement) comes near the best width's: so the choice follows measured speeds, not a
     fitted line, and a trial costs little. The first ``SETTLING`` steps of a new width are not measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, probing: bool = True) -> None:
         self.seen: dict[tuple[int, int], _Seen] = {}
         self.decisions = 0
         self._tried: dict[tuple[int, int], int] = {}  # (width, band) -> the decision count of its last trial
         self._trial: tuple[int, int] | None = None  # (width, steps left)
-        self._probed = 0  # the decision count of the last probe (:meth:`_probe`)
+        self._probed = -STALE - 1  # the decision count of the last probe (:meth:`_probe`)
+        self.probing = probing  # widths are probed while none stays (tests of the choice alone: off)
 
-    def _probe(self, speeds: dict[int, float]) -> int:
-        """Width none stays; but once in ``STALE`` decisions the width of most promise within
-        ``WORTH_TRYING`` of none runs ``TRIAL`` steps: the acceptance estimates are only learnt by
-        drafting (at 64 streams the prior's promise never reached ``ENTER``, and drafts always kept were
-        never drafted)."""
+    def _probe(self, speeds: dict[int, float], rows: int) -> int:
+        """Width none stays; but once in ``STALE`` decisions a width within ``WORTH_TRYING`` of none's speed
+        runs ``TRIAL`` steps, the one measured least lately first: acceptance is learnt only by drafting,
+        and a width's cost only by its steps (at 64 streams the prior's promise never reached ``ENTER``,
+        drafts always kept were never drafted)."""
         if self.decisions - self._probed <= STALE:
             return 0
-        k = max((k for k in speeds if k and speeds[k] >= WORTH_TRYING * speeds[0]), key=speeds.__getitem__, default=0)
-        if k:
-            self._probed = self.decisions
-            self._trial = (k, TRIAL - 1)
+        band = self.band(rows)
+        near = [k for k in speeds if k and speeds[k] >= WORTH_TRYING * speeds[0]]
+        if not near:
+            return 0
+        k = min(near, key=lambda k: ((s.at if (s := self.seen.get((k, band))) else -1), -speeds[k]))
+        self._probed = self.decisions
+        self._trial = (k, TRIAL - 1)
         return k
 
     @staticmethod
@@ -247,9 +251,9 @@ class WidthCosts:
         tokens a second among none and ``WIDTHS`` (each cut to ``most``) whose drafts are expected to
         add ``MIN_GAIN`` of the step's tokens (drafts unlikely to be kept never tie with none); from none,
         drafting starts where the best width beats none by ``ENTER``; a width stays unless another beats
-        it by ``1 / STICKY``, but for none, taken as soon as it is best; a width worth trying whose
-        measurement is missing or stale runs ``TRIAL`` steps, and so does one near none's speed now and
-        then while none stays (:meth:`_probe`)."""
+        it by ``1 / STICKY``, but for none, taken as soon as it is best. While drafting, a width near
+        the best whose measurement is missing or stale runs ``TRIAL`` steps; while none stays, one near
+        none's speed does, now and then (:meth:`_probe`)."""
         self.decisions += 1
         own = max(outputs, 1)
         gains = {k: sum(sum(cs[:k]) for cs in chances.values()) for k in {min(w, most) for w in WIDTHS if most >= 1}}
@@ -261,16 +265,16 @@ class WidthCosts:
             self._trial = (k, left - 1) if left > 1 else None
             if k in speeds:
                 return k
+        if best == 0 or (last == 0 and speeds[best] < ENTER * speeds[0]):  # none; drafting starts where it
+            return self._probe(speeds, rows) if self.probing else 0  # pays for its way back
+        pick = last if last and last in speeds and speeds[last] >= STICKY * speeds[best] else best
         band = self.band(rows)
-        for k in ks:
+        for k in ks:  # while drafting, a width near the best whose measurement is missing or stale is tried
             s, tried = self.seen.get((k, band)), self._tried.get((k, band), -STALE - 1)
             fresh = s is not None and self.decisions - s.at <= STALE
-            if not fresh and self.decisions - tried > STALE and k != best and speeds[k] >= WORTH_TRYING * speeds[best]:
+            if k and k != pick and not fresh and self.decisions - tried > STALE \
+                    and speeds[k] >= WORTH_TRYING * speeds[best]:
                 self._tried[k, band] = self.decisions
                 self._trial = (k, TRIAL - 1)
                 return k
-        if last == 0 and speeds[best] < ENTER * speeds[0]:  # drafting starts where it pays for its way back
-            return self._probe(speeds)
-        if best and last in speeds and speeds[last] >= STICKY * speeds[best]:  # none never waits
-            return last
-        return best
+        return pick
