@@ -490,6 +490,33 @@ def test_a_step_with_prompt_work_carries_no_drafts(model_path: str, monkeypatch:
         eng.close()
 
 
+def test_a_step_has_at_most_max_outputs_rows_with_logits(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp keeps n_vocab floats and ids a row with logits for its graph samplers, in pinned memory
+    it reallocates when a step has more such rows than any before: 40 sequences drafting 8 tokens each
+    get a width of 5 (40 x 6 rows: at most MAX_OUTPUTS)."""
+    from llamapool.worker.engine.spec import MAX_OUTPUTS
+
+    draft_always(monkeypatch)
+    monkeypatch.setattr(Drafting, "depth", lambda self: self.limit)  # every draft 8 long
+    eng = Engine(EngineConfig(model_path, slots=40, ctx_per_slot=96, max_batch_tokens=1024, n_ubatch=1024,
+                              threads=2, speculative="ngram", prefix_cache=False))
+    try:
+        eng.proposer = lambda rid, hist, k: [5] * k
+        p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i in range(40):
+            eng.submit(Run(i, "tok1 tok2", p, True), Step())
+        widths = set()
+        while eng.busy:
+            eng.step()
+            rows, _prompt, drafts = eng._shape
+            if drafts:
+                widths.add(drafts // rows)
+                assert rows + drafts <= MAX_OUTPUTS
+        assert max(widths) == MAX_OUTPUTS // 40 - 1
+    finally:
+        eng.close()
+
+
 def test_drafts_a_step_does_not_verify_let_the_estimate_drift(model_path: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A step whose width is none verifies no draft: the sequences that proposed one drift back towards

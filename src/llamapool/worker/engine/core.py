@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, SETTLING, Drafting, Proposer, WidthCosts
+from llamapool.worker.engine.spec import MAX_DRAFT, MAX_OUTPUTS, SETTLING, Drafting, Proposer, WidthCosts
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -455,7 +455,7 @@ class Engine:
         chances = {sid: [seq.drafting.rate ** (j + 1) for j in range(len(draft))]  # type: ignore[union-attr]
                    for sid, (seq, draft) in drafts.items()}
         most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
-                   self.cfg.n_ubatch // rows - 1)  # the decoding rows stay one micro-batch
+                   min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
         k = self.widths.choose(chances, outputs, rows + prefilling, most, self._width, cost)
         self._width = k
         for seq, draft in drafts.values():

@@ -151,6 +151,10 @@ class Proposer(Protocol):
 
 
 WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
+MAX_OUTPUTS = 256  # a step's rows with logits at most, drafts' included: llama.cpp keeps n_vocab floats
+# and ids a row for its graph samplers' results in pinned host memory, reallocated (and cleared) when a
+# step has more rows than any before: 64 rows of 8 tokens at 8B (128,256 tokens) took ~0.5 s once on
+# an H100, 0.8 GB (and its verify step cost 3.3x a plain step's, three drafts 2.2x)
 STICKY = 0.9  # the last step's width stays unless another one promises this much more: a change costs
 # about a step (on an H100 at 64 streams, a new width's first step took 1.3-1.6x a settled one's, and the
 # next one captures a CUDA graph)
