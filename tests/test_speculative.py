@@ -170,7 +170,7 @@ def test_a_width_near_the_best_is_tried_and_a_far_one_never() -> None:
     w.observe(1, 1, 4.79, changed=True)
     assert w.seconds(1, 1, 0.0) is None
     costs = measured({0: 4.32, 1: 4.79, 3: 5.43}, 1)
-    likely = {0: [0.6, 0.3, 0.15]}  # three drafts: width 3 (1 at 0.88x of its speed; 8 would cost 100 ms)
+    likely = {0: [0.6, 0.25, 0.1]}  # three drafts: width 3 (1 at 0.93x of its speed; 8 would cost 100 ms)
     far = [choose(costs, likely, 1, 1, last=3, cost=lambda k: costs.seconds(k, 1, 0.0) or 100.0)
            for _ in range(STALE + TRIAL + 1)]
     assert far == [3] * STALE + [1] * TRIAL + [3]  # 1 stale, and near enough: tried again; 8 never

@@ -36,8 +36,8 @@ MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step 
 NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
 PRIOR = 0.5  # a new sequence's acceptance estimate
-DECAY = 0.85  # a step's weight in the acceptance estimate, against the one after it (0.7 flapped: one
-# stream on an H100 at alpha 0.7, the width moved between 3 and 8 with each step's luck)
+DECAY = 0.7  # a step's weight in the acceptance estimate, against the one after it (0.85 kept drafts never
+# kept for 6 steps each time the estimate had drifted back: one stream at 0.91x of none on an H100)
 WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
 DRIFT = 0.02  # a step without a draft moves the estimate this share of the way back to the prior
 
@@ -91,7 +91,7 @@ class Drafting:
     The estimate is of ``alpha``, the chance that a draft token is kept given the one before it was:
     a step that kept ``a`` of ``d`` drafts saw ``a`` tokens kept and, when ``a < d``, one refused (the
     tokens after the first refusal tell nothing), so ``alpha`` is kept / (kept + refused) over the
-    recent steps (sums that halve in ~4 steps, from a prior of ``PRIOR``). Counting every draft token
+    recent steps (sums that halve in ~2 steps, from a prior of ``PRIOR``). Counting every draft token
     after a refusal as refused instead reads 0.27 for 8 drafts at ``alpha`` 0.7."""
 
     limit: int = MAX_DRAFT  # the most draft tokens a step
@@ -161,8 +161,8 @@ STICKY = 0.9  # the last step's width stays unless another one promises this muc
 ENTER = 1.25  # drafting starts when a width promises this much more than none (there and back: two changes;
 # one stream of drafts never kept lost 20 % on an H100 where it started on any promise)
 SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
-STALE = 256  # decisions: a width not measured for this long in a band of rows is tried again ...
-WORTH_TRYING = 0.85  # ... if its estimate promises at least this share of the best width's speed
+STALE = 512  # decisions: a width not measured for this long in a band of rows is tried again ...
+WORTH_TRYING = 0.9  # ... if its estimate promises at least this share of the best width's speed
 MIN_GAIN = 0.05  # a width is a choice when its drafts are expected to add this share of the step's tokens
 SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
 TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
