@@ -99,6 +99,21 @@ def choose(w: WidthCosts, chances: dict[int, list[float]], outputs: int, rows: i
     return w.choose(chances, outputs, rows, most, last, cost or (lambda k: w.seconds(k, rows, 0.0) or 1.0))
 
 
+def test_without_drafts_the_estimate_drifts_to_the_sequences_own_acceptance() -> None:
+    """Text changes course, so steps without a draft move the estimate back; but towards what the
+    sequence's drafts have done so far, not the prior: drafts never kept stay unlikely."""
+    never, mostly = Drafting(), Drafting()
+    for _ in range(10):
+        never.verified(3, 0)
+        mostly.verified(4, 4)
+        mostly.verified(4, 1)  # alpha ~0.8: 5 kept, 1 refused a pair of steps
+    for _ in range(400):
+        never.idle()
+        mostly.idle()
+    assert never.rate == pytest.approx(1 / 12, abs=0.01)
+    assert mostly.rate == pytest.approx(51 / 62, abs=0.01)
+
+
 def test_a_step_takes_the_measured_draft_width_that_pays() -> None:
     likely = [0.9 ** (j + 1) for j in range(8)]
     one = measured(ONE, 1)
