@@ -24,7 +24,18 @@ import pytest
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
-from llamapool.worker.engine.spec import SETTLING, STALE, TRIAL, Drafting, Lookup, WidthCosts, ngram_draft
+from llamapool.worker.engine.spec import (
+    POOL_FLOOR,
+    PRIOR,
+    SETTLING,
+    STALE,
+    TRIAL,
+    Drafting,
+    Lookup,
+    Pool,
+    WidthCosts,
+    ngram_draft,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from spec_tasks import CODE, DOCS, INVOICE
@@ -112,6 +123,21 @@ def test_without_drafts_the_estimate_drifts_to_the_sequences_own_acceptance() ->
         mostly.idle()
     assert never.rate == pytest.approx(1 / 12, abs=0.01)
     assert mostly.rate == pytest.approx(51 / 62, abs=0.01)
+
+
+def test_a_new_sequence_starts_at_the_workers_recent_acceptance() -> None:
+    """At 64 streams a sequence lives ~130 steps: starting at 0.5, three drafts never looked worth
+    starting. It starts at what the worker's drafts have lately done (at least POOL_FLOOR)."""
+    pool = Pool()
+    assert Drafting(prior=pool.rate).rate == PRIOR
+    for _ in range(300):
+        pool.verified(3, 3)
+        pool.verified(3, 1)
+    d = Drafting(prior=pool.rate)
+    assert d.rate == pytest.approx(4 / 5, abs=0.02) and d.depth() > Drafting().depth()
+    for _ in range(300):
+        pool.verified(3, 0)
+    assert Drafting(prior=pool.rate).rate == POOL_FLOOR
 
 
 def test_a_step_takes_the_measured_draft_width_that_pays() -> None:

@@ -28,7 +28,7 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, MAX_OUTPUTS, SETTLING, Drafting, Proposer, WidthCosts
+from llamapool.worker.engine.spec import MAX_DRAFT, MAX_OUTPUTS, SETTLING, Drafting, Pool, Proposer, WidthCosts
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -106,6 +106,7 @@ class Engine:
         self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.Lookup)
         self._width = 0  # the last step's draft width (spec.WidthCosts.choose)
         self.widths = WidthCosts()  # decode steps' seconds at each draft width
+        self.pool = Pool()  # the recent acceptance of all sequences' drafts (a new sequence's prior)
 
     @property
     def free_ids(self) -> deque[int]:
@@ -270,7 +271,7 @@ class Engine:
         if self.spec_mode == "off" or not self._may_draft(p) or (s.in_graph and not self.sampling.verifies(p)) \
                 or (p.logprobs and self.gpu_sampling):
             return None
-        return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative))
+        return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative), prior=self.pool.rate)
 
     # ------------------------------------------------------------ one step
 
@@ -682,6 +683,7 @@ class Engine:
                         min(len(toks), len(draft)))
             assert seq.drafting is not None
             seq.drafting.verified(len(draft), kept)
+            self.pool.verified(len(draft), kept)
             self.drafted_tokens += len(draft)
             self.accepted_tokens += kept
         if seq.n_past < written and self.active.get(seq.seq_id) is seq:

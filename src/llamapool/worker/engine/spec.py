@@ -96,6 +96,7 @@ class Drafting:
 
     limit: int = MAX_DRAFT  # the most draft tokens a step
     rate: float = PRIOR
+    prior: float = PRIOR  # where the estimate starts: the worker's recent acceptance (:class:`Pool`)
     draft: list[int] = field(default_factory=list)
     lookup: Lookup = field(default_factory=Lookup)
     drafted: int = 0
@@ -103,6 +104,10 @@ class Drafting:
     kept_w: float = PRIOR  # recent tokens kept, decayed
     tried_w: float = 1.0  # recent tokens kept and refusals, decayed
     refused: int = 0  # refusals (a step's first draft token not kept) since it began
+
+    def __post_init__(self) -> None:
+        if self.prior != PRIOR:
+            self.rate, self.kept_w = self.prior, self.prior * self.tried_w
 
     def depth(self) -> int:
         """Draft tokens worth proposing: while ``rate ** j`` (draft ``j`` accepted) stays above ``WORTH``."""
@@ -124,12 +129,38 @@ class Drafting:
 
     def idle(self) -> None:
         """A step without a draft: the estimate drifts back towards the sequence's own acceptance since it
-        began (text changes course), ``PRIOR`` weighing as two tokens: a sequence whose drafts were never
+        began (text changes course), its prior weighing as two tokens: a sequence whose drafts were never
         kept no longer drifts back to 0.5 and drafts again every ~90 steps (one stream on an H100 lost
         ~10 % to that)."""
-        target = (self.accepted + 2 * PRIOR) / (self.accepted + self.refused + 2)
+        target = (self.accepted + 2 * self.prior) / (self.accepted + self.refused + 2)
         self.kept_w += DRIFT * (target * self.tried_w - self.kept_w)
         self.rate = self.kept_w / self.tried_w
+
+
+@dataclass
+class Pool:
+    """The worker's recent acceptance over all its sequences (kept / (kept + refused), sums that halve in
+    ~70 verified drafts): a new sequence's estimate starts there (:attr:`Drafting.prior`), not at
+    ``PRIOR``. At 64 streams a sequence lives ~130 steps; starting at 0.5, three drafts never looked
+    worth starting, and only a probe now and then learnt better."""
+
+    kept: float = PRIOR
+    tried: float = 1.0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.kept = POOL_DECAY * self.kept + accepted
+            self.tried = POOL_DECAY * self.tried + accepted + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        """The recent acceptance, at least ``POOL_FLOOR`` (text changes: a worker whose drafts were never
+        kept still probes now and then)."""
+        return max(self.kept / self.tried, POOL_FLOOR)
+
+
+POOL_DECAY = 0.99
+POOL_FLOOR = 0.3
 
 
 def ngram_draft(hist: np.ndarray, k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
