@@ -192,10 +192,9 @@ MAX_OUTPUTS = 256  # a step's rows with logits at most, drafts' included: llama.
 # and ids a row for its graph samplers' results in pinned host memory, reallocated (and cleared) when a
 # step has more rows than any before: 64 rows of 8 tokens at 8B (128,256 tokens) took ~0.5 s once on
 # an H100, 0.8 GB (and its verify step cost 3.3x a plain step's, three drafts 2.2x)
-STICKY = 0.95  # the last step's width stays unless another one promises this much more: a change costs
+STICKY = 0.9  # the last step's width stays unless another one promises this much more: a change costs
 # about a step (on an H100 at 64 streams, a new width's first step took 1.3-1.6x a settled one's, and the
-# next one captures a CUDA graph); at 0.9, 64 streams at alpha 0.8 (8B) stayed at width 1 where width 3
-# was measured 8 % faster
+# next one captures a CUDA graph)
 ENTER = 1.25  # drafting starts when a width promises this much more than none (there and back: two changes;
 # one stream of drafts never kept lost 20 % on an H100 where it started on any promise)
 SETTLE = 0.8  # a measured step's seconds: the old estimate's weight against the new step's
