@@ -28,7 +28,18 @@ from llamapool.worker.engine.model import EngineConfig, EngineError, context_par
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import MAX_DRAFT, MAX_OUTPUTS, SETTLING, Drafting, Pool, Proposer, WidthCosts
+from llamapool.worker.engine.spec import (
+    MAX_DRAFT,
+    MAX_OUTPUTS,
+    SETTLING,
+    Drafting,
+    Pool,
+    Proposer,
+    WidthCosts,
+    choose_width,
+    step_costs,
+    threshold,
+)
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
@@ -446,31 +457,18 @@ class Engine:
             return 0
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         cost = self._width_cost(chunk, rows, prefilling)
-        # the chance a draft token needs to pay at the cheapest width a token (a token's worth: a plain
-        # step's seconds over its tokens): one a row at 64 rows cost nearly what three did on an H100
-        least = min((cost(k) - cost(0)) / (k * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
-        drafts = self._drafts(decoding, max(least, 0.0))
+        drafts = self._drafts(decoding, threshold(cost, rows, outputs))
         if not drafts:
             self._width = 0
             return 0
-        chances = {sid: [seq.drafting.rate ** (j + 1) for j in range(len(draft))]  # type: ignore[union-attr]
-                   for sid, (seq, draft) in drafts.items()}
         most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                    min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
-        k = self.widths.choose(chances, outputs, rows + prefilling, most, self._width, cost)
-        self._width = k
-        for seq, draft in drafts.values():
-            d = seq.drafting
-            assert d is not None
-            if k:
-                d.draft = draft[:k]
-            else:  # not verified: the estimate drifts, as without a draft (else it could stay below for good)
-                d.idle()
-        return k
+        self._width = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths)
+        return self._width
 
-    def _drafts(self, decoding: list[Sequence], least: float) -> dict[int, tuple[Sequence, list[int]]]:
+    def _drafts(self, decoding: list[Sequence], least: float) -> dict[int, tuple[Drafting, list[int]]]:
         """The drafts of the decoding sequences whose acceptance estimate is at least ``least`` (by sequence id)."""
-        drafts: dict[int, tuple[Sequence, list[int]]] = {}
+        drafts: dict[int, tuple[Drafting, list[int]]] = {}
         ctx = self.cfg.ctx_per_slot - 2
         for seq in decoding:
             d = seq.drafting
@@ -490,31 +488,16 @@ class Engine:
             if not draft:
                 d.idle()
                 continue
-            drafts[seq.seq_id] = (seq, draft)
+            drafts[seq.seq_id] = (d, draft)
         return drafts
 
     def _width_cost(self, chunk: dict[int, int], rows: int, prefilling: int) -> Callable[[int], float]:
-        """The planned step's seconds at each draft width: a decode step's measured seconds at that width
-        (``WidthCosts``), else the cost model's (before it is fitted: a width of one draft, padded over
-        the step's ``rows``, at a tenth of the step), plus the cost model's for its prompt work; a width
-        costs at most what a wider one does (a measurement too high is never chosen, so never corrected)."""
+        """The planned step's seconds at each draft width (``spec.step_costs``), its prompt work's by the
+        cost model."""
         coef = self.cost.coef
-        if coef is None:
-            return lambda k: 1.0 + 0.1 * k
-        base, per_row, per_token, prompt_step, per_draft = coef
         prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
-        decode_s = max(base + per_row * len(chunk), 1e-6)
-        prompt_s = per_token * prompt + (prompt_step if prompt else 0.0)
-        total = rows + prefilling
-        costs = [self._decode_cost(k, total, rows, decode_s, per_row, per_draft) + prompt_s
-                 for k in range(MAX_DRAFT + 1)]
-        for k in range(MAX_DRAFT - 1, -1, -1):  # a width never costs more than a wider one
-            costs[k] = min(costs[k], costs[k + 1])
-        return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
-
-    def _decode_cost(self, k: int, total: int, rows: int, decode_s: float, per_row: float, per_draft: float) -> float:
-        seen = self.widths.seconds(k, total, per_row)
-        return seen if seen is not None else decode_s + max(per_draft, 1e-9) * k * rows
+        prompt_s = 0.0 if coef is None else coef[2] * prompt + (coef[3] if prompt else 0.0)
+        return step_costs(coef, self.widths, len(chunk), rows, rows + prefilling, prompt_s)
 
     def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A constrained sequence's draft cut where its grammar refuses a token."""

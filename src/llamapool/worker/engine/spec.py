@@ -109,6 +109,10 @@ class Drafting:
         if self.prior != PRIOR:
             self.rate, self.kept_w = self.prior, self.prior * self.tried_w
 
+    def chances(self, n: int) -> list[float]:
+        """Each of ``n`` draft tokens' chance of being kept (the one before it kept too)."""
+        return [self.rate ** (j + 1) for j in range(n)]
+
     def depth(self) -> int:
         """Draft tokens worth proposing: while ``rate ** j`` (draft ``j`` accepted) stays above ``WORTH``."""
         if self.rate >= 0.99:
@@ -319,3 +323,49 @@ class WidthCosts:
                 self._trial = (k, TRIAL - 1)
                 return k
         return pick
+
+
+def threshold(cost: Callable[[int], float], rows: int, outputs: int) -> float:
+    """The acceptance estimate a sequence needs for its draft to be made at all: a draft token's chance
+    must pay for it at the cheapest width a token (a token's worth: a plain step's seconds over its
+    ``outputs``; the step's ``rows`` carry a width each). One a row at 64 rows cost nearly what three did
+    on an H100."""
+    least = min((cost(k) - cost(0)) / (k * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
+    return max(least, 0.0)
+
+
+def step_costs(coef: tuple[float, float, float, float, float] | None, widths: WidthCosts, n_rows: int, rows: int,
+               total: int, prompt_s: float) -> Callable[[int], float]:
+    """A planned step's seconds at each draft width: a decode step's measured seconds at that width
+    (``widths``, over ``total`` rows), else the cost model's (``coef``: ``CostModel.coef``; its ``n_rows``
+    planned rows, ``per_draft`` a draft token over the step's ``rows``; before it is fitted, a tenth of
+    the step a draft), plus ``prompt_s`` for its prompt work. A width costs at most what a wider one
+    does (a measurement too high is never chosen, so never corrected)."""
+    if coef is None:
+        return lambda k: 1.0 + 0.1 * k
+    base, per_row, _, _, per_draft = coef
+    decode_s = max(base + per_row * n_rows, 1e-6)
+    costs = []
+    for k in range(MAX_DRAFT + 1):
+        seen = widths.seconds(k, total, per_row)
+        costs.append((seen if seen is not None else decode_s + max(per_draft, 1e-9) * k * rows) + prompt_s)
+    for k in range(MAX_DRAFT - 1, -1, -1):
+        costs[k] = min(costs[k], costs[k + 1])
+    return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
+
+
+def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, rows: int, most: int, last: int,
+                 cost: Callable[[int], float], widths: WidthCosts) -> int:
+    """The step's draft width (``WidthCosts.choose``) for the ``drafts`` made (by sequence key), each cut
+    to it; a draft not verified (width none) lets its estimate drift as a step without one does (else it
+    could stay low for good)."""
+    chances = {key: d.chances(len(draft)) for key, (d, draft) in drafts.items()}
+    k = widths.choose(chances, outputs, rows, most, last, cost)
+    for d, draft in drafts.values():
+        if k:
+            d.draft = draft[:k]
+        else:
+            d.draft = []
+            d.idle()
+    return k
+
