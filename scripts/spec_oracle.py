@@ -190,18 +190,16 @@ def counting() -> Iterator[Verified]:
 def every_step(engine: Engine) -> Iterator[None]:
     """Every step carries each speculating sequence's k drafts: the step's width is its longest draft (the
     measured widths' costs bypassed, every draft worth making), the token budget at ``max_batch_tokens``
-    (``target_step = "off"``: under "auto" a decode step's budget is its rows + 64), and the depth at
-    the request's k."""
-    target, depth = engine.target, Drafting.depth
+    (``target_step = "off"``: under "auto" a decode step's budget is its rows + 64); a draft is as long
+    as the request's k allows."""
+    target = engine.target
     engine.target = StepTarget.parse("off")
     setattr(engine, "_width_cost", lambda chunk, rows, prefilling: (lambda k: 1.0))  # noqa: B010 - the instance's
     setattr(engine.widths, "choose", longest_draft)  # noqa: B010
-    Drafting.depth = lambda self: self.limit  # type: ignore[method-assign]
     try:
         yield
     finally:
         engine.target = target
-        Drafting.depth = depth  # type: ignore[method-assign]
         del engine._width_cost  # type: ignore[attr-defined]
         del engine.widths.choose  # type: ignore[attr-defined]
 

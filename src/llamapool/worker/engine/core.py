@@ -457,24 +457,26 @@ class Engine:
             return 0
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         cost = self._width_cost(chunk, rows, prefilling)
-        drafts = self._drafts(decoding, threshold(cost, rows, outputs))
+        least = threshold(cost, rows, outputs)
+        drafts = self._drafts(decoding, least)
         if not drafts:
             self._width = 0
             return 0
         most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                    min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
-        self._width = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths)
+        self._width = choose_width(drafts, least, outputs, rows + prefilling, most, self._width, cost, self.widths)
         return self._width
 
     def _drafts(self, decoding: list[Sequence], least: float) -> dict[int, tuple[Drafting, list[int]]]:
-        """The drafts of the decoding sequences whose acceptance estimate is at least ``least`` (by sequence id)."""
+        """The decoding sequences' drafts (by sequence id), each as long as its request allows; but none for
+        a constrained sequence whose estimate is below ``least`` (its draft waits for the mask thread)."""
         drafts: dict[int, tuple[Drafting, list[int]]] = {}
         ctx = self.cfg.ctx_per_slot - 2
         for seq in decoding:
             d = seq.drafting
             assert d is not None
             d.draft = []
-            if d.rate < least:
+            if seq.sampling.matcher is not None and d.rate < least:
                 d.idle()
                 continue
             if self.proposer is None:
@@ -482,7 +484,7 @@ class Engine:
             else:
                 draft = self.proposer(seq.rid, seq.history[: seq.n_history], MAX_DRAFT)
             if draft:
-                draft = draft[: min(d.depth(), seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)]
+                draft = draft[: min(d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)]
                 if draft and seq.sampling.matcher is not None:
                     draft = self._allowed(seq, draft)
             if not draft:

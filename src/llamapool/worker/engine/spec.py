@@ -16,14 +16,13 @@ disagreement (or the last row) ends it; the positions of the drafts not kept lea
 
 Drafts come from the sequence itself (prompt lookup): the longest recent n-gram match of its last
 tokens in its prompt and output proposes the tokens that followed it. How many a sequence may draft
-adapts to its acceptance (:class:`Drafting`), and how many a step carries is the step's business
-(:class:`WidthCosts`): each width's measured step time against the tokens its drafts are expected to keep.
+is the step's business (:class:`WidthCosts`): each width's measured step time against the tokens its
+drafts are expected to keep, from each sequence's acceptance estimate (:class:`Drafting`).
 No llama.cpp here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,9 +35,9 @@ MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step 
 NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
 PRIOR = 0.5  # a new sequence's acceptance estimate
-DECAY = 0.7  # a step's weight in the acceptance estimate, against the one after it (0.85 kept drafts never
-# kept for 6 steps each time the estimate had drifted back: one stream at 0.91x of none on an H100)
-WORTH = 0.1  # a draft position is proposed while its chance of acceptance is at least this
+DECAY = 0.9  # a step's weight in the acceptance estimate, against the one after it: in scripts/spec_sim.py
+# (the H100's step costs) 0.7 lost 5-25 % to three drafts every step at one stream, alpha 0.7 drawn by
+# token or in spans, widening on a lucky streak and stopping on an unlucky one; 0.9 is within 2-4 %
 DRIFT = 0.02  # a step without a draft moves the estimate this share of the way back to the prior
 
 
@@ -91,7 +90,7 @@ class Drafting:
     The estimate is of ``alpha``, the chance that a draft token is kept given the one before it was:
     a step that kept ``a`` of ``d`` drafts saw ``a`` tokens kept and, when ``a < d``, one refused (the
     tokens after the first refusal tell nothing), so ``alpha`` is kept / (kept + refused) over the
-    recent steps (sums that halve in ~2 steps, from a prior of ``PRIOR``). Counting every draft token
+    recent steps (sums that halve in ~7 steps, from a prior of ``PRIOR``). Counting every draft token
     after a refusal as refused instead reads 0.27 for 8 drafts at ``alpha`` 0.7."""
 
     limit: int = MAX_DRAFT  # the most draft tokens a step
@@ -112,14 +111,6 @@ class Drafting:
     def chances(self, n: int) -> list[float]:
         """Each of ``n`` draft tokens' chance of being kept (the one before it kept too)."""
         return [self.rate ** (j + 1) for j in range(n)]
-
-    def depth(self) -> int:
-        """Draft tokens worth proposing: while ``rate ** j`` (draft ``j`` accepted) stays above ``WORTH``."""
-        if self.rate >= 0.99:
-            return self.limit
-        if self.rate <= WORTH:
-            return 1
-        return max(1, min(self.limit, int(math.log(WORTH) / math.log(self.rate))))
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` tokens and kept the first ``accepted``."""
@@ -208,6 +199,9 @@ MIN_GAIN = 0.05  # a width is a choice when its drafts are expected to add this 
 SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
 TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
+PROBE_SHARE = 0.02  # while none stays, probes cost at most this share of the step time ...
+PROBE_MIN = 16  # ... and come at most once in this many decisions
+CHANGE_COST = 0.3  # a width change's settling steps cost about this share of a step more (two at ~15 %)
 
 
 @dataclass
@@ -241,18 +235,24 @@ class WidthCosts:
         self._probed = -STALE - 1  # the decision count of the last probe (:meth:`_probe`)
         self.probing = probing  # widths are probed while none stays (tests of the choice alone: off)
 
-    def _probe(self, speeds: dict[int, float], rows: int) -> int:
-        """Width none stays; but once in ``STALE`` decisions a width within ``WORTH_TRYING`` of none's speed
-        runs ``TRIAL`` steps, the one measured least lately first: acceptance is learnt only by drafting,
-        and a width's cost only by its steps (at 64 streams the prior's promise never reached ``ENTER``,
-        drafts always kept were never drafted)."""
-        if self.decisions - self._probed <= STALE:
-            return 0
+    def _probe(self, speeds: dict[int, float], rows: int, cost: Callable[[int], float]) -> int:
+        """Width none stays; but now and then a width within ``WORTH_TRYING`` of none's speed runs ``TRIAL``
+        steps, the one measured least lately first: acceptance is learnt only by drafting, and a width's
+        cost only by its steps (at 64 streams the prior's promise never reached ``ENTER``, drafts always
+        kept were never drafted; a worker whose recent drafts were refused starts new sequences at
+        ``POOL_FLOOR``, below ``ENTER``, and learnt nothing more). How often: a probe's extra seconds
+        (its steps' over none's) are at most ``PROBE_SHARE`` of the steps' since the last one, and at
+        least once in ``STALE`` decisions (a width one step costs as much as none probes every
+        ``PROBE_MIN`` decisions)."""
         band = self.band(rows)
         near = [k for k in speeds if k and speeds[k] >= WORTH_TRYING * speeds[0]]
         if not near:
             return 0
         k = min(near, key=lambda k: ((s.at if (s := self.seen.get((k, band))) else -1), -speeds[k]))
+        extra = TRIAL * max(cost(k) - cost(0), 0.0) * (1 + CHANGE_COST)
+        every = min(STALE, max(PROBE_MIN, int(extra / (PROBE_SHARE * max(cost(0), 1e-9)))))
+        if self.decisions - self._probed <= every:
+            return 0
         self._probed = self.decisions
         self._trial = (k, TRIAL - 1)
         return k
@@ -311,7 +311,7 @@ class WidthCosts:
             if k in speeds:
                 return k
         if best == 0 or (last == 0 and speeds[best] < ENTER * speeds[0]):  # none; drafting starts where it
-            return self._probe(speeds, rows) if self.probing else 0  # pays for its way back
+            return self._probe(speeds, rows, cost) if self.probing else 0  # pays for its way back
         pick = last if last and last in speeds and speeds[last] >= STICKY * speeds[best] else best
         band = self.band(rows)
         for k in ks:  # while drafting, a width near the best whose measurement is missing or stale is tried
@@ -354,13 +354,15 @@ def step_costs(coef: tuple[float, float, float, float, float] | None, widths: Wi
     return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
 
 
-def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, rows: int, most: int, last: int,
-                 cost: Callable[[int], float], widths: WidthCosts) -> int:
-    """The step's draft width (``WidthCosts.choose``) for the ``drafts`` made (by sequence key), each cut
-    to it; a draft not verified (width none) lets its estimate drift as a step without one does (else it
-    could stay low for good)."""
-    chances = {key: d.chances(len(draft)) for key, (d, draft) in drafts.items()}
-    k = widths.choose(chances, outputs, rows, most, last, cost)
+def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], least: float, outputs: int, rows: int, most: int,
+                 last: int, cost: Callable[[int], float], widths: WidthCosts) -> int:
+    """The step's draft width (``WidthCosts.choose``) for the ``drafts`` made (by sequence key), each cut to
+    it. The choice weighs the drafts of sequences whose estimate is at least ``least`` (:func:`threshold`);
+    once a width is chosen every row pays for it, so the others' drafts ride along too (on an H100 at 64
+    streams a row left without one carried fillers). A draft not verified (width none) lets its estimate
+    drift as a step without one does (else it could stay low for good)."""
+    chances = {key: d.chances(len(draft)) for key, (d, draft) in drafts.items() if d.rate >= least}
+    k = widths.choose(chances, outputs, rows, most, last, cost) if chances else 0
     for d, draft in drafts.values():
         if k:
             d.draft = draft[:k]
@@ -368,4 +370,3 @@ def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, ro
             d.draft = []
             d.idle()
     return k
-
