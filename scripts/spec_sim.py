@@ -4,7 +4,7 @@ The engine's own policy objects make every decision (``Drafting``, ``Pool``, ``W
 ``threshold``, ``step_costs``, ``choose_width``, the scheduler's ``CostModel``), as ``Engine._propose``
 and ``Engine._time_step`` call them; only the GPU is replaced: a step's seconds come from a table of
 decode-step times per width and rows, measured with ``scripts/spec_oracle.py`` (docs/results/), with
-the first ``SETTLING`` steps of a new width dearer (a graph built, then captured) and a little noise.
+the first ``SETTLING`` steps of a new width dearer (a graph built, then captured: ``CHANGE_MS``) and a little noise.
 Drafts are an oracle's: each output position's draft token is right with probability ``alpha``, drawn
 once a position (``iid``), or in spans (``bursty``: runs of right tokens of mean length ``span``, then
 wrong ones), as ``scripts/spec_oracle.py``'s corruption does on the GPU.
@@ -30,6 +30,7 @@ from llamapool.worker.engine.spec import (
     Pool,
     WidthCosts,
     choose_width,
+    ride,
     step_costs,
     threshold,
 )
@@ -44,7 +45,8 @@ COSTS = {
     "1b": {1: {0: 1.45, 1: 1.55, 3: 1.8, 8: 2.3}, 64: {0: 5.4, 1: 10.0, 3: 11.7, 7: 18.5, 8: 20.0}},
 }
 PROMPT_MS = {"8b": 0.1, "1b": 0.025}  # a prompt token's ms in a prompt step (8B: 2,048 tokens in ~0.2 s)
-CHANGE = 1.15  # a new width's first SETTLING steps cost this much more (8B, 64 rows: 24-25 ms against 21)
+CHANGE_MS = {"8b": {1: 0.7, 64: 3.2}, "1b": {1: 1.0, 64: 1.5}}  # a new width's first SETTLING steps cost this
+# much more (8B, 64 rows: 24-25 ms against 21; 1B, one stream: a probe there and back cost ~4 ms)
 
 
 def table_ms(shape: str, rows: int, k: int) -> float:
@@ -85,6 +87,23 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
     last of ``rounds`` runs on the same policy objects (the first warms them, as a serving worker is);
     ``fixed``: every drafting sequence drafts that many tokens a step (spec_oracle's ``k``)."""
     rng = random.Random(seed)
+
+    def draft(s: Seq, n: int) -> list[int]:
+        return [int(r) for r in s.right[s.made: s.made + min(n, gen - s.made - 1)]]
+
+    def drafts_of(seqs: list[Seq]) -> dict[int, tuple[Drafting, list[int]]]:
+        """Engine._drafts: each sequence's draft (a draft token is 1 where it is right), or its estimate drifts."""
+        out: dict[int, tuple[Drafting, list[int]]] = {}
+        for s in seqs:
+            assert s.d is not None
+            s.d.draft = []
+            x = draft(s, s.d.limit)
+            if x:
+                out[id(s)] = (s.d, x)
+            else:
+                s.d.idle()
+        return out
+
     widths, pool, cost_model = WidthCosts(), Pool(), CostModel()
     last = launched = settled = 0
     prompted = False
@@ -110,31 +129,31 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
                 continue
             cost: Callable[[int], float] = step_costs(cost_model.coef, widths, rows, rows, rows, 0.0)
             least = threshold(cost, rows, rows)
-            drafts: dict[int, tuple[Drafting, list[int]]] = {}
-            for i, s in enumerate(active):
-                d = s.d
-                assert d is not None
-                d.draft = []
-                n = min(fixed if fixed is not None else d.limit, gen - s.made - 1)
-                if n <= 0:
-                    d.idle()
-                    continue
-                drafts[i] = (d, [int(r) for r in s.right[s.made: s.made + n]])
             most = min(MAX_DRAFT, MAX_OUTPUTS // rows - 1)
-            if fixed is not None:
-                k = min(max((len(x) for _, x in drafts.values()), default=0), most)
-                for d, x in drafts.values():
-                    d.draft = x[:k]
-            elif drafts:
-                k = choose_width(drafts, least, rows, rows, most, last, cost, widths)
-            else:
-                k = 0
+            if fixed is not None:  # spec_oracle's every_step: each sequence's k drafts
+                k = min(fixed, most)
+                for s in active:
+                    assert s.d is not None
+                    s.d.draft = draft(s, k)
+            else:  # Engine._propose
+                weigh = [s for s in active if s.d is not None and s.d.rate >= least]
+                others = [s for s in active if s.d is not None and s.d.rate < least]
+                drafts = drafts_of(weigh)
+                k = choose_width(drafts, rows, rows, most, last, cost, widths) if drafts else 0
+                if k:
+                    ride(drafts_of(others), k)
+                else:
+                    for s in others:
+                        assert s.d is not None
+                        s.d.draft = []
+                        s.d.idle()
             last = k
             changes += k != launched
             changed = k != launched or prompted  # a decode graph built again
             settled = 0 if changed else settled + 1
             launched, prompted = k, False
-            ms = table_ms(shape, rows, k) * (CHANGE if settled < SETTLING else 1.0) * rng.gauss(1.0, 0.02)
+            change = CHANGE_MS[shape][1] + (CHANGE_MS[shape][64] - CHANGE_MS[shape][1]) * (rows - 1) / 63
+            ms = (table_ms(shape, rows, k) + (change if settled < SETTLING else 0.0)) * rng.gauss(1.0, 0.02)
             secs = ms / 1e3
             seconds += secs
             steps += 1
@@ -144,11 +163,11 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
             for s in list(active):
                 d = s.d
                 assert d is not None
-                draft = d.draft
-                kept = next((j for j, r in enumerate(draft) if not s.right[s.made + j]), len(draft))
-                if draft:
-                    d.verified(len(draft), kept)
-                    pool.verified(len(draft), kept)
+                x = d.draft
+                kept = next((j for j, r in enumerate(x) if not s.right[s.made + j]), len(x))
+                if x:
+                    d.verified(len(x), kept)
+                    pool.verified(len(x), kept)
                 d.draft = []
                 got = min(1 + kept, gen - s.made)
                 s.made += got

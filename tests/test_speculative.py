@@ -25,11 +25,12 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
 from llamapool.worker.engine.spec import (
-    CHANGE_COST,
+    OUTLIER,
     POOL_FLOOR,
     PRIOR,
     PROBE_MIN,
     PROBE_SHARE,
+    SETTLE,
     SETTLING,
     STALE,
     TRIAL,
@@ -220,28 +221,45 @@ def test_a_width_near_the_best_is_tried_and_a_far_one_never() -> None:
 
 def test_while_none_stays_a_width_is_probed_now_and_then() -> None:
     """At 64 rows a new sequence's prior (alpha 0.5) promises 0.94x of none for three drafts, short of
-    ENTER: a width is probed for TRIAL steps now and then, so the acceptance is learnt; as often as
-    keeps the probes' extra seconds at PROBE_SHARE of the steps' (a width change's settling included),
-    so at one row, where a draft costs 10 % of a step, far more often than at 64 rows."""
+    ENTER: a width is probed for TRIAL steps now and then, so the acceptance is learnt; as often as keeps
+    a probe's extra seconds (its first step's over none's, and the settling steps there and back, as
+    measured) at PROBE_SHARE of the steps' in between."""
     import itertools
 
-    def probes(seconds: dict[int, float], rows: int, alpha: float) -> tuple[list[tuple[int, int]], list[int]]:
+    def probes(seconds: dict[int, float], rows: int, alpha: float, excess: float | None) -> tuple[list, list]:
         w = measured(seconds, rows, probing=True)
+        if excess is not None:
+            w.observe(0, rows, seconds[0] + excess, changed=True)  # a settling step: what a change costs
         prior = {i: [alpha, alpha**2, alpha**3] for i in range(rows)}
-        picks = [choose(w, prior, rows, rows) for _ in range(2 * STALE + 3 * TRIAL)]
+        picks = [choose(w, prior, rows, rows) for _ in range(3 * STALE)]
         runs = [(k, len(list(g))) for k, g in itertools.groupby(picks)]
         return [r for r in runs if r[0]], [r[1] for r in runs if not r[0]]
 
-    every = int(TRIAL * (21.2 - 14.5) * (1 + CHANGE_COST) / (PROBE_SHARE * 14.5))  # 120 decisions
-    tried, between = probes(SIXTY_FOUR, 64, 0.5)  # at once, then every ``every`` decisions: width 1 (3: 0.83x, not)
-    assert set(tried) == {(1, TRIAL)} and between[:3] == [every - TRIAL + 1] * 3
+    def gap(first: float, none: float, settling: float) -> int:  # decisions of none between two probes
+        every = int((first - none + 2 * SETTLING * settling) / (PROBE_SHARE * none))
+        return min(STALE, max(PROBE_MIN, every)) - TRIAL + 1
+
+    tried, between = probes(SIXTY_FOUR, 64, 0.5, 3.0)  # at once, then width 1 again (3: 0.83x, not)
+    assert set(tried) == {(1, TRIAL)} and between[:3] == [gap(21.2, 14.5, 3.0)] * 3 == [125] * 3
+    tried, between = probes(SIXTY_FOUR, 64, 0.5, None)  # a change's cost not measured: a whole step's
+    assert between[:2] == [gap(21.2, 14.5, 14.5)] * 2 == [443] * 2
     one = {0: 4.32, 1: 4.79, 3: 5.43, 8: 7.63}  # at alpha 0.25 width 1 promises 1.13x of none: probed
-    tried, between = probes(one, 1, 0.25)
-    assert set(tried) <= {(1, TRIAL), (3, TRIAL)} and between[1] == max(PROBE_MIN, int(
-        TRIAL * (one[tried[1][0]] - 4.32) * (1 + CHANGE_COST) / (PROBE_SHARE * 4.32))) - TRIAL + 1 < every
+    tried, between = probes(one, 1, 0.25, 1.0)
+    assert set(tried) <= {(1, TRIAL), (3, TRIAL)} and between[1] == gap(one[tried[1][0]], 4.32, 1.0)
     w = measured(SIXTY_FOUR, 64, probing=True)
     unlikely = {i: [0.05, 0.0025] for i in range(64)}  # under MIN_GAIN's share: never probed
     assert set(choose(w, unlikely, 64, 64) for _ in range(2 * STALE)) == {0}
+
+
+def test_a_width_changes_cost_is_measured_from_its_settling_steps() -> None:
+    w = measured(SIXTY_FOUR, 64)
+    assert not w.change
+    w.observe(1, 64, 24.2, changed=True)  # 3 over width 1's 21.2
+    assert w.change[w.band(64)] == pytest.approx(3.0)
+    w.observe(0, 64, 14.5 * (OUTLIER + 1), changed=True)  # a first capture (cuBLAS set up): left out
+    w.observe(0, 64, 18.5, changed=True)  # 4 over none's
+    assert w.change[w.band(64)] == pytest.approx(SETTLE * 3.0 + (1 - SETTLE) * 4.0)
+    assert w.seconds(1, 64, 0.0) == pytest.approx(21.2)  # the settled steps' own estimate untouched
 
 
 def test_the_request_field_is_checked_by_name() -> None:

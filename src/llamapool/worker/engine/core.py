@@ -37,6 +37,7 @@ from llamapool.worker.engine.spec import (
     Proposer,
     WidthCosts,
     choose_width,
+    ride,
     step_costs,
     threshold,
 )
@@ -457,28 +458,37 @@ class Engine:
             return 0
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         cost = self._width_cost(chunk, rows, prefilling)
-        least = threshold(cost, rows, outputs)
-        drafts = self._drafts(decoding, least)
-        if not drafts:
-            self._width = 0
-            return 0
-        most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
-                   min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
-        self._width = choose_width(drafts, least, outputs, rows + prefilling, most, self._width, cost, self.widths)
-        return self._width
+        least = threshold(cost, rows, outputs)  # the sequences likely enough to weigh in the choice
+        weigh: list[Sequence] = []
+        others: list[Sequence] = []
+        for seq in decoding:
+            assert seq.drafting is not None
+            (weigh if seq.drafting.rate >= least else others).append(seq)
+        drafts = self._drafts(weigh)
+        k = 0
+        if drafts:
+            most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
+                       min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
+            k = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths)
+        if k:  # the others' drafts ride along (spec.ride), made only now: prompt lookup is host time
+            ride(self._drafts(others), k)
+        else:
+            for seq in others:
+                assert seq.drafting is not None
+                seq.drafting.draft = []
+                seq.drafting.idle()
+        self._width = k
+        return k
 
-    def _drafts(self, decoding: list[Sequence], least: float) -> dict[int, tuple[Drafting, list[int]]]:
-        """The decoding sequences' drafts (by sequence id), each as long as its request allows; but none for
-        a constrained sequence whose estimate is below ``least`` (its draft waits for the mask thread)."""
+    def _drafts(self, seqs: list[Sequence]) -> dict[int, tuple[Drafting, list[int]]]:
+        """The sequences' drafts (by sequence id), each as long as its request allows; a sequence without
+        one lets its estimate drift (``Drafting.idle``)."""
         drafts: dict[int, tuple[Drafting, list[int]]] = {}
         ctx = self.cfg.ctx_per_slot - 2
-        for seq in decoding:
+        for seq in seqs:
             d = seq.drafting
             assert d is not None
             d.draft = []
-            if seq.sampling.matcher is not None and d.rate < least:
-                d.idle()
-                continue
             if self.proposer is None:
                 draft = d.lookup.draft(seq.history, seq.n_history, MAX_DRAFT)
             else:

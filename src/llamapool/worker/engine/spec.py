@@ -199,9 +199,8 @@ MIN_GAIN = 0.05  # a width is a choice when its drafts are expected to add this 
 SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
 TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
-PROBE_SHARE = 0.02  # while none stays, probes cost at most this share of the step time ...
+PROBE_SHARE = 0.01  # while none stays, probes cost at most this share of the step time ...
 PROBE_MIN = 16  # ... and come at most once in this many decisions
-CHANGE_COST = 0.3  # a width change's settling steps cost about this share of a step more (two at ~15 %)
 
 
 @dataclass
@@ -233,6 +232,7 @@ class WidthCosts:
         self._tried: dict[tuple[int, int], int] = {}  # (width, band) -> the decision count of its last trial
         self._trial: tuple[int, int] | None = None  # (width, steps left)
         self._probed = -STALE - 1  # the decision count of the last probe (:meth:`_probe`)
+        self.change: dict[int, float] = {}  # band -> a settling step's seconds over its width's settled ones
         self.probing = probing  # widths are probed while none stays (tests of the choice alone: off)
 
     def _probe(self, speeds: dict[int, float], rows: int, cost: Callable[[int], float]) -> int:
@@ -241,15 +241,17 @@ class WidthCosts:
         cost only by its steps (at 64 streams the prior's promise never reached ``ENTER``, drafts always
         kept were never drafted; a worker whose recent drafts were refused starts new sequences at
         ``POOL_FLOOR``, below ``ENTER``, and learnt nothing more). How often: a probe's extra seconds
-        (its steps' over none's) are at most ``PROBE_SHARE`` of the steps' since the last one, and at
-        least once in ``STALE`` decisions (a width one step costs as much as none probes every
-        ``PROBE_MIN`` decisions)."""
+        are at most ``PROBE_SHARE`` of the steps' since the last one (its first step's over none's, and
+        the settling steps there and back, measured: a trial whose drafts are all refused ends after
+        a step), and it comes at least once in ``STALE`` decisions, at most once in ``PROBE_MIN``. On an
+        H100 at one stream (1B) a probe cost ~4 ms, 3 steps' worth, mostly the two width changes."""
         band = self.band(rows)
         near = [k for k in speeds if k and speeds[k] >= WORTH_TRYING * speeds[0]]
         if not near:
             return 0
         k = min(near, key=lambda k: ((s.at if (s := self.seen.get((k, band))) else -1), -speeds[k]))
-        extra = TRIAL * max(cost(k) - cost(0), 0.0) * (1 + CHANGE_COST)
+        change = self.change.get(band, cost(0))  # not measured yet: a whole step
+        extra = max(cost(k) - cost(0), 0.0) + 2 * SETTLING * change  # there and back
         every = min(STALE, max(PROBE_MIN, int(extra / (PROBE_SHARE * max(cost(0), 1e-9)))))
         if self.decisions - self._probed <= every:
             return 0
@@ -263,11 +265,15 @@ class WidthCosts:
 
     def observe(self, k: int, rows: int, seconds: float, changed: bool) -> None:
         """A decode step of width ``k`` over ``rows`` rows took ``seconds`` (``changed``: its width is new,
-        one of the first ``SETTLING`` steps at it)."""
-        if changed:
-            return
+        one of the first ``SETTLING`` steps at it: not measured, but its seconds over the width's settled
+        ones are, as what a change costs in the band)."""
         key = (k, self.band(rows))
         s = self.seen.get(key)
+        if changed:
+            if s is not None and seconds <= OUTLIER * s.seconds:
+                excess, was = max(seconds - s.seconds, 0.0), self.change.get(key[1])
+                self.change[key[1]] = excess if was is None else SETTLE * was + (1 - SETTLE) * excess
+            return
         if s is None:
             self.seen[key] = _Seen(seconds, float(rows), self.decisions)
             return
@@ -354,19 +360,24 @@ def step_costs(coef: tuple[float, float, float, float, float] | None, widths: Wi
     return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
 
 
-def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], least: float, outputs: int, rows: int, most: int,
-                 last: int, cost: Callable[[int], float], widths: WidthCosts) -> int:
+def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, rows: int, most: int, last: int,
+                 cost: Callable[[int], float], widths: WidthCosts) -> int:
     """The step's draft width (``WidthCosts.choose``) for the ``drafts`` made (by sequence key), each cut to
-    it. The choice weighs the drafts of sequences whose estimate is at least ``least`` (:func:`threshold`);
-    once a width is chosen every row pays for it, so the others' drafts ride along too (on an H100 at 64
-    streams a row left without one carried fillers). A draft not verified (width none) lets its estimate
-    drift as a step without one does (else it could stay low for good)."""
-    chances = {key: d.chances(len(draft)) for key, (d, draft) in drafts.items() if d.rate >= least}
-    k = widths.choose(chances, outputs, rows, most, last, cost) if chances else 0
+    it; a draft not verified (width none) lets its estimate drift as a step without one does (else it
+    could stay low for good)."""
+    chances = {key: d.chances(len(draft)) for key, (d, draft) in drafts.items()}
+    k = widths.choose(chances, outputs, rows, most, last, cost)
+    ride(drafts, k)
+    return k
+
+
+def ride(drafts: dict[int, tuple[Drafting, list[int]]], k: int) -> None:
+    """The ``drafts`` cut to the step's width ``k``, or dropped (their estimates drifting) at none. Once a
+    width is chosen every row pays for it, so the drafts of sequences too unlikely to weigh in the choice
+    (:func:`threshold`) ride along (on an H100 at 64 streams a row left without one carried fillers)."""
     for d, draft in drafts.values():
         if k:
             d.draft = draft[:k]
         else:
             d.draft = []
             d.idle()
-    return k
