@@ -81,6 +81,7 @@ from llamapool.bench.workloads import FIRST_ID
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, visible_gpus
 from llamapool.worker.engine.sequence import Sequence
+from llamapool.worker.engine import spec
 from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer
 from llamapool.worker.scheduler import StepTarget
 
@@ -453,7 +454,14 @@ def main() -> int:
     ap.add_argument("--stop-after", type=float, default=0.0, metavar="S",
                     help="start no run after S seconds (rows of what ran are still written; 0: no limit)")
     ap.add_argument("--out", default="", metavar="FILE", help="JSON lines appended here too (and FILE.md: the table)")
+    ap.add_argument("--spec", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="a constant of worker/engine/spec.py set for this run (an experiment, e.g. SHRINK=0)")
     args = ap.parse_args()
+    for item in args.spec:
+        name, _, value = item.partition("=")
+        if not hasattr(spec, name) or not name.isupper() or not value:
+            ap.error(f"--spec: {item!r} names no constant of worker/engine/spec.py")
+        setattr(spec, name, type(getattr(spec, name))(value))
     ks: list[int | str] = [k if k == BUDGET else int(k) for k in args.k]
     if any(k != BUDGET and not 1 <= int(k) <= MAX_DRAFT for k in ks):
         ap.error(f"--k: 1 to {MAX_DRAFT} or '{BUDGET}'")
@@ -479,6 +487,7 @@ def main() -> int:
         "mode": "setup", "model": Path(args.model).name, "gpus": visible_gpus() if gpu else [],
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "P": args.prompt_tokens, "G": args.gen,
         "repeats": args.repeats, "ks": ks, "alphas": args.alpha, "max_batch_tokens": args.max_batch_tokens,
+        "spec": args.spec,
         "note": "llamapool rows: the engine in this process (no router or SDK hop); llama-server rows: over "
                 "HTTP, tok/s = tokens / wall of the run, prompts included, both"}
     emit(setup)

@@ -139,7 +139,7 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
                 weigh = [s for s in active if s.d is not None and s.d.rate >= least]
                 others = [s for s in active if s.d is not None and s.d.rate < least]
                 drafts = drafts_of(weigh)
-                k = choose_width(drafts, rows, rows, most, last, cost, widths) if drafts else 0
+                k = choose_width(drafts, rows, rows, most, last, cost, widths, pool) if drafts else 0
                 if k:
                     ride(drafts_of(others), k)
                 else:

@@ -222,7 +222,7 @@ def test_a_width_near_the_best_is_tried_and_a_far_one_never() -> None:
 def test_while_none_stays_a_width_is_probed_now_and_then() -> None:
     """At 64 rows a new sequence's prior (alpha 0.5) promises 0.94x of none for three drafts, short of
     ENTER: a width is probed for TRIAL steps now and then, so the acceptance is learnt; as often as keeps
-    a probe's extra seconds (its first step's over none's, and the settling steps there and back, as
+    a probe's extra seconds (its steps' over none's, and the settling steps there and back, as
     measured) at PROBE_SHARE of the steps' in between."""
     import itertools
 
@@ -236,13 +236,13 @@ def test_while_none_stays_a_width_is_probed_now_and_then() -> None:
         return [r for r in runs if r[0]], [r[1] for r in runs if not r[0]]
 
     def gap(first: float, none: float, settling: float) -> int:  # decisions of none between two probes
-        every = int((first - none + 2 * SETTLING * settling) / (PROBE_SHARE * none))
+        every = int((TRIAL * (first - none) + 2 * SETTLING * settling) / (PROBE_SHARE * none))
         return min(STALE, max(PROBE_MIN, every)) - TRIAL + 1
 
     tried, between = probes(SIXTY_FOUR, 64, 0.5, 3.0)  # at once, then width 1 again (3: 0.83x, not)
-    assert set(tried) == {(1, TRIAL)} and between[:3] == [gap(21.2, 14.5, 3.0)] * 3 == [125] * 3
+    assert set(tried) == {(1, TRIAL)} and between[:3] == [gap(21.2, 14.5, 3.0)] * 3 == [264] * 3
     tried, between = probes(SIXTY_FOUR, 64, 0.5, None)  # a change's cost not measured: a whole step's
-    assert between[:2] == [gap(21.2, 14.5, 14.5)] * 2 == [443] * 2
+    assert between[:2] == [gap(21.2, 14.5, 14.5)] * 2 == [STALE - TRIAL + 1] * 2
     one = {0: 4.32, 1: 4.79, 3: 5.43, 8: 7.63}  # at alpha 0.25 width 1 promises 1.13x of none: probed
     tried, between = probes(one, 1, 0.25, 1.0)
     assert set(tried) <= {(1, TRIAL), (3, TRIAL)} and between[1] == gap(one[tried[1][0]], 4.32, 1.0)

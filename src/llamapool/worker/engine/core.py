@@ -469,7 +469,7 @@ class Engine:
         if drafts:
             most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                        min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
-            k = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths)
+            k = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths, self.pool)
         if k:  # the others' drafts ride along (spec.ride), made only now: prompt lookup is host time
             ride(self._drafts(others), k)
         else:

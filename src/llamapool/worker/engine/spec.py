@@ -38,6 +38,7 @@ PRIOR = 0.5  # a new sequence's acceptance estimate
 DECAY = 0.9  # a step's weight in the acceptance estimate, against the one after it: in scripts/spec_sim.py
 # (the H100's step costs) 0.7 lost 5-25 % to three drafts every step at one stream, alpha 0.7 drawn by
 # token or in spans, widening on a lucky streak and stopping on an unlucky one; 0.9 is within 2-4 %
+SHRINK = 10.0  # the worker's recent acceptance weighs as this many tokens tried in a width's chances
 DRIFT = 0.02  # a step without a draft moves the estimate this share of the way back to the prior
 
 
@@ -108,9 +109,14 @@ class Drafting:
         if self.prior != PRIOR:
             self.rate, self.kept_w = self.prior, self.prior * self.tried_w
 
-    def chances(self, n: int) -> list[float]:
-        """Each of ``n`` draft tokens' chance of being kept (the one before it kept too)."""
-        return [self.rate ** (j + 1) for j in range(n)]
+    def chances(self, n: int, pool: float | None = None) -> list[float]:
+        """Each of ``n`` draft tokens' chance of being kept (the one before it kept too), from the estimate
+        drawn towards ``pool`` (the worker's recent acceptance) as if ``SHRINK`` tokens had been tried at
+        it: a few steps' counts are noisy, and the width chosen from them flips (at one stream, alpha 0.8,
+        on an H100 a third of the steps went to width 8 on a lucky streak, 10 % slower than three drafts
+        every step)."""
+        rate = self.rate if pool is None else (self.kept_w + SHRINK * pool) / (self.tried_w + SHRINK)
+        return [rate ** (j + 1) for j in range(n)]
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` tokens and kept the first ``accepted``."""
@@ -148,10 +154,15 @@ class Pool:
             self.tried = POOL_DECAY * self.tried + accepted + (accepted < drafted)
 
     @property
+    def recent(self) -> float:
+        """The recent acceptance."""
+        return self.kept / self.tried
+
+    @property
     def rate(self) -> float:
-        """The recent acceptance, at least ``POOL_FLOOR`` (text changes: a worker whose drafts were never
-        kept still probes now and then)."""
-        return max(self.kept / self.tried, POOL_FLOOR)
+        """A new sequence's prior: the recent acceptance, at least ``POOL_FLOOR`` (text changes: a worker
+        whose drafts were never kept still probes now and then)."""
+        return max(self.recent, POOL_FLOOR)
 
 
 POOL_DECAY = 0.99
@@ -241,17 +252,17 @@ class WidthCosts:
         cost only by its steps (at 64 streams the prior's promise never reached ``ENTER``, drafts always
         kept were never drafted; a worker whose recent drafts were refused starts new sequences at
         ``POOL_FLOOR``, below ``ENTER``, and learnt nothing more). How often: a probe's extra seconds
-        are at most ``PROBE_SHARE`` of the steps' since the last one (its first step's over none's, and
-        the settling steps there and back, measured: a trial whose drafts are all refused ends after
-        a step), and it comes at least once in ``STALE`` decisions, at most once in ``PROBE_MIN``. On an
-        H100 at one stream (1B) a probe cost ~4 ms, 3 steps' worth, mostly the two width changes."""
+        are at most ``PROBE_SHARE`` of the steps' since the last one (its steps' over none's, and the
+        settling steps there and back, measured), and it comes at least once in ``STALE`` decisions, at
+        most once in ``PROBE_MIN``. On an H100 at one stream (1B) a probe cost ~4 ms, 3 steps' worth,
+        mostly the two width changes; at 64 streams ~20 ms, 4 steps' worth."""
         band = self.band(rows)
         near = [k for k in speeds if k and speeds[k] >= WORTH_TRYING * speeds[0]]
         if not near:
             return 0
         k = min(near, key=lambda k: ((s.at if (s := self.seen.get((k, band))) else -1), -speeds[k]))
         change = self.change.get(band, cost(0))  # not measured yet: a whole step
-        extra = max(cost(k) - cost(0), 0.0) + 2 * SETTLING * change  # there and back
+        extra = TRIAL * max(cost(k) - cost(0), 0.0) + 2 * SETTLING * change  # there and back
         every = min(STALE, max(PROBE_MIN, int(extra / (PROBE_SHARE * max(cost(0), 1e-9)))))
         if self.decisions - self._probed <= every:
             return 0
@@ -361,11 +372,11 @@ def step_costs(coef: tuple[float, float, float, float, float] | None, widths: Wi
 
 
 def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, rows: int, most: int, last: int,
-                 cost: Callable[[int], float], widths: WidthCosts) -> int:
+                 cost: Callable[[int], float], widths: WidthCosts, pool: Pool) -> int:
     """The step's draft width (``WidthCosts.choose``) for the ``drafts`` made (by sequence key), each cut to
-    it; a draft not verified (width none) lets its estimate drift as a step without one does (else it
-    could stay low for good)."""
-    chances = {key: d.chances(len(draft)) for key, (d, draft) in drafts.items()}
+    it (their chances drawn towards the ``pool``'s recent acceptance); a draft not verified (width
+    none) lets its estimate drift as a step without one does (else it could stay low for good)."""
+    chances = {key: d.chances(len(draft), pool.recent) for key, (d, draft) in drafts.items()}
     k = widths.choose(chances, outputs, rows, most, last, cost)
     ride(drafts, k)
     return k
