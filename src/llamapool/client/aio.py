@@ -1,7 +1,8 @@
 """asyncio client: the same calls as :class:`llamapool.Client`, as coroutines.
 
-Lifetime as for the blocking client: the process's one ZeroMQ context (an asyncio shadow of
-:func:`llamapool.client.sync.shared_context`), never terminated; a client closes its own socket.
+Lifetime as for the blocking client: the process's one ZeroMQ context
+(:func:`llamapool.client.sync.shared_context`), never terminated; a client closes its own socket,
+which the event loop watches through its descriptor (no ``zmq.asyncio`` futures: see ``_Link``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import zmq
-import zmq.asyncio
 
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
@@ -39,7 +39,7 @@ from llamapool.client.calls import (
     task_frame,
 )
 from llamapool.client.errors import LlamapoolError, OverloadedError, RequestTimeoutError, UnavailableError
-from llamapool.client.sync import CLOSE_LINGER_MS, closed_error, shared_async_context
+from llamapool.client.sync import CLOSE_LINGER_MS, closed_error, shared_context
 from llamapool.client.types import Completion, Embeddings, StreamChunk
 from llamapool.protocol import codec
 from llamapool.protocol.endpoints import default_frontend
@@ -60,21 +60,7 @@ _CLOSED = Error(None, "closed", "")  # put in the queue of each waiting request 
 
 
 _BEHIND = Error(None, "overloaded", "")  # put in a request's queue when its caller fell max_queued replies behind
-
-
-async def _read(sock: zmq.asyncio.Socket, link: _Link) -> None:
-    """Hand each reply to the queue of the request that waits for it (ends when the socket closes)."""
-    waiting, limit = link.waiting, link.max_queued
-    while True:
-        msg = decode_reply(await sock.recv_multipart())
-        rid = getattr(msg, "id", None) or ""
-        q = waiting.get(rid)
-        if q is None:
-            continue
-        if limit is not None and q.qsize() >= limit:
-            link.fell_behind(rid, q)
-        else:
-            q.put_nowait(msg)
+POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # plain ints: an IntFlag's ``&`` runs Python code
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -84,41 +70,106 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # a cancel that could not be sent (not connected): nothing runs there to cancel
-
-
 class _Link:
-    """An AsyncClient's socket, its reader task and its requests' queues. It holds no reference to the
-    client (nor does the reader task), so a client dropped unclosed is freed, and its finaliser closes
-    this: from the loop's thread at once, from another thread through the loop, never waiting."""
+    """An AsyncClient's socket and its requests' queues. The socket is a plain one, watched by the
+    event loop's reader callback (:meth:`on_events`), which hands each reply to the queue of the
+    request that waits for it: a reply costs a ``recv`` and a ``put_nowait``, with no future or task
+    of its own. It holds no reference to the client, so a client dropped unclosed is freed, and its
+    finaliser closes this: from the loop's thread at once, from another thread through the loop,
+    never waiting."""
 
     def __init__(self, endpoint: str, keys: tuple[bytes, bytes, bytes] | None, max_queued: int | None = None):
         self.pid = os.getpid()
         self.max_queued = max_queued
         self.closed = False
-        self.sock: zmq.asyncio.Socket = shared_async_context().socket(zmq.DEALER)
+        self.sock: zmq.Socket[bytes] = shared_context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
         if keys is not None:
             self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = keys
         self.sock.connect(endpoint)
+        self.fd: int = self.sock.FD
         self.waiting: dict[str, asyncio.Queue[Message]] = {}
         self.inflight: set[str] = set()  # generate requests sent and not finished: close() cancels them
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.reader: asyncio.Task[None] | None = None
+        self.room: list[asyncio.Future[None]] = []  # sends waiting for a connection to the router
 
-    def start(self) -> zmq.asyncio.Socket:
-        """The socket, with its reader running in this loop; a closed client raises."""
+    def start(self) -> zmq.Socket[bytes]:
+        """The socket, watched by this loop; a closed client raises."""
         if self.pid != os.getpid():
             raise UnavailableError("closed", "this AsyncClient was made before a fork(), in the parent process: "
                                    "its socket and event loop cannot be used in the child; make a new one here")
         if self.closed:
             raise closed_error("AsyncClient")
-        if self.reader is None or self.reader.done():
-            self.loop = asyncio.get_running_loop()
-            self.reader = self.loop.create_task(_read(self.sock, self))
+        loop = asyncio.get_running_loop()
+        if loop is not self.loop:
+            if self.loop is not None and not self.loop.is_closed():
+                with contextlib.suppress(Exception):
+                    self.loop.remove_reader(self.fd)
+            self.loop = loop
+            loop.add_reader(self.fd, self.on_events)
         return self.sock
+
+    def on_events(self) -> None:
+        """The socket's descriptor signalled (edge-triggered: every reply waiting is taken now), or a
+        send may have taken its signal: dispatch the replies, wake the sends waiting for room."""
+        sock = self.sock
+        while not sock.closed:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again: nothing more
+                break
+            with contextlib.suppress(codec.ProtocolError):  # not a reply: nobody waits for it
+                self._dispatch(decode_reply(frames))
+        if self.room and not sock.closed and sock.get(zmq.EVENTS) & POLLOUT:  # type: ignore[operator]
+            self._wake()
+
+    def _dispatch(self, msg: Message) -> None:
+        rid = getattr(msg, "id", None) or ""
+        q = self.waiting.get(rid)
+        if q is None:
+            return
+        if self.max_queued is not None and q.qsize() >= self.max_queued:
+            self.fell_behind(rid, q)
+        else:
+            q.put_nowait(msg)
+
+    def _wake(self) -> None:
+        for f in self.room:
+            if not f.done():
+                f.set_result(None)
+        self.room.clear()
+
+    def sent(self, frame: bytes) -> bool:
+        """Send ``frame`` now if the socket has room (a connection); False if not. A send may take the
+        descriptor's signal of replies that came meanwhile: those are taken at once."""
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        finally:
+            if not self.sock.closed and self.sock.get(zmq.EVENTS) & POLLIN:  # type: ignore[operator]
+                self.on_events()
+        return True
+
+    async def send(self, frame: bytes, timeout: float) -> None:
+        """Send ``frame``, waiting up to ``timeout`` seconds for a connection (zmq.Again past it)."""
+        self.start()
+        if self.sent(frame):
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            room = loop.create_future()
+            self.room.append(room)
+            try:
+                async with asyncio.timeout_at(end):
+                    await room
+            except TimeoutError:
+                raise zmq.Again from None
+            if self.closed:
+                raise closed_error("AsyncClient")
+            if self.sent(frame):
+                return
 
     def cancel(self, rid: str) -> None:
         """Ask the daemon to stop ``rid`` if it has not finished; never waits."""
@@ -126,8 +177,7 @@ class _Link:
         if rid in self.inflight:
             self.inflight.discard(rid)
             if not self.sock.closed and self.pid == os.getpid():
-                self.sock.send(codec.encode(Cancel(rid)), zmq.NOBLOCK).add_done_callback(  # type: ignore[attr-defined]
-                    _retrieve)
+                self.sent(codec.encode(Cancel(rid)))  # not connected: nothing runs there to cancel
 
     def fell_behind(self, rid: str, q: asyncio.Queue[Message]) -> None:
         """``rid``'s caller has ``max_queued`` replies it has not taken: cancel it, and tell the caller."""
@@ -135,8 +185,8 @@ class _Link:
         self.cancel(rid)
 
     def close(self) -> None:
-        """Stop the reader, close the socket and end the calls waiting on it. Idempotent; from any thread;
-        never waits."""
+        """Stop watching the socket, close it and end the calls waiting on it. Idempotent; from any
+        thread; never waits."""
         if self.closed:
             return
         self.closed = True
@@ -154,15 +204,15 @@ class _Link:
     def _close_here(self) -> None:
         """In the loop's thread, or anywhere once the loop is gone (each step may find it closed)."""
         with contextlib.suppress(Exception):
-            if self.reader is not None:
-                self.reader.cancel()
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.remove_reader(self.fd)
             for q in self.waiting.values():
                 q.put_nowait(_CLOSED)
+            self._wake()
         if self.inflight and not self.sock.closed:
-            plain: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)  # sends without the event loop
             for rid in self.inflight:
                 with contextlib.suppress(zmq.ZMQError):
-                    plain.send(codec.encode(Cancel(rid)), zmq.NOBLOCK)
+                    self.sock.send(codec.encode(Cancel(rid)), zmq.NOBLOCK)
         self.inflight.clear()
         with contextlib.suppress(Exception):
             self.sock.close()  # LINGER lets the cancels leave; nothing waits for them
@@ -236,20 +286,16 @@ class AsyncClient:
     async def _open(self, frame: bytes, rid: str, timeout: float | None = None,
                     generate: bool = False) -> asyncio.Queue[Message]:
         link = self._link
-        sock = link.start()
+        link.start()
         q: asyncio.Queue[Message] = asyncio.Queue()
         link.waiting[rid] = q
-        sock.sndtimeo = send_timeout_ms(timeout)
         try:
-            await sock.send(frame)
+            await link.send(frame, send_timeout_ms(timeout) / 1000)
         except zmq.Again:
             link.waiting.pop(rid, None)
             raise not_connected(self.endpoint) from None
-        except asyncio.CancelledError:  # close() cancels the socket's futures: not this task's cancellation
+        except BaseException:
             link.waiting.pop(rid, None)
-            task = asyncio.current_task()
-            if link.closed and task is not None and not task.cancelling():
-                raise closed_error("AsyncClient") from None
             raise
         if generate:
             link.inflight.add(rid)
@@ -261,10 +307,16 @@ class AsyncClient:
         return t, (None if t is None else t + 1.0)
 
     async def _next(self, q: asyncio.Queue[Message], wait: float | None) -> Message:
-        try:
-            msg = await asyncio.wait_for(q.get(), wait)
-        except TimeoutError:
-            raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline") from None
+        """The next reply in ``q``, within ``wait`` seconds: one already there is taken at once, else
+        awaited under a timer (no task of its own, as ``wait_for`` would make on every reply)."""
+        if not q.empty() and (wait is None or wait > 0):
+            msg = q.get_nowait()
+        else:
+            try:
+                async with asyncio.timeout(wait):
+                    msg = await q.get()
+            except TimeoutError:
+                raise RequestTimeoutError("timeout", "no reply from llamapool before the deadline") from None
         if msg is _CLOSED:
             raise closed_error("AsyncClient")
         if msg is _BEHIND:
