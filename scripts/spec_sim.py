@@ -45,7 +45,7 @@ COSTS = {
     "1b": {1: {0: 1.45, 1: 1.55, 3: 1.8, 8: 2.3}, 64: {0: 5.4, 1: 10.0, 3: 11.7, 7: 18.5, 8: 20.0}},
 }
 PROMPT_MS = {"8b": 0.1, "1b": 0.025}  # a prompt token's ms in a prompt step (8B: 2,048 tokens in ~0.2 s)
-CHANGE_MS = {"8b": {1: 0.7, 64: 3.2}, "1b": {1: 1.0, 64: 1.5}}  # a new width's first SETTLING steps cost this
+CHANGE_MS = {"8b": {1: 5.0, 64: 3.2}, "1b": {1: 1.0, 64: 1.5}}  # a new width's first SETTLING steps cost this
 # much more (8B, 64 rows: 24-25 ms against 21; 1B, one stream: a probe there and back cost ~4 ms)
 
 
@@ -82,9 +82,10 @@ def positions(n: int, alpha: float, span: float, rng: random.Random) -> list[boo
 
 
 def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span: float, fixed: int | None,
-             seed: int, rounds: int = 2, prompt: int = 128) -> dict[str, float]:
+             seed: int, rounds: int = 2, prompt: int = 128, before: float | None = None) -> dict[str, float]:
     """Tokens a second (simulated) of ``prompts`` sequences of ``prompt`` and ``gen`` tokens, ``batch`` at a time, the
-    last of ``rounds`` runs on the same policy objects (the first warms them, as a serving worker is);
+    last of ``rounds`` runs on the same policy objects (the first warms them, as a serving worker is; at
+    acceptance ``before``, if given: the text changed);
     ``fixed``: every drafting sequence drafts that many tokens a step (spec_oracle's ``k``)."""
     rng = random.Random(seed)
 
@@ -108,8 +109,9 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
     last = launched = settled = 0
     prompted = False
     result: dict[str, float] = {}
-    for _ in range(rounds):
-        waiting = [positions(gen + MAX_DRAFT, alpha, span, rng) for _ in range(prompts)]
+    for r in range(rounds):
+        a = before if before is not None and r < rounds - 1 else alpha
+        waiting = [positions(gen + MAX_DRAFT, a, span, rng) for _ in range(prompts)]
         active: list[Seq] = []
         seconds = tokens = 0.0
         steps = changes = wide = 0
