@@ -120,8 +120,12 @@ class _Link:
                 break
             with contextlib.suppress(codec.ProtocolError):  # not a reply: nobody waits for it
                 self._dispatch(decode_reply(frames))
-        if self.room and not sock.closed and sock.get(zmq.EVENTS) & POLLOUT:  # type: ignore[operator]
-            self._wake()
+        if self.room and not sock.closed:
+            events = int(sock.get(zmq.EVENTS))  # type: ignore[call-overload]
+            if events & POLLOUT:
+                self._wake()
+            if events & POLLIN and self.loop is not None:  # the check took the descriptor's signal of it
+                self.loop.call_soon(self.on_events)
 
     def _dispatch(self, msg: Message) -> None:
         rid = getattr(msg, "id", None) or ""
