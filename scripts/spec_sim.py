@@ -26,6 +26,7 @@ from llamapool.worker.engine.spec import (
     MAX_DRAFT,
     MAX_OUTPUTS,
     SETTLING,
+    SHADOWS,
     Drafting,
     Pool,
     WidthCosts,
@@ -145,10 +146,15 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
                 if k:
                     ride(drafts_of(others), k)
                 else:
+                    every = max(1, len(active) // SHADOWS)
+                    due = [s for s in others
+                           if s.d is not None and not s.d.shadow and (id(s) // 16 + steps) % every == 0]
+                    ride(drafts_of(due), 0)
                     for s in others:
                         assert s.d is not None
                         s.d.draft = []
-                        s.d.idle()
+                        if s not in due:
+                            s.d.idle()
             last = k
             changes += k != launched
             changed = k != launched or prompted  # a decode graph built again
@@ -167,6 +173,10 @@ def simulate(shape: str, batch: int, prompts: int, gen: int, alpha: float, span:
                 assert d is not None
                 x = d.draft
                 kept = next((j for j, r in enumerate(x) if not s.right[s.made + j]), len(x))
+                if d.shadow and not x:  # Engine._take_rows: the model's token (1) against the watched draft's
+                    seen = d.saw([1])
+                    if seen is not None:
+                        pool.verified(*seen)
                 if x:
                     d.verified(len(x), kept)
                     pool.verified(len(x), kept)

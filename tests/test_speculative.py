@@ -586,23 +586,41 @@ def test_a_step_has_at_most_max_outputs_rows_with_logits(model_path: str, monkey
         eng.close()
 
 
-def test_drafts_a_step_does_not_verify_let_the_estimate_drift(model_path: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step whose width is none verifies no draft: the sequences that proposed one drift back towards
-    the prior as on a step without a draft (else an estimate just too low to win a width stays so)."""
+def test_drafts_a_step_does_not_verify_are_watched_and_learnt_from(model_path: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose width is none verifies no draft, but the tokens generated after a draft settle it
+    (Drafting.watch): drafts that would have been kept raise an estimate just too low to win a width,
+    and drafts that would not bring one down, with nothing verified either way; the worker's pool learns
+    too. The text is the same."""
     monkeypatch.setattr(WidthCosts, "choose", lambda self, chances, outputs, rows, most, last, cost: 0)
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     eng = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=128, threads=2, speculative="ngram",
                               prefix_cache=False))
     try:
-        eng.proposer = lambda rid, hist, k: [5, 6]
-        eng.submit(Run(1, "tok1 tok2", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), True), Step())
-        eng.step()
-        d = next(iter(eng.active.values())).drafting
-        assert d is not None
-        d.kept_w, d.rate = 0.1 * d.tried_w, 0.1
-        for _ in range(20):
+        done: dict[int, list[int]] = {}
+
+        def drive(rid: int) -> Any:
+            eng.submit(Run(rid, "tok1 tok2", p, True), Step())
             eng.step()
-        assert 0.2 < d.rate < 0.5 and eng.drafted_tokens == 0
+            seq = next(iter(eng.active.values()))
+            d = seq.drafting
+            assert d is not None
+            d.kept_w, d.rate = 0.1 * d.tried_w, 0.1
+            while eng.busy:
+                out = eng.step()
+                for x in out.done:
+                    done[x.rid] = list(seq.history[len(seq.tokens): seq.n_history])
+            return d
+
+        eng.proposer = lambda rid, hist, k: [5, 6]  # (not what this model writes after "tok1 tok2")
+        never = drive(1)
+        ref = done[1]
+        assert ref[:2] != [5, 6] and never.rate < 0.1 and never.refused > 5
+        prompt_len = len(eng.tokenize("tok1 tok2"))
+        eng.proposer = lambda rid, hist, k: [int(t) for t in ref[len(hist) - prompt_len:][:k]]  # the model's own
+        kept = drive(2)
+        assert done[2] == ref and kept.rate > 0.9 and kept.refused == 0
+        assert eng.drafted_tokens == 0 and eng.pool.recent > 0.5
     finally:
         eng.close()
 
@@ -672,3 +690,19 @@ def test_the_kept_up_lookup_drafts_what_a_scan_of_the_tokens_drafts() -> None:
             k = int(rng.integers(1, 9))
             assert look.draft(toks, size, k) == ngram_draft(toks[:size], k), (trial, size)
             size += int(rng.integers(1, 4))
+
+
+def test_a_draft_not_verified_is_watched_and_learnt_from_for_free() -> None:
+    """A step without drafts still made some (or makes a few, SHADOWS a step): the tokens generated after
+    a watched draft settle it as a verified one would be, at the first token that differs or when all
+    of it matched, so an estimate that fell learns when the text turns copyable again."""
+    d = Drafting(rate=0.2)
+    d.kept_w, d.tried_w = 0.2, 1.0
+    d.watch([5, 6, 7])
+    assert d.saw([5]) is None and d.saw([6]) is None and d.shadow
+    assert d.saw([7, 8]) == (3, 3) and not d.shadow and d.rate == pytest.approx((0.9 * 0.2 + 3) / (0.9 + 3))
+    d.watch([5, 6, 7])
+    assert d.saw([5, 9]) == (3, 1) and d.refused == 1
+    d.watch([1, 2])
+    d.verified(2, 2)  # a verified draft supersedes the watched one
+    assert not d.shadow and d.saw([1]) is None

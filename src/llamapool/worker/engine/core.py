@@ -32,6 +32,7 @@ from llamapool.worker.engine.spec import (
     MAX_DRAFT,
     MAX_OUTPUTS,
     SETTLING,
+    SHADOWS,
     Drafting,
     Pool,
     Proposer,
@@ -472,11 +473,17 @@ class Engine:
             k = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths, self.pool)
         if k:  # the others' drafts ride along (spec.ride), made only now: prompt lookup is host time
             ride(self._drafts(others), k)
-        else:
+        else:  # some of the others' drafts are watched (Drafting.watch): an estimate learns for free
+            every = max(1, len(decoding) // SHADOWS)
+            due = [seq for seq in others if not seq.drafting.shadow  # type: ignore[union-attr]
+                   and (seq.seq_id + self.steps) % every == 0]
+            ride(self._drafts(due), 0)  # (a sequence without a draft drifts there)
+            watched = {seq.seq_id for seq in due}
             for seq in others:
                 assert seq.drafting is not None
                 seq.drafting.draft = []
-                seq.drafting.idle()
+                if seq.seq_id not in watched:
+                    seq.drafting.idle()
         self._width = k
         return k
 
@@ -673,6 +680,10 @@ class Engine:
                 taken = []
                 break
             taken.append(t)
+        if seq.drafting is not None and seq.drafting.shadow and not draft:
+            settled = seq.drafting.saw(taken)
+            if settled is not None:  # a watched draft: what it would have kept is the worker's news too
+                self.pool.verified(*settled)
         if draft:
             kept = next((i for i, (t, d) in enumerate(zip(toks, draft, strict=False)) if t != d),
                         min(len(toks), len(draft)))

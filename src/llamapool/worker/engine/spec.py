@@ -104,6 +104,8 @@ class Drafting:
     kept_w: float = PRIOR  # recent tokens kept, decayed
     tried_w: float = 1.0  # recent tokens kept and refusals, decayed
     refused: int = 0  # refusals (a step's first draft token not kept) since it began
+    shadow: list[int] = field(default_factory=list)  # a draft not verified, checked against the tokens after it
+    matched: int = 0  # the shadow's tokens generated so far
 
     def __post_init__(self) -> None:
         if self.prior != PRIOR:
@@ -121,6 +123,34 @@ class Drafting:
     def verified(self, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` tokens and kept the first ``accepted``."""
         self.drafted += drafted
+        self.shadow = []
+        self.learn(drafted, accepted)
+
+    def watch(self, draft: list[int]) -> None:
+        """``draft`` was made but not verified (a step without drafts): the tokens generated after it
+        tell, for free, how much of it would have been kept (:meth:`saw`), so an estimate that fell
+        learns when the text turns copyable again without a width paid for it."""
+        self.shadow, self.matched = draft, 0
+
+    def saw(self, toks: list[int]) -> tuple[int, int] | None:
+        """Tokens generated after a watched draft: ``(drafted, kept)`` once they settle it (a token that
+        differs, or all of it matched), learnt as a verified draft's; else None."""
+        shadow = self.shadow
+        for t in toks:
+            if not shadow:
+                return None
+            if t == shadow[self.matched]:
+                self.matched += 1
+                if self.matched < len(shadow):
+                    continue
+            settled = (len(shadow), self.matched)
+            self.shadow = []
+            self.learn(*settled)
+            return settled
+        return None
+
+    def learn(self, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` draft tokens were, or would have been, kept."""
         self.accepted += accepted
         self.refused += accepted < drafted
         if drafted:
@@ -214,6 +244,8 @@ TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
 PROBE_SHARE = 0.01  # while none stays, probes cost at most this share of the step time ...
 PROBE_MIN = 16  # ... and come at most once in this many decisions
+SHADOWS = 8  # a step without drafts watches the drafts of about this many sequences (Drafting.watch): the
+# others' prompt lookups are host time between two launches (64 of them cost ~1 ms a step at 8B)
 
 
 @dataclass
@@ -385,12 +417,15 @@ def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, ro
 
 
 def ride(drafts: dict[int, tuple[Drafting, list[int]]], k: int) -> None:
-    """The ``drafts`` cut to the step's width ``k``, or dropped (their estimates drifting) at none. Once a
-    width is chosen every row pays for it, so the drafts of sequences too unlikely to weigh in the choice
-    (:func:`threshold`) ride along (on an H100 at 64 streams a row left without one carried fillers)."""
+    """The ``drafts`` cut to the step's width ``k``; at none each is watched instead (``Drafting.watch``),
+    its estimate drifting meanwhile. Once a width is chosen every row pays for it, so the drafts of
+    sequences too unlikely to weigh in the choice (:func:`threshold`) ride along (on an H100 at 64
+    streams a row left without one carried fillers)."""
     for d, draft in drafts.values():
         if k:
             d.draft = draft[:k]
         else:
             d.draft = []
+            if not d.shadow:
+                d.watch(draft)
             d.idle()
