@@ -9,7 +9,9 @@ The engine runs in this process (no router, no sockets), on GPU 0 by default. Fo
 2. **oracle**: the same requests with speculation on and drafts from an oracle (``Engine.proposer``):
    a sequence's draft at output position ``i`` is the recorded output ``i .. i+k-1``, each token
    replaced by another one with probability ``1 - alpha`` (a fixed seed; the same corruption for every
-   k), so each draft token is accepted with probability ``alpha`` (given the one before it was). For
+   k), so each draft token is accepted with probability ``alpha`` (given the one before it was), or,
+   with ``--span S``, in runs (right tokens in runs of mean S, wrong ones in runs of mean
+   S (1 - alpha) / alpha: text that copies a passage, then writes its own). For
    each alpha and each k: ``k`` = 3, 5, 7 ... drafts every step (the step budget bypassed: the verify
    cost as k grows), and ``budget`` (the engine's own choice: the step budget and the per-sequence
    acceptance estimate decide, up to spec.MAX_DRAFT);
@@ -118,7 +120,7 @@ class Oracle:
     model ends generation with (the engine verifies no row after one)."""
 
     def __init__(self, prompt_len: dict[int, int], recorded: dict[int, np.ndarray], alpha: float, n_vocab: int,
-                 eog: frozenset[int], seed: int = 0):
+                 eog: frozenset[int], seed: int = 0, span: float = 0.0):
         rng = np.random.default_rng(seed)
         self.prompt_len = prompt_len
         self.eog = eog
@@ -126,7 +128,7 @@ class Oracle:
         bad = np.fromiter(sorted(eog), np.int64) if eog else np.zeros(0, np.int64)
         for rid in sorted(recorded):
             toks = recorded[rid].astype(np.int64)
-            keep = rng.random(len(toks)) < alpha
+            keep = rng.random(len(toks)) < alpha if not span else runs(len(toks), alpha, span, rng)
             other = rng.integers(FIRST_ID, n_vocab - 1, len(toks))  # uniform over [FIRST_ID, n_vocab) - {tok}
             other = np.where(other >= toks, other + 1, other)
             for j in np.flatnonzero(np.isin(other, bad)):  # never an end-of-generation token
@@ -141,6 +143,17 @@ class Oracle:
             if t in self.eog:
                 return draft[: j + 1]
         return draft
+
+
+def runs(n: int, alpha: float, span: float, rng: np.random.Generator) -> np.ndarray:
+    """``n`` positions, right (True) with probability ``alpha``, in runs: right ones of mean length ``span``,
+    wrong ones of mean ``span (1 - alpha) / alpha`` (at least 1)."""
+    out: list[bool] = []
+    while len(out) < n:
+        right = bool(rng.random() < alpha)
+        mean = span if right else max(span * (1 - alpha) / max(alpha, 1e-9), 1.0)
+        out += [right] * max(1, round(rng.exponential(mean)))
+    return np.array(out[:n], bool)
 
 
 def no_draft(rid: int, hist: np.ndarray, k: int) -> list[int]:
@@ -325,11 +338,11 @@ def run_case(engine: RecordingEngine, prompts: list[list[int]], gen: int, case: 
 
 def measure(engine: RecordingEngine, prompts: list[list[int]], gen: int, cases: list[Case], repeats: int = 1,
             seed: int = 0, emit: Callable[[dict[str, Any]], None] | None = None,
-            deadline: float = math.inf) -> list[dict[str, Any]]:
+            deadline: float = math.inf, span: float = 0.0) -> list[dict[str, Any]]:
     """The off run (recording each prompt's greedy output), then each case, ``repeats`` rounds (each round:
     off, then every case, so slow drift hits all alike); one row per case (off first), figures of the
     median run, ``vs_off`` against off's median tok/s. Past ``deadline`` (``time.monotonic()``) no run
-    starts: the cases not run have no row."""
+    starts: the cases not run have no row. ``span``: the oracle's right drafts come in runs (:func:`runs`)."""
     n_vocab, eog = engine.n_vocab, engine._eog
     # warm up (CUDA graphs, the cost model's first fit): a short off run and a short speculating one
     warm = prompts[: engine.cfg.slots]
@@ -358,7 +371,7 @@ def measure(engine: RecordingEngine, prompts: list[list[int]], gen: int, cases: 
             if case.mode != "no-draft":
                 alpha = 0.0 if case.alpha is None else case.alpha
                 if alpha not in oracles:
-                    oracles[alpha] = Oracle(lengths, ref, alpha, n_vocab, eog, seed)
+                    oracles[alpha] = Oracle(lengths, ref, alpha, n_vocab, eog, seed, span)
                 proposer = oracles[alpha]
             runs.setdefault(case, []).append(run_case(engine, prompts, gen, case, proposer))
         if emit is not None:
@@ -431,6 +444,8 @@ def main() -> int:
                     help=f"drafts every step (1 to {MAX_DRAFT}), or '{BUDGET}' (the step budget's choice)")
     ap.add_argument("--alpha", type=float, nargs="+", default=[1.0, 0.8, 0.7], metavar="A",
                     help="oracle acceptance: each draft token is the recorded one with this probability")
+    ap.add_argument("--span", type=float, default=0.0, metavar="S",
+                    help="the oracle's right drafts in runs of mean S tokens (0: each drawn alone)")
     ap.add_argument("--no-random", action="store_true", help="skip the random-drafts case (alpha 0, step budget)")
     ap.add_argument("--no-empty", action="store_true", help="skip the no-draft case (speculating, nothing drafted)")
     ap.add_argument("--prompt-tokens", type=int, default=128, metavar="P")
@@ -487,7 +502,7 @@ def main() -> int:
         "mode": "setup", "model": Path(args.model).name, "gpus": visible_gpus() if gpu else [],
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "P": args.prompt_tokens, "G": args.gen,
         "repeats": args.repeats, "ks": ks, "alphas": args.alpha, "max_batch_tokens": args.max_batch_tokens,
-        "spec": args.spec,
+        "spec": args.spec, "span": args.span,
         "note": "llamapool rows: the engine in this process (no router or SDK hop); llama-server rows: over "
                 "HTTP, tok/s = tokens / wall of the run, prompts included, both"}
     emit(setup)
@@ -504,7 +519,7 @@ def main() -> int:
         emit({"mode": "engine", "B": b, "prompts": n, "desc": engine.desc, "gpu_sampling": engine.gpu_sampling,
               "target_step": str(engine.target), "load_s": round(time.monotonic() - t0, 1)})
         try:
-            got = measure(engine, prompts, args.gen, cases, args.repeats, args.seed, emit, deadline)
+            got = measure(engine, prompts, args.gen, cases, args.repeats, args.seed, emit, deadline, args.span)
         finally:
             engine.close()
         peer = None
