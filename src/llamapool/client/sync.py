@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
@@ -63,17 +62,17 @@ MAX_SOCKETS = 16384  # of all clients of the process together (libzmq's default 
 
 
 class _Shared:
-    """The process's one SDK context (and its asyncio shadow), made on first use and made anew in a
-    forked child (the parent's must not be used there). Never terminated: terminating waits for every
-    socket of every client, so a finaliser that terminates can hang whichever thread it runs in."""
+    """The process's one SDK context, made on first use and made anew in a forked child (the parent's
+    must not be used there). Never terminated: terminating waits for every socket of every client, so
+    a finaliser that terminates can hang whichever thread it runs in."""
 
     lock = threading.Lock()
     pid = 0
-    current: tuple[zmq.Context[Any], zmq.asyncio.Context] | None = None
+    current: zmq.Context[Any] | None = None
     inherited: list[Any] = []  # a forked child's copies of its parents' contexts: never used, never freed
 
     @classmethod
-    def get(cls) -> tuple[zmq.Context[Any], zmq.asyncio.Context]:
+    def get(cls) -> zmq.Context[Any]:
         current = cls.current
         if current is None or cls.pid != os.getpid():
             with cls.lock:
@@ -82,7 +81,7 @@ class _Shared:
                         cls.inherited.append(cls.current)
                     ctx: zmq.Context[Any] = zmq.Context()
                     ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
-                    cls.current, cls.pid = (ctx, zmq.asyncio.Context(shadow=ctx)), os.getpid()
+                    cls.current, cls.pid = ctx, os.getpid()
                 current = cls.current
         return current
 
@@ -96,12 +95,7 @@ os.register_at_fork(after_in_child=_Shared.after_fork)
 
 def shared_context() -> zmq.Context[Any]:
     """The ZeroMQ context of every SDK client in this process (a new one in a forked child)."""
-    return _Shared.get()[0]
-
-
-def shared_async_context() -> zmq.asyncio.Context:
-    """:func:`shared_context` for asyncio sockets (a shadow: the same libzmq context)."""
-    return _Shared.get()[1]
+    return _Shared.get()
 
 
 def closed_error(what: str = "Client") -> UnavailableError:
