@@ -17,7 +17,8 @@ disagreement (or the last row) ends it; the positions of the drafts not kept lea
 Drafts come from the sequence itself (prompt lookup): the longest recent n-gram match of its last
 tokens in its prompt and output proposes the tokens that followed it. How many a sequence may draft
 is the step's business (:class:`WidthCosts`): each width's measured step time against the tokens its
-drafts are expected to keep, from each sequence's acceptance estimate (:class:`Drafting`).
+drafts are expected to keep, from each sequence's acceptance estimate (:class:`Drafting`), which learns
+from the drafts verified and, for free, from the drafts made but not verified (``Drafting.watch``).
 No llama.cpp here.
 """
 
