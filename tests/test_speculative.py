@@ -25,6 +25,7 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
 from llamapool.worker.engine.spec import (
+    LOOKUP_BACKOFF,
     OUTLIER,
     POOL_FLOOR,
     PRIOR,
@@ -706,3 +707,27 @@ def test_a_draft_not_verified_is_watched_and_learnt_from_for_free() -> None:
     d.watch([1, 2])
     d.verified(2, 2)  # a verified draft supersedes the watched one
     assert not d.shadow and d.saw([1]) is None
+
+
+def test_a_sequence_whose_lookups_find_nothing_looks_up_less_often(model_path: str) -> None:
+    """Text that repeats nothing costs a lookup a step for nothing (host time between two launches): after
+    a lookup that finds no draft the next waits 1, 2, then LOOKUP_BACKOFF steps; one that finds a draft
+    brings it back to every step."""
+    d = Drafting()
+    d.missed(10)
+    assert d.quiet_until == 11
+    d.missed(11)
+    d.missed(13)
+    d.missed(17)
+    assert d.quiet_until == 17 + LOOKUP_BACKOFF
+    eng = Engine(EngineConfig(model_path, slots=1, ctx_per_slot=128, threads=2, speculative="ngram",
+                              prefix_cache=False))
+    try:
+        calls: list[int] = []
+        eng.proposer = lambda rid, hist, k: calls.append(len(hist)) or []  # type: ignore[func-returns-value]
+        eng.submit(Run(1, "tok1 tok2", SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True), True), Step())
+        while eng.busy:
+            eng.step()
+        assert 40 / LOOKUP_BACKOFF <= len(calls) <= 40 / LOOKUP_BACKOFF + 3
+    finally:
+        eng.close()

@@ -496,11 +496,17 @@ class Engine:
             d = seq.drafting
             assert d is not None
             d.draft = []
+            if d.quiet_until > self.steps:  # its recent lookups found nothing (Drafting.missed)
+                d.idle()
+                continue
             if self.proposer is None:
                 draft = d.lookup.draft(seq.history, seq.n_history, MAX_DRAFT)
             else:
                 draft = self.proposer(seq.rid, seq.history[: seq.n_history], MAX_DRAFT)
-            if draft:
+            if not draft:
+                d.missed(self.steps)
+            else:
+                d.misses = 0
                 draft = draft[: min(d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)]
                 if draft and seq.sampling.matcher is not None:
                     draft = self._allowed(seq, draft)
