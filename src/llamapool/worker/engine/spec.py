@@ -250,6 +250,7 @@ STALE = 512  # decisions: a width not measured for this long in a band of rows i
 WORTH_TRYING = 0.9  # ... if its estimate promises at least this share of the best width's speed
 MIN_GAIN = 0.05  # a width is a choice when its drafts are expected to add this share of the step's tokens
 SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
+HORIZON = 16  # steps in which a change of width must pay for its settling steps there and back (measured)
 TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
 PROBE_SHARE = 0.01  # while none stays, probes cost at most this share of the step time ...
@@ -374,8 +375,11 @@ class WidthCosts:
                 return k
         if best == 0 or (last == 0 and speeds[best] < ENTER * speeds[0]):  # none; drafting starts where it
             return self._probe(speeds, rows, cost) if self.probing else 0  # pays for its way back
-        pick = last if last and last in speeds and speeds[last] >= STICKY * speeds[best] else best
         band = self.band(rows)
+        sticky = STICKY
+        if last and HORIZON and band in self.change:  # a change must pay for its settling steps in HORIZON
+            sticky = min(sticky, 1 - 2 * SETTLING * self.change[band] / (HORIZON * max(cost(last), 1e-9)))
+        pick = last if last and last in speeds and speeds[last] >= sticky * speeds[best] else best
         for k in ks:  # while drafting, a width near the best whose measurement is missing or stale is tried
             s, tried = self.seen.get((k, band)), self._tried.get((k, band), -STALE - 1)
             fresh = s is not None and self.decisions - s.at <= STALE
