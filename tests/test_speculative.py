@@ -25,6 +25,7 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.protocol.params import ParamError, parse
 from llamapool.worker.engine import Engine, EngineConfig
 from llamapool.worker.engine.spec import (
+    HORIZON,
     LOOKUP_BACKOFF,
     OUTLIER,
     POOL_FLOOR,
@@ -34,6 +35,7 @@ from llamapool.worker.engine.spec import (
     SETTLE,
     SETTLING,
     STALE,
+    STICKY,
     TRIAL,
     Drafting,
     Lookup,
@@ -731,3 +733,18 @@ def test_a_sequence_whose_lookups_find_nothing_looks_up_less_often(model_path: s
         assert 40 / LOOKUP_BACKOFF <= len(calls) <= 40 / LOOKUP_BACKOFF + 3
     finally:
         eng.close()
+
+
+def test_a_change_of_width_must_pay_for_its_measured_settling_steps() -> None:
+    """Drafts at 0.92 promise width 8 1.18x of width 3's speed at one row: beyond STICKY's margin, so it
+    is taken while a change's cost is unknown; once a change is measured at 5 ms a settling step (an
+    8B graph captured again), the switch would not pay for its four settling steps in HORIZON steps."""
+    one = {0: 4.5, 1: 4.95, 3: 5.55, 8: 8.77}
+    likely = {0: [0.92 ** (j + 1) for j in range(8)]}
+    w = measured(one, 1)
+    assert choose(w, likely, 1, 1, last=3) == 8
+    w = measured(one, 1)
+    w.observe(3, 1, 5.55 + 5.0, changed=True)
+    assert w.change[w.band(1)] == pytest.approx(5.0)
+    assert 1 - 2 * SETTLING * 5.0 / (HORIZON * 5.55) < 1 / 1.18 < STICKY
+    assert choose(w, likely, 1, 1, last=3) == 3
