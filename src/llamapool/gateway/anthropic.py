@@ -388,7 +388,7 @@ async def handle(s: Serving, call: Call) -> Response:
     req = await s.generation(call, lambda body: parse_messages(_ignore_unknown(s, call, body)))
     if req.stream:
         streams, first = await s.open_streams(call, req)
-        return sse(_events(s, call, req, streams[0], first))
+        return sse(call, _events(s, call, req, streams[0], first))
     c = (await s.generate(call, req))[0]
     return JSONResponse(message_body(req, s.model(req.model, c), c))
 

@@ -1,10 +1,11 @@
 """The gateway's app: the route table over one :class:`llamapool.AsyncClient`, one module per API.
 
-Starlette on uvicorn (uvloop + httptools): a thin ASGI layer whose streaming response hands our
-pre-encoded SSE bytes straight to the protocol, and which cancels the handler when the client goes
-away, which cancels the request on the worker. Each API's handlers live in their own module
-(``openai/chat.py``, ``openai/completions.py``, ``anthropic.py``, ...) over the shared plumbing of
-``serving.py``, whose :meth:`~llamapool.gateway.serving.Serving.endpoint` is the one error path.
+Starlette on uvicorn (uvloop + httptools): a thin ASGI layer; an event stream is our own response
+(``serving.EventStream``), which hands the pre-encoded SSE bytes straight to the protocol in the
+handler's task, and a client that goes away cancels that task, which cancels the request on the
+worker. Each API's handlers live in their own module (``openai/chat.py``, ``openai/completions.py``,
+``anthropic.py``, ...) over the shared plumbing of ``serving.py``, whose
+:meth:`~llamapool.gateway.serving.Serving.endpoint` is the one error path.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ class Generation:
     stream: bool
     include_usage: bool = False
     model: str | None = None  # the model the body names; None: the pool's first
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    id: str = field(default_factory=lambda: os.urandom(12).hex())  # 24 random hex digits (a uuid4 costs 4x)
     created: int = field(default_factory=lambda: int(time.time()))
     # a contract parameter the body gave under another name -> that name (errors name it so)
     renames: dict[str, str] = field(default_factory=dict)

@@ -18,7 +18,8 @@ from typing import Any, TypeVar, cast
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from llamapool.client.aio import AsyncClient, AsyncStream
 from llamapool.client.calls import generate_frame, new_id
@@ -55,6 +56,8 @@ class Call:
     # a contract parameter the body gave under another name: its name there (``response_format.json_schema``
     # -> ``text.format``)
     renames: dict[str, str] = field(default_factory=dict)
+    # the disconnect watch of the streams open_streams opened: their event stream's response takes it over
+    watch: Watch | None = None
 
     def api_error(self, e: LlamapoolError) -> ApiError:
         return Generation([], {}, False, renames=self.renames).renamed(
@@ -113,9 +116,11 @@ class Serving:
         """The Starlette endpoint of ``door``: the API key checked, and every error in the API's shape."""
         async def serve(request: Request) -> Response:
             call = Call(request)
+            response: Response | None = None
             try:
                 self.authorise(request)
-                return await door.handle(self, call)
+                response = await door.handle(self, call)
+                return response
             except (ClientGone, ClientDisconnect):
                 return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
             except ApiError as e:
@@ -125,6 +130,9 @@ class Serving:
                 return door.error_response(call.api_error(e))
             except TypeError as e:  # a parameter the SDK refuses
                 return door.error_response(ApiError(400, str(e)))
+            finally:
+                if call.watch is not None and not (isinstance(response, EventStream) and response.watch is call.watch):
+                    call.watch.stop()  # no event stream takes it over
         return serve
 
     def authorise(self, request: Request) -> None:
@@ -171,24 +179,97 @@ class Serving:
 
     async def open_streams(self, call: Call, req: Generation) -> tuple[list[AsyncStream], list[Any]]:
         """A stream per prompt and each one's first item: an error before the first token is raised
-        here, so it can still become the HTTP status."""
+        here, so it can still become the HTTP status. The requests are sent in this loop round (no task
+        between the HTTP request and the router); the client's disconnect is watched from here to the
+        end of the event stream (:func:`sse`, which takes ``call.watch`` over)."""
         streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, **req.params)
                    for p in req.prompts]
-        return streams, await unless_gone(call.request, _start(streams))
+        call.watch = watch = Watch(call.request)
+        try:
+            return streams, await _start(streams)
+        except asyncio.CancelledError:
+            if watch.gone():
+                raise ClientGone from None
+            raise
 
     def model(self, named: str | None, done: Completion | None = None) -> str:
         """The model that served (or will serve) a request."""
         return (done.model if done is not None else None) or named or self.spec.model
 
 
-def sse(events: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+class Watch:
+    """Cancels the task serving a request when its client disconnects (one task, awaiting the
+    disconnect), so that whatever it awaits (the router's reply, the next token, a send held back by
+    a slow client) ends at once, and its ``finally`` cancels the request on the daemon; ``gone()``
+    says whether a ``CancelledError`` was this (and takes it back), ``stop()`` ends the watch."""
+
+    def __init__(self, request: Request):
+        self.task = asyncio.current_task()
+        self.left = self.stopped = False
+        self.watcher = asyncio.create_task(self._watch(request.receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":  # the body has been read: nothing else comes
+            pass
+        if not self.stopped and self.task is not None:
+            self.left = True
+            self.task.cancel()
+
+    def gone(self) -> bool:
+        """Whether the client went away (its cancel is taken back: the task goes on, to clean up)."""
+        if self.left and self.task is not None and self.task.cancelling():
+            self.task.uncancel()
+        return self.left
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.watcher.cancel()
+
+
+class EventStream(Response):
+    """An event stream (``text/event-stream``), in the task that opened its streams and under its
+    disconnect watch: Starlette's StreamingResponse would start a task group and a task of its own
+    to watch for the disconnect, and write the headers a few loop rounds after the first token; this
+    writes them and the first event in the round the handler returns. A client that goes away
+    cancels the events (their ``finally`` cancels the requests on the daemon); a slow one holds them
+    back in ``send`` (gateway/connections.py)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], watch: Watch | None):
+        self.events, self.watch = events, watch
+        self.status_code = 200
+        self.background = None
+        self.init_headers(SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = self.watch if self.watch is not None else Watch(Request(scope, receive))
+        events = self.events
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            watch.stop()  # before the watch sees the response complete, which receive() reports as a disconnect
+        except asyncio.CancelledError:
+            if not watch.gone():
+                raise
+        finally:
+            watch.stop()
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:  # left early: its finally cancels the requests still running
+                await aclose()
+
+
+def sse(call: Call, events: AsyncIterator[bytes]) -> EventStream:
+    """The event stream of the streams ``open_streams`` opened for ``call``."""
+    return EventStream(events, call.watch)
 
 
 @contextlib.asynccontextmanager
 async def closing(streams: list[AsyncStream]) -> AsyncIterator[None]:
-    """Closes the streams on the way out: Starlette cancels an event generator when the client goes
-    away, and the shield lets the cancel reach the router all the same."""
+    """Closes the streams on the way out: the disconnect watch (:class:`Watch`) cancels an event
+    generator when the client goes away, and the shield lets the cancel reach the router all the same."""
     try:
         yield
     finally:
@@ -198,27 +279,18 @@ async def closing(streams: list[AsyncStream]) -> AsyncIterator[None]:
 
 
 async def unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it, which cancels the request
-    on the daemon: a queued prompt leaves the queue, a running one stops within a step. (Once the
-    event stream has started, Starlette watches for the disconnect itself.)"""
-    task = asyncio.create_task(work)
-    gone = asyncio.create_task(_disconnected(request))
+    """Await ``work`` (in this task: its request is sent in this loop round) unless the client
+    disconnects first; then cancel it, which cancels the request on the daemon: a queued prompt
+    leaves the queue, a running one stops within a step."""
+    watch = Watch(request)
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if watch.gone():
+            raise ClientGone from None
+        raise
     finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))  # let it send the cancel
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        watch.stop()
 
 
 async def _start(streams: list[AsyncStream]) -> list[Any]:

@@ -30,6 +30,10 @@ def parse(body: Any) -> Generation:
     sent, stream, include_usage, renames = generation.common(body, 16)
     p = body.get("prompt")
     prompts: list[Prompt]
+    if isinstance(p, list) and p and set(map(type, p)) == {int}:  # token ids, the common case: checked in C
+        if min(p) < 0:
+            raise bad("prompt", "token ids must be >= 0")
+        return Generation([list(p)], sent, stream, include_usage, model_name(body), renames=renames)
     if isinstance(p, str):
         prompts = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):

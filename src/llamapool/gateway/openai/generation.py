@@ -114,7 +114,7 @@ async def serve(s: Serving, call: Call, req: Generation, chat: bool) -> Response
     call.chat = chat
     if req.stream:
         streams, first = await s.open_streams(call, req)
-        return sse(_events(s, call, req, chat, streams, first))
+        return sse(call, _events(s, call, req, chat, streams, first))
     done = await s.generate(call, req)
     pt, ct, cached = shapes.totals(done, req.params.get("n", 1))
     model = s.model(req.model, done[0])

@@ -421,7 +421,7 @@ async def handle(s: Serving, call: Call) -> Response:
     call.chat, call.messages = True, req.fields
     if gen.stream:
         streams, first = await s.open_streams(call, gen)
-        return sse(_events(s, call, req, streams[0], first))
+        return sse(call, _events(s, call, req, streams[0], first))
     c = (await s.generate(call, gen))[0]
     ids = Ids(gen)
     return JSONResponse(response_body(req, ids, s.model(gen.model, c), c, output(ids, c, c.logprobs)))
