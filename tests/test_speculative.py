@@ -748,3 +748,24 @@ def test_a_change_of_width_must_pay_for_its_measured_settling_steps() -> None:
     assert w.change[w.band(1)] == pytest.approx(5.0)
     assert 1 - 2 * SETTLING * 5.0 / (HORIZON * 5.55) < 1 / 1.18 < STICKY
     assert choose(w, likely, 1, 1, last=3) == 3
+
+
+def test_a_width_not_measured_costs_no_less_than_the_widest_measured_below_it() -> None:
+    """The cost model's line, fitted where width 1 had run only its first steps, put width 3 at 4x a plain
+    step where it costs 2.2x (1B, 64 rows), and no draft looked worth it again. A width not measured
+    costs what the widest measured one below it does (a lower bound), unless the model says less: it
+    is tried, and then measured."""
+    from llamapool.worker.engine.spec import step_costs
+
+    w = measured({0: 0.0054, 1: 0.0100}, 64)
+    coef = (0.0054, 0.0, 0.0, 0.0, 0.0046 / 64)  # base, per_row, per_prompt_token, prompt_step, per_draft_token
+    cost = step_costs(coef, w, 64, 64, 64, 0.0)
+    assert cost(0) == pytest.approx(0.0054) and cost(1) == pytest.approx(0.0100)
+    assert cost(3) == pytest.approx(0.0100) and cost(8) == pytest.approx(0.0100)  # the model said 0.019, 0.042
+    w.observe(3, 64, 0.0117, changed=False)
+    cost = step_costs(coef, w, 64, 64, 64, 0.002)
+    assert cost(3) == pytest.approx(0.0137) and cost(8) == pytest.approx(0.0137)
+    cheap = (0.0054, 0.0, 0.0, 0.0, 0.0001 / 64)  # a model that says less is believed
+    assert step_costs(cheap, w, 64, 64, 64, 0.0)(8) == pytest.approx(0.0054 + 0.0008)
+    alone = measured({0: 0.0054}, 64)  # only none measured: a draft looks free until it is tried
+    assert step_costs(coef, alone, 64, 64, 64, 0.0)(3) == pytest.approx(0.0054)

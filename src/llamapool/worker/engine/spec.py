@@ -402,19 +402,30 @@ def threshold(cost: Callable[[int], float], rows: int, outputs: int) -> float:
 
 def step_costs(coef: tuple[float, float, float, float, float] | None, widths: WidthCosts, n_rows: int, rows: int,
                total: int, prompt_s: float) -> Callable[[int], float]:
-    """A planned step's seconds at each draft width: a decode step's measured seconds at that width
-    (``widths``, over ``total`` rows), else the cost model's (``coef``: ``CostModel.coef``; its ``n_rows``
-    planned rows, ``per_draft`` a draft token over the step's ``rows``; before it is fitted, a tenth of
-    the step a draft), plus ``prompt_s`` for its prompt work. A width costs at most what a wider one
-    does (a measurement too high is never chosen, so never corrected)."""
+    """A planned step's seconds at each draft width, plus ``prompt_s`` for its prompt work: a decode step's
+    measured seconds at that width (``widths``, over ``total`` rows); a width not measured costs what the
+    widest measured one below it does (none's, if only none's is), if the cost model (``coef``:
+    ``CostModel.coef``; its ``n_rows`` planned rows, ``per_draft`` a draft token over the step's ``rows``)
+    does not say less. That is a lower bound, so an unmeasured width that could pay is tried, and then
+    measured: the cost model's line, fitted where width 1 had run only its first steps (a graph built
+    and captured), put width 3 at 4x a plain step where it costs 2.2x (1B, 64 rows), so no draft ever
+    looked worth it again (on an H100, drafts kept at 0.8 after drafts never kept: 1.00x of off, where
+    1.24x before them). Before the model is fitted, a tenth of the step a draft. A width costs at most
+    what a wider one does (a measurement too high is never chosen, so never corrected)."""
     if coef is None:
         return lambda k: 1.0 + 0.1 * k
     base, per_row, _, _, per_draft = coef
     decode_s = max(base + per_row * n_rows, 1e-6)
-    costs = []
+    costs: list[float] = []
+    below: float | None = None  # the widest measured width's seconds so far
     for k in range(MAX_DRAFT + 1):
         seen = widths.seconds(k, total, per_row)
-        costs.append((seen if seen is not None else decode_s + max(per_draft, 1e-9) * k * rows) + prompt_s)
+        if seen is None:
+            model = decode_s + max(per_draft, 1e-9) * k * rows
+            costs.append((model if below is None else min(model, below)) + prompt_s)
+        else:
+            below = seen
+            costs.append(seen + prompt_s)
     for k in range(MAX_DRAFT - 1, -1, -1):
         costs[k] = min(costs[k], costs[k + 1])
     return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
