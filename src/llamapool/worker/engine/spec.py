@@ -58,17 +58,22 @@ class Lookup:
         """:func:`ngram_draft`'s draft: up to ``k`` tokens that followed the latest earlier occurrence of
         the last ``n`` of ``hist[:size]``, the longest ``n`` that occurs (``hist``: this sequence's
         tokens so far, the ones of an earlier call among them)."""
-        toks = self.toks
-        if len(toks) < size:
-            toks += hist[len(toks) : size].tolist()
-        if self.done < size - 1:
-            self._index(size - 1)
-        grams = self.grams
+        self.index(hist, size)
+        toks, grams = self.toks, self.grams
         for n in range(min(NGRAM_MAX, size - 1), NGRAM_MIN - 1, -1):
             start = grams.get(tuple(toks[size - n : size]))
             if start is not None:
                 return toks[start : min(start + k, size)]
         return []
+
+    def index(self, hist: np.ndarray, size: int) -> None:
+        """Index ``hist[:size]`` (this sequence's tokens so far) ahead of the next :meth:`draft`, which then
+        indexes at most the tokens that came since."""
+        toks = self.toks
+        if len(toks) < size:
+            toks += hist[len(toks) : size].tolist()
+        if self.done < size - 1:
+            self._index(size - 1)
 
     def _index(self, end: int) -> None:
         """Index the n-grams that end at ``done`` to ``end - 1`` (each has a token after it)."""
