@@ -9,6 +9,7 @@ thread makes every llama.cpp call.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import faulthandler
 import json
 import os
@@ -108,6 +109,9 @@ class EngineLoop(threading.Thread):
         self.draining = False
         self.log = logmod.Logger(name, prefix=f"llamapool worker {name}")
         self.reqs: dict[int, str] = {}  # rid -> request id, for this worker's log lines
+        # LLAMAPOOL_PROFILE=PREFIX (diagnostics): the thread runs under cProfile, its stats written to
+        # PREFIX.<pid> when it drains
+        self.profile: cProfile.Profile | None = cProfile.Profile() if os.environ.get("LLAMAPOOL_PROFILE") else None
 
     def _send(self, sock: zmq.Socket, report: Step) -> None:
         """Send a step report; log its finishes (debug) and failures (warning) with request ids."""
@@ -125,7 +129,10 @@ class EngineLoop(threading.Thread):
         supervisor restarts it and the router answers its requests, rather than a dead engine thread
         behind a worker that still says it is ready."""
         try:
-            self._run()
+            if self.profile is not None:
+                self.profile.runcall(self._run)
+            else:
+                self._run()
         except BaseException:
             import traceback
 
@@ -148,6 +155,9 @@ class EngineLoop(threading.Thread):
                 pass
             if self.draining and not eng.busy:
                 self._send(out_sock, report)
+                if self.profile is not None:  # before the goodbye: the process ends soon after it
+                    self.profile.disable()
+                    self.profile.dump_stats(f"{os.environ['LLAMAPOOL_PROFILE']}.{os.getpid()}")
                 out_sock.send(codec.encode(Shutdown()))
                 break
             if eng.busy:
