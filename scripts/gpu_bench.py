@@ -203,6 +203,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default 4 x C; 2 x C for 'long')")
     ap.add_argument("--procs", type=int, default=4, help="client processes the streams are spread over")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (default greedy)")
     ap.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="prompt + output budget of 'mixed'")
     ap.add_argument("--model", default="", help="a GGUF (default: a random one of --shape, made here)")
     ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="the random model's shape")
@@ -307,7 +308,7 @@ def main() -> int:
         c = min(args.concurrency, args.long_concurrency) if name == "long" else args.concurrency
         n = k * (args.requests or (2 * c if name == "long" else 4 * c)) // CHOICES.get(name, 1)  # n4: 4 choices each
         ctx = args.ctx if name == "mixed" else sum(FIXED[name])
-        return make_workload(name, n, n_vocab, seed=args.seed, ctx=ctx), c
+        return make_workload(name, n, n_vocab, seed=args.seed, ctx=ctx, temperature=args.temperature), c
 
     summary: list[dict[str, Any]] = []
     if args.sweep:

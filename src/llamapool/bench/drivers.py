@@ -172,8 +172,8 @@ class SdkTransport(_Transport):
             extra.update(logprobs=True, top_logprobs=req.top_logprobs)
         if req.n > 1:
             extra["n"] = req.n
-        stream = self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True,
-                                    **extra)
+        stream = self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=req.temperature,
+                                    ignore_eos=True, **extra)
         counts = [0] * req.n  # tokens so far of each choice
         async with stream:
             async for chunk in stream:
@@ -253,11 +253,11 @@ class HttpTransport(_Transport):
         if self.openai:
             if req.top_logprobs >= 0:
                 extra["logprobs"] = req.top_logprobs
-            return {"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
-                    "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
+            return {"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": req.temperature,
+                    "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
         if req.top_logprobs >= 0:  # llama-server's: the probabilities of the n likeliest tokens
             extra["n_probs"] = max(1, req.top_logprobs)
-        return {"prompt": list(req.prompt), "n_predict": req.max_tokens, "temperature": 0.0, "stream": True,
+        return {"prompt": list(req.prompt), "n_predict": req.max_tokens, "temperature": req.temperature, "stream": True,
                 "ignore_eos": True, **extra}
 
     async def run(self, req: Request, on_tokens: OnTokens) -> int:

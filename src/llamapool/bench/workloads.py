@@ -56,6 +56,7 @@ class Request:
     json_schema: dict[str, Any] | None = None  # the output's constraint (the ``json`` workload)
     top_logprobs: int = -1  # the ``logprobs`` workload: logprobs with this many alternatives (-1: none)
     n: int = 1  # choices (each of max_tokens tokens)
+    temperature: float = 0.0  # 0: greedy
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,12 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> int:
 
 def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = DEFAULT_CTX,
                   prompt_tokens: int | None = None, gen_tokens: int | None = None,
-                  top_logprobs: int | None = None) -> Workload:
+                  top_logprobs: int | None = None, temperature: float = 0.0) -> Workload:
     """``n`` requests of workload ``name``; the same arguments always give the same requests.
 
     ``prompt_tokens``/``gen_tokens`` override the fixed lengths of ``short``/``rag``/``long``, and
-    the medians of ``mixed``; ``top_logprobs`` the alternatives of ``logprobs`` (default 5). A
+    the medians of ``mixed``; ``top_logprobs`` the alternatives of ``logprobs`` (default 5);
+    ``temperature`` every request's (default greedy). A
     fixed-length request that does not fit ``ctx`` is an error.
     """
     if name not in NAMES:
@@ -128,5 +130,5 @@ def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = 
         raise ValueError(f"top_logprobs {top_logprobs}: 0 to 20")
     top = (5 if top_logprobs is None else top_logprobs) if name == "logprobs" else -1
     reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g, schema, top,
-                         CHOICES.get(name, 1)) for p, g in lengths)
+                         CHOICES.get(name, 1), temperature) for p, g in lengths)
     return Workload(name, reqs, seed, ctx)

@@ -39,6 +39,7 @@ from llamapool.worker.engine.spec import (
     WidthCosts,
     choose_width,
     ride,
+    spec_mode,
     step_costs,
     threshold,
 )
@@ -60,8 +61,9 @@ class Engine:
             else cfg.backend_sampling
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.spec_mode = spec_mode(cfg.speculative, cfg.gpu and self.gpu_sampling)  # who speculates
         self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot,
-                                 rows_per_seq=1 + MAX_DRAFT if cfg.speculative == "ngram" else 1)
+                                 rows_per_seq=1 if self.spec_mode == "off" else 1 + MAX_DRAFT)
         self.sampling.context_params(cp)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -105,13 +107,6 @@ class Engine:
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
         self.step_s = 0.0  # whole steps, Python work included
-        # "all": every request that allows it speculates (on a GPU a greedy unconstrained one's rows are
-        # sampled in the graph, the others' on the host);
-        # "host": those sampled on the host anyway (logprobs, penalties, sampled grammars); "off"
-        # "auto" is "off" until a GPU run shows speculation never costs at load: on an H100 at 64
-        # streams (1B q8_0 random weights, docs/benchmarks.md) "ngram" gave 0.90x of plain's speed and
-        # speculating host-sampled JSON requests 0.91x of theirs without it
-        self.spec_mode = {"ngram": "all", "off": "off"}.get(cfg.speculative, "off")
         self.drafted_tokens = 0  # draft tokens verified (speculation: spec.py)
         self.accepted_tokens = 0  # draft tokens kept
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
@@ -279,12 +274,14 @@ class Engine:
         return p.speculative is not False and p.speculative != 0 and not p.tools
 
     def _drafting(self, s: SeqSampling) -> Drafting | None:
-        """The sequence's speculation (None: it does not speculate): the worker's mode and the request's;
-        for a row the decode graph samples only where it samples all of them (``Sampling.verifies``), and
+        """The sequence's speculation (None: it does not speculate): the worker's mode (``spec.spec_mode``) and
+        the request's; for a row the decode graph samples only where it samples all of them
+        (``Sampling.verifies``; in mode "graph" only those), and
         never with logprobs on a pipelined worker (its logprob rows are copied one a sequence: Deferred)."""
         p = s.params
-        if self.spec_mode == "off" or not self._may_draft(p) or (s.in_graph and not self.sampling.verifies(p)) \
-                or (p.logprobs and self.gpu_sampling):
+        verified = s.in_graph and self.sampling.verifies(p)
+        if self.spec_mode == "off" or not self._may_draft(p) or (s.in_graph and not verified) \
+                or (self.spec_mode == "graph" and not verified) or (p.logprobs and self.gpu_sampling):
             return None
         return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative), prior=self.pool.rate)
 
@@ -543,12 +540,9 @@ class Engine:
         return drafts
 
     def _width_cost(self, chunk: dict[int, int], rows: int, prefilling: int) -> Callable[[int], float]:
-        """The planned step's seconds at each draft width (``spec.step_costs``), its prompt work's by the
-        cost model."""
-        coef = self.cost.coef
-        prompt = sum(n for sid, n in chunk.items() if (s := self.active.get(sid)) is not None and s.prefilling)
-        prompt_s = 0.0 if coef is None else coef[2] * prompt + (coef[3] if prompt else 0.0)
-        return step_costs(coef, self.widths, len(chunk), rows, rows + prefilling, prompt_s)
+        """The planned decode step's seconds at each draft width (``spec.step_costs``; a step with prompt
+        work carries no drafts, so none is added for it)."""
+        return step_costs(self.cost.coef, self.widths, len(chunk), rows, rows + prefilling, 0.0)
 
     def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A constrained sequence's draft cut where its grammar refuses a token."""

@@ -216,6 +216,20 @@ POOL_DECAY = 0.97
 POOL_FLOOR = 0.3
 
 
+def spec_mode(setting: str, gpu: bool) -> str:
+    """Which requests a worker speculates for (``model.speculative``; a request may still turn it off):
+    "all" (``"ngram"``: every request that allows it; on a GPU worker a greedy one without a grammar or
+    logprobs is verified in the decode graph, the others are sampled on the host for it), "graph"
+    (``"auto"`` on a GPU worker: only those the graph verifies, so no request leaves the graph's sampling
+    for it: its logits would be copied to the host a row at a time; on an H100 at 64 streams speculating
+    host-sampled JSON requests ran at 0.91x of their speed without it) or "off" (``"off"``,
+    and ``"auto"`` on a CPU worker: llama.cpp's CPU kernels compute a row otherwise when a step holds
+    several of a sequence's tokens, so greedy text could change at a near-tie)."""
+    if setting == "ngram":
+        return "all"
+    return "graph" if setting == "auto" and gpu else "off"
+
+
 def ngram_draft(hist: np.ndarray, k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of ``hist``'s last ``n`` tokens,
     the longest ``n`` from ``n_max`` down to ``n_min`` that occurs (prompt lookup)."""
