@@ -42,6 +42,7 @@ from llamapool.worker.engine.spec import (
     Pool,
     WidthCosts,
     ngram_draft,
+    spec_mode,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -531,6 +532,34 @@ def test_a_backend_sampling_worker_verifies_greedy_drafts_in_the_graph(model_pat
     finally:
         graph.close()
         host.close()
+
+
+def test_auto_speculates_on_gpu_workers_and_only_where_the_graph_verifies(model_path: str) -> None:
+    """``speculative = "auto"`` (the default) is prompt lookup on a GPU worker for the requests whose rows
+    the decode graph verifies (greedy, no grammar, no logprobs): a sampled request stays sampled in the
+    graph without drafts rather than move to the host for them. On a CPU worker it is off ("ngram" turns
+    it on for every request there)."""
+    assert spec_mode("auto", True) == "graph" and spec_mode("auto", False) == "off"
+    assert spec_mode("ngram", False) == spec_mode("ngram", True) == "all" and spec_mode("off", True) == "off"
+    engine = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, max_batch_tokens=64, threads=2,
+                                 speculative="ngram", backend_sampling=True))
+    engine.spec_mode = "graph"  # what "auto" gives a GPU worker (its context allows 1 + 8 rows a sequence)
+    try:
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        runs = [("hello hello hello hello", greedy),
+                ("a b a b a b a b", SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)),
+                ("a b a b a b a b", dataclasses.replace(greedy, logprobs=True, top_logprobs=2))]
+        for i, (prompt, q) in enumerate(runs):
+            engine.submit(Run(i, prompt, q, False), Step())
+        engine.step()
+        seqs = {seq.rid: seq for seq in engine.active.values()}
+        assert {rid: seq.sampling.in_graph for rid, seq in seqs.items()} == {0: True, 1: True, 2: True}
+        assert {rid: seq.drafting is not None for rid, seq in seqs.items()} == {0: True, 1: False, 2: False}
+        while engine.busy:
+            assert not engine.step().failed
+        assert engine.accepted_tokens > 0
+    finally:
+        engine.close()
 
 
 def test_a_step_with_prompt_work_carries_no_drafts(model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,10 @@ as independent users would; the achieved rate is requests / wall time.
 Every reply is counted. A request that fails, or ends with a token count other than the one it asked
 for (generation ignores EOS), is an error; a row with errors is not a figure.
 
-Transports (the same requests and measurement for each):
+Transports (the same requests and measurement for each; greedy, ``temperature: 0``, unless the workload
+gives a temperature):
 
-- ``sdk``: a llamapool daemon through :class:`llamapool.AsyncClient` (``stream``, greedy, ``ignore_eos``);
+- ``sdk``: a llamapool daemon through :class:`llamapool.AsyncClient` (``stream``, ``ignore_eos``);
   a chunk carries the request's running token count, and the final result's ``completion_tokens`` is
   the request's count.
 - ``http-openai``: ``POST /v1/completions`` with ``"prompt": [token ids]``, ``max_tokens``,
