@@ -76,6 +76,8 @@ def main() -> None:
             max((len(c) for c in chances.values()), default=0), most)
     engine = Engine(EngineConfig(args.model, slots=1, ctx_per_slot=2048, max_batch_tokens=512, threads=args.threads,
                                  speculative="ngram", chat_template=args.template, prefix_cache=False))
+    if args.every_step:
+        engine.least_chance = 0.0  # every draft made, however often refused
     p = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     one(engine, TASKS[0][2], dataclasses.replace(p, max_tokens=24))  # warm up (and fit the cost model)
     rows = []

@@ -206,14 +206,15 @@ def every_step(engine: Engine) -> Iterator[None]:
     measured widths' costs bypassed, every draft worth making), the token budget at ``max_batch_tokens``
     (``target_step = "off"``: under "auto" a decode step's budget is its rows + 64); a draft is as long
     as the request's k allows."""
-    target = engine.target
+    target, least = engine.target, engine.least_chance
     engine.target = StepTarget.parse("off")
+    engine.least_chance = 0.0  # every draft made, however often refused
     setattr(engine, "_width_cost", lambda chunk, rows, prefilling: (lambda k: 1.0))  # noqa: B010 - the instance's
     setattr(engine.widths, "choose", longest_draft)  # noqa: B010
     try:
         yield
     finally:
-        engine.target = target
+        engine.target, engine.least_chance = target, least
         del engine._width_cost  # type: ignore[attr-defined]
         del engine.widths.choose  # type: ignore[attr-defined]
 

@@ -798,3 +798,21 @@ def test_a_width_not_measured_costs_no_less_than_the_widest_measured_below_it() 
     assert step_costs(cheap, w, 64, 64, 64, 0.0)(8) == pytest.approx(0.0054 + 0.0008)
     alone = measured({0: 0.0054}, 64)  # only none measured: a draft looks free until it is tried
     assert step_costs(coef, alone, 64, 64, 64, 0.0)(3) == pytest.approx(0.0054)
+
+
+def test_a_draft_token_too_unlikely_to_be_kept_is_not_made() -> None:
+    """A sequence weighs in the step's choice (its draft made before the launch) when its estimate pays
+    for a draft token at the cheapest width; and never below ``LEAST_CHANCE``: with only none measured a
+    draft looks free (the lower bound above), and every sequence, however often refused, would make its
+    draft every step."""
+    from llamapool.worker.engine.spec import LEAST_CHANCE, step_costs, threshold
+
+    coef = (0.0054, 0.0, 0.0, 0.0, 0.0046 / 64)
+    free = step_costs(coef, measured({0: 0.0054}, 64), 64, 64, 64, 0.0)
+    assert threshold(free, 64, 64) == LEAST_CHANCE and threshold(free, 64, 64, floor=0.0) == 0.0
+    paid = step_costs(coef, measured({0: 0.0054, 1: 0.0076, 3: 0.0096, 8: 0.0170}, 64), 64, 64, 64, 0.0)
+    assert threshold(paid, 64, 64) == pytest.approx((0.0096 - 0.0054) / 3 / 0.0054)  # three a row: 0.26
+    refused = Drafting(prior=0.3)
+    for _ in range(3):
+        refused.verified(3, 0)
+    assert refused.rate < LEAST_CHANCE

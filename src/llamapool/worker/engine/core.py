@@ -29,6 +29,7 @@ from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
 from llamapool.worker.engine.spec import (
+    LEAST_CHANCE,
     MAX_DRAFT,
     MAX_OUTPUTS,
     SETTLING,
@@ -115,6 +116,7 @@ class Engine:
         self._width = 0  # the last step's draft width (spec.WidthCosts.choose)
         self.widths = WidthCosts()  # decode steps' seconds at each draft width
         self.pool = Pool()  # the recent acceptance of all sequences' drafts (a new sequence's prior)
+        self.least_chance = LEAST_CHANCE  # a draft token's chance of being kept worth making it (spec.threshold)
         self._unverified: list[Sequence] = []  # the step's speculating sequences with no draft (_after_launch)
         self._shadowing: list[Sequence] = []  # those whose drafts may be watched (_after_launch)
 
@@ -462,7 +464,7 @@ class Engine:
             return 0
         rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
         cost = self._width_cost(chunk, rows, prefilling)
-        least = threshold(cost, rows, outputs)  # the sequences likely enough to weigh in the choice
+        least = threshold(cost, rows, outputs, self.least_chance)  # the sequences likely enough to weigh
         weigh: list[Sequence] = []  # and whose lookup is due (Drafting.missed)
         others: list[Sequence] = []
         steps = self.steps

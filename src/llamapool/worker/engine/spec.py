@@ -275,6 +275,8 @@ OUTLIER = 2.5  # a step this many times a width's estimate is not measured
 PROBE_SHARE = 0.01  # while none stays, probes cost at most this share of the step time ...
 PROBE_MIN = 16  # ... and come at most once in this many decisions
 LOOKUP_BACKOFF = 4  # steps at most between the lookups of a sequence whose lookups find no draft
+LEAST_CHANCE = 0.1  # a draft token less likely to be kept than this is not worth making (one stream of 8B
+# on an H100: a draft token costs ~9 % of a plain step at widths 3 and 8)
 SHADOWS = 8  # a step without drafts watches the drafts of about this many sequences (Drafting.watch): the
 # others' prompt lookups are host time between two launches (64 of them cost ~1 ms a step at 8B)
 
@@ -410,13 +412,16 @@ class WidthCosts:
         return pick
 
 
-def threshold(cost: Callable[[int], float], rows: int, outputs: int) -> float:
+def threshold(cost: Callable[[int], float], rows: int, outputs: int, floor: float = LEAST_CHANCE) -> float:
     """The acceptance estimate a sequence needs for its draft to be made at all: a draft token's chance
     must pay for it at the cheapest width a token (a token's worth: a plain step's seconds over its
     ``outputs``; the step's ``rows`` carry a width each). One a row at 64 rows cost nearly what three did
-    on an H100."""
+    on an H100. At least ``floor`` (``LEAST_CHANCE``): while no width but none is measured a wider one costs as much
+    as none (``step_costs``' lower bound), and every sequence, however often refused, would make its draft
+    and weigh in every step's choice (at 64 streams of drafts never kept, 0.4 ms of host time a step
+    before the launch on a 2-core VM, against 0.06 with the floor)."""
     least = min((cost(k) - cost(0)) / (k * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
-    return max(least, 0.0)
+    return max(least, floor)
 
 
 def step_costs(coef: tuple[float, float, float, float, float] | None, widths: WidthCosts, n_rows: int, rows: int,
