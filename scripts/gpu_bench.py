@@ -127,7 +127,8 @@ def engine_counters(ep: str) -> dict[str, float]:
 
     with Client(ep) as cl:
         workers = cl.status()["workers"]
-    return {k: sum(float(w.get(k) or 0) for w in workers) for k in ("steps", "decode_s", "step_s")}
+    return {k: sum(float(w.get(k) or 0) for w in workers)
+            for k in ("steps", "decode_s", "step_s", "draft_tokens", "accepted_tokens")}
 
 
 def vocab_size(model: str) -> int:
