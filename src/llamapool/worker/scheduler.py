@@ -193,15 +193,27 @@ class CostModel:
             + per_draft * drafts
 
     def _solve(self) -> tuple[float, float, float, float, float] | None:
+        """The least-squares coefficients, or the last ones where the steps do not give a prompt token a
+        positive cost. Prompt steps of nearly one size cannot tell ``prompt_step`` from
+        ``per_prompt_token`` (noise on a busy host can then make the latter negative), so that case is
+        solved again with ``prompt_step`` folded into the tokens."""
         import numpy as np
 
         n = len(self.TERMS)
         a = np.array(self._xtx) + np.diag([1e-9] * n)  # a ridge: collinear steps stay solvable
-        try:
-            base, row, tok, step, draft = (max(0.0, float(v)) for v in np.linalg.solve(a, np.array(self._xty)))
-        except np.linalg.LinAlgError:
-            return self.coef
-        return (base, row, tok, step, draft) if tok > 0 else self.coef
+        b = np.array(self._xty)
+        for keep in (list(range(n)), [i for i in range(n) if self.TERMS[i] != "prompt_step"]):
+            try:
+                sol = np.linalg.solve(a[np.ix_(keep, keep)], b[keep])
+            except np.linalg.LinAlgError:
+                continue
+            coef = [0.0] * n
+            for i, v in zip(keep, sol):
+                coef[i] = max(0.0, float(v))
+            base, row, tok, step, draft = coef
+            if tok > 0:
+                return (base, row, tok, step, draft)
+        return self.coef
 
     def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = (),
                     arrivals: float = 0.0) -> int:
