@@ -208,7 +208,7 @@ class CostModel:
             except np.linalg.LinAlgError:
                 continue
             coef = [0.0] * n
-            for i, v in zip(keep, sol):
+            for i, v in zip(keep, sol, strict=True):
                 coef[i] = max(0.0, float(v))
             base, row, tok, step, draft = coef
             if tok > 0:
