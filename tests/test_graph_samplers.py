@@ -41,10 +41,12 @@ def gemma() -> str:
     return str(default_model.fetch(Path(__file__).resolve().parent.parent / "models"))
 
 
-def engines(path: str, slots: int, **over: int | bool) -> Iterator[tuple[Engine, Engine]]:
+def engines(path: str, slots: int, masks: str = "always", **over: int | bool) -> Iterator[tuple[Engine, Engine]]:
+    """A host-sampling engine and a graph-sampling one; ``masks``: how the graph samples a constrained
+    greedy row (``Sampling.graph_masks``)."""
     kw = {"slots": slots, "ctx_per_slot": 256, "max_batch_tokens": 256, "n_ubatch": 256, "threads": 2, **over}
     host, graph = Engine(EngineConfig(path, **kw)), Engine(EngineConfig(path, **kw, backend_sampling=True))
-    graph.sampling.graph_masks = True  # constrained greedy rows masked in the graph
+    graph.sampling.graph_masks = masks
     try:
         yield host, graph
     finally:
@@ -111,23 +113,24 @@ def test_only_a_greedy_unconstrained_request_without_echo_takes_the_graph_path(m
 
 def test_a_plain_greedy_row_and_a_masked_one_leave_only_their_tokens(model_path: str) -> None:
     """The slot's greedy chain copies no logits to the host, nor does a constrained greedy request's
-    masked chain (with ``graph_masks`` off: llama.cpp's greedy chain, which keeps them); the slot's plain
-    chain comes back after it, and each gives the host path's text."""
+    masked chain (with ``graph_masks`` "keeping": llama.cpp's greedy chain, which keeps them); the slot's
+    plain chain comes back after it, and each gives the host path's text."""
     import llama_cpp as L
 
     for host, graph in engines(model_path, slots=1):
         plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=6)
         constrained = dataclasses.replace(plain, json_schema={"type": "object"}, ignore_eos=False)
         s = graph.sampling
-        for rid, (p, masks) in enumerate([(plain, True), (constrained, True), (constrained, False),
-                                          (constrained, True), (plain, True), (constrained, False)]):
+        for rid, (p, masks) in enumerate([(plain, "always"), (constrained, "always"), (constrained, "keeping"),
+                                          (constrained, "on_refusal"), (plain, "on_refusal"),
+                                          (constrained, "keeping"), (constrained, "always")]):
             s.graph_masks = masks
             run = Run(rid, "x" * (rid + 1), p, False)
             assert run_all(graph, [run])[rid][0] == run_all(host, [run])[rid][0]
-            chains = s._greedy if not p.constrained else s._masked if masks else s._keeping
+            chains = s._greedy if not p.constrained else s._masked if masks != "keeping" else s._keeping
             assert s._on[0] is chains[0]
             kept = L.llama_get_sampled_logits_count_ith(graph.ctx, -1)  # the last step's row
-            assert kept == (graph.n_vocab if p.constrained and not masks else 0), (rid, kept)
+            assert kept == (graph.n_vocab if p.constrained and masks == "keeping" else 0), (rid, kept)
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 10},
@@ -159,12 +162,14 @@ def masked_and_host_agree(host: Engine, graph: Engine, runs: list[Run]) -> dict[
     return {r.rid: want[r.rid][0] for r in runs}
 
 
+@pytest.mark.parametrize("masks", ["always", "on_refusal"])
 @pytest.mark.parametrize("n_vocab", [512, 1001])
 def test_constrained_greedy_rows_masked_in_the_graph_give_the_host_paths_text(
-        tmp_path_factory: pytest.TempPathFactory, n_vocab: int) -> None:
+        tmp_path_factory: pytest.TempPathFactory, n_vocab: int, masks: str) -> None:
     """A random model (its argmaxes refused all the time: the mask decides), a vocabulary a multiple of
     32 and one that is not (the mask's last word padded): JSON schema, regex and grammar requests beside
-    plain ones in one batch, waves of them in slots changing hands, token for token the host's text."""
+    plain ones in one batch, waves of them in slots changing hands, token for token the host's text.
+    With masks applied "on_refusal", every refused pick is decoded again under its mask."""
     import json
     import re
 
@@ -172,7 +177,7 @@ def test_constrained_greedy_rows_masked_in_the_graph_give_the_host_paths_text(
 
     path = str(make_model(tmp_path_factory.mktemp("vocab") / f"v{n_vocab}.gguf", n_vocab=n_vocab))
     plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=20)
-    for host, graph in engines(path, slots=5):
+    for host, graph in engines(path, slots=5, masks=masks):
         for wave in range(3):
             kinds = [*CONSTRAINED, plain, CONSTRAINED[wave]]
             runs = [Run(10 * wave + i, PROMPTS[(i + wave) % len(PROMPTS)], kinds[(i + wave) % 5], False)
@@ -184,9 +189,11 @@ def test_constrained_greedy_rows_masked_in_the_graph_give_the_host_paths_text(
                 if r.params.regex is not None:
                     assert re.fullmatch(r"[a-z]{2,8}( [0-9]{1,3}){0,5}", texts[r.rid]), texts[r.rid]
             assert len(graph.free_ids) == 5
+        assert (graph.sampling.retries > 0) == (masks == "on_refusal")
 
 
-def test_masked_rows_on_gemma(gemma: str) -> None:
+@pytest.mark.parametrize("masks", ["always", "on_refusal"])
+def test_masked_rows_on_gemma(gemma: str, masks: str) -> None:
     """Gemma 3 270M (262,144 tokens): constrained greedy replies masked in the graph are the host's. Its
     near-ties make a reply depend on the batch it was decoded in (the CPU's kernels for one row and for
     several), and a request joins a batch when its grammar has compiled (a thread), its prompt partly
@@ -198,7 +205,7 @@ def test_masked_rows_on_gemma(gemma: str) -> None:
     runs += [Run(3, "Name a colour and two numbers:", CONSTRAINED[1], False),
              Run(4, "Is the sky green?", CONSTRAINED[2], False),
              Run(5, PROMPTS[0], dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0), False)]
-    for host, graph in engines(gemma, slots=6, prefix_cache=False):
+    for host, graph in engines(gemma, slots=6, masks=masks, prefix_cache=False):
         run_all(host, runs), run_all(graph, runs)
         texts = masked_and_host_agree(host, graph, runs)
         assert all(json.loads(texts[i]) for i in range(3) if texts[i].endswith("}"))
@@ -221,7 +228,8 @@ def test_without_the_mask_table_constrained_rows_keep_their_logits(model_path: s
         assert g._table is None and graph.sampling._on[0] is graph.sampling._masked[0]
 
 
-def test_masked_rows_in_steps_of_several_micro_batches(model_path: str) -> None:
+@pytest.mark.parametrize("masks", ["always", "on_refusal"])
+def test_masked_rows_in_steps_of_several_micro_batches(model_path: str, masks: str) -> None:
     """Long prompts arriving while others decode, in micro-batches of 16 tokens: a step's masked rows
     lie in several micro-batches (each sets the masked inputs of its own graph), the host's text."""
 
@@ -239,7 +247,7 @@ def test_masked_rows_in_steps_of_several_micro_batches(model_path: str) -> None:
 
     plain = dataclasses.replace(GREEDY_LP, logprobs=False, top_logprobs=0, max_tokens=30)
     runs = [Run(i, f"word{i} " * (5 + 7 * i), [*CONSTRAINED, plain][i % 4], False) for i in range(8)]
-    for host, graph in engines(model_path, slots=6, max_batch_tokens=128, n_ubatch=16):
+    for host, graph in engines(model_path, slots=6, masks=masks, max_batch_tokens=128, n_ubatch=16):
         s = graph.sampling
         assert s._graph is not None
 

@@ -185,14 +185,14 @@ def test_the_issue_reproduction_on_smollm2(tmp_path, smollm2: str) -> None:  # t
         d.stop()
 
 
-@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("graph", ["", "always", "on_refusal"])
 def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, monkeypatch: pytest.MonkeyPatch,
-                                                              graph: bool) -> None:
+                                                              graph: str) -> None:
     """llguidance's batch fill raising (a matcher's bug) used to leave the engine's step: the worker died.
     Each row is then filled alone, and the row that raises fails its request (``internal``, naming the
     exception); the other constrained request and the plain one finish, and the engine goes on. So too
     where the decode graph applies the masks (``graph``: backend sampling, the failed row's stale mask
-    uploaded)."""
+    uploaded; or applied only to a refused pick's row)."""
     import dataclasses
 
     import llguidance.numpy as lln
@@ -205,7 +205,8 @@ def test_a_mask_that_cannot_be_filled_fails_its_request_alone(model_path: str, m
     p = SamplingParams(max_tokens=16, temperature=0.0, json_schema=schema)
     engine = Engine(EngineConfig(model_path, slots=3, ctx_per_slot=256, threads=2,
                                  **({"backend_sampling": True} if graph else {})))  # type: ignore[arg-type]
-    engine.sampling.graph_masks = graph
+    if graph:
+        engine.sampling.graph_masks = graph
     try:
         bad: list[Any] = []  # the matcher that raises: the first request's
         one, par = lln.fill_next_token_bitmask, lln.fill_next_token_bitmask_par

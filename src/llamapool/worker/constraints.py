@@ -20,6 +20,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -216,13 +217,18 @@ class Masks:
         self.bits = lln.allocate_token_bitmask(slots, n_vocab)
         self._executor = llguidance.LLExecutor(num_threads=None)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
-        self._pending: Future[None] | None = None
+        self._pending: list[Future[None]] = []  # fills in the order they run (one thread)
+        self._urgent: Future[None] | None = None
         self.failed: dict[int, Exception] = {}  # slot -> what filling its mask raised (its sequence fails)
 
-    def start(self, rows: list[tuple[Any, int]]) -> None:
-        """Fill the rows of ``(matcher, slot)`` in the background (the caller must :meth:`wait` first)."""
+    def start(self, rows: list[tuple[Any, int]], urgent: Sequence[tuple[Any, int]] = ()) -> None:
+        """Fill the rows of ``(matcher, slot)`` in the background, the ``urgent`` ones first
+        (:meth:`wait_urgent`); the caller must :meth:`wait` for the fills before first."""
+        if urgent:
+            self._urgent = self._pool.submit(self._fill, list(urgent))
+            self._pending.append(self._urgent)
         if rows:
-            self._pending = self._pool.submit(self._fill, rows)
+            self._pending.append(self._pool.submit(self._fill, rows))
 
     def _fill(self, rows: list[tuple[Any, int]]) -> None:
         """Fill the rows at once; if that raises, each alone, and what one raises is kept for its slot
@@ -246,9 +252,14 @@ class Masks:
                 raise e
 
     def wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        pending, self._pending, self._urgent = self._pending, [], None
+        for f in pending:
+            f.result()
+
+    def wait_urgent(self) -> None:
+        """The urgent rows of the last :meth:`start` are filled (the others may still be filling)."""
+        if self._urgent is not None:
+            self._urgent.result()
 
     def allows(self, slot: int, tok: int) -> bool:
         return bool((int(self.bits[slot, tok >> 5]) >> (tok & 31)) & 1)

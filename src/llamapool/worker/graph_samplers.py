@@ -49,6 +49,7 @@ MAX_TOP = 20  # the most alternatives a row asks for (OpenAI's top_logprobs)
 FEW_ROWS = 8  # up to this many rows, ggml_top_k (one selection a row); more, one argsort over them all
 MASKED = 1 << 16  # a sampler context from here on: the masked greedy sampler of slot ``ctx - MASKED``
 CHUNK_BITS = 16  # a mask's tokens one row of the table covers (a uint32 word of llguidance's mask: two rows)
+ALLOW_ALL = (1 << CHUNK_BITS) - 1  # the table's row where every token of a chunk is allowed
 REFUSED = -1e30  # a refused token's bias: finite, so a row that allows nothing still has an argmax
 F32, I32 = 0, 26  # ggml_type
 WEIGHTS = 1  # GGML_BACKEND_BUFFER_USAGE_WEIGHTS: ops on the table run where it lies
@@ -159,6 +160,9 @@ class GraphSamplers:
         # the first masked sampler's backend) and the graph being built's masked rows
         self.mask_bits: np.ndarray | None = None
         self.masked_on: set[int] = set()
+        # the masked slots whose masks the next step applies (None: all; the others' rows take their plain
+        # argmax: their masks are still being filled, and the host checks the pick against them)
+        self.apply: set[int] | None = None
         self._table: tuple[int, int, int] | None = None
         self._rows: _MaskedRows | None = None
         self.masked_inputs = 0  # masked samplers' inputs set (llama.cpp's calls: one a masked row a step)
@@ -339,7 +343,13 @@ class GraphSamplers:
         k = len(st.slots)
         try:  # every index in the table's range, whatever happens (a garbage index reads out of bounds)
             assert self.mask_bits is not None
-            st.chunks[:k] = self.mask_bits.view(np.uint16)[st.slots]
+            if self.apply is None:
+                st.chunks[:k] = self.mask_bits.view(np.uint16)[st.slots]
+            else:  # a row not applying its mask reads the table's row of all 16 tokens allowed
+                st.chunks[:k] = ALLOW_ALL
+                for j, sl in enumerate(st.slots):
+                    if sl in self.apply:
+                        st.chunks[j] = self.mask_bits.view(np.uint16)[sl]
         except Exception as e:  # a callback: nothing may escape
             print(f"llamapool: masks not read ({e!r}): every token refused", file=sys.stderr, flush=True)
             st.chunks[:k] = 0

@@ -41,6 +41,9 @@ from llamapool.worker.constraints import Masks
 from llamapool.worker.graph_samplers import GraphSamplers
 
 PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
+RETRY = -2  # :meth:`Sampling.pick`: no token this step; the row is decoded again with its mask in the graph
+MAX_HOLD = 32  # "on_refusal": the most steps a refused row's mask stays applied before its next try without
+GRAPH_MASKS = ("on_refusal", "always", "keeping")  # how a constrained greedy row is sampled in the graph
 
 
 @dataclass(eq=False)
@@ -55,7 +58,10 @@ class SeqSampling:
     in_graph: bool
     closing: Closing | None = None
     masked: bool = False  # its mask for the next token is filled, or being filled
-    graph_masked: bool = False  # the graph applies its mask (GraphSamplers.masked): the mask is an input
+    graph_masked: bool = False  # sampled by the slot's masked chain (GraphSamplers.masked)
+    mask_now: bool = False  # the next launch applies its mask (complete by then): "always", or a retry
+    hold: int = 0  # "on_refusal": steps its mask stays applied after a retry (refused picks come in runs)
+    backoff: int = 0  # the hold its next refusal gets (doubled by each refusal, halved by each pick allowed)
 
     @property
     def matcher(self) -> Any:
@@ -92,11 +98,18 @@ class Sampling:
         self._greedy: dict[int, Any] = {i: self._graph.greedy() for i in range(slots)} if self._graph else {}
         self._keeping: dict[int, Any] = {}
         self._masked: dict[int, Any] = {}  # each slot's masked greedy chain (a constrained row's; made when needed)
-        # constrained greedy rows masked in the graph (True) or by llama.cpp's greedy chain, keeping their
-        # logits (False): a graph's masks are inputs, complete before the launch, so filling them no
-        # longer overlaps the GPU's step: on an H100 at 64 streams (1B and 8B, scripts/graph_mask_check.py)
-        # the masked rows ran at 0.79-0.83x of the keeping ones, plain rows beside them at 0.68-0.75x
-        self.graph_masks = False
+        # how the graph samples a constrained greedy row (GRAPH_MASKS):
+        # - "on_refusal": by the slot's masked chain, its mask applied only where the host refused the
+        #   row's plain argmax (the row is decoded again: RETRY). Its mask is filled while the GPU runs
+        #   the step, and no logits leave the GPU;
+        # - "always": by the masked chain, its mask applied every step. A graph's masks are inputs,
+        #   complete before the launch, so their filling no longer overlaps the GPU's step: on an H100
+        #   at 64 streams (1B and 8B, scripts/graph_mask_check.py) the rows ran at 0.79-0.83x of
+        #   "keeping", plain rows beside them at 0.68-0.75x;
+        # - "keeping": by llama.cpp's greedy chain, which copies the row's logits to the host every step
+        #   (32 MB a step at 64 rows of 128,256 tokens) for a refused pick, replaced from them.
+        self.graph_masks = "on_refusal"
+        self.retries = 0  # rows decoded again under their mask (RETRY)
         self._on: dict[int, Any] = dict(self._greedy)  # what the graph samples each slot with (None: nothing)
         self._seq_cfg: Any = None
         self.ctx: Any = None
@@ -154,7 +167,7 @@ class Sampling:
             chain = self._graph.logprobs()
         else:
             chain = None if in_graph and p.greedy else _chain(p, self.n_vocab, self.window)
-        masked = in_graph and chain is None and p.constrained and self.graph_masks
+        masked = in_graph and chain is None and p.constrained and self.graph_masks != "keeping"
         if self.gpu:  # the graph's chain for the slot: greedy, the request's own, or none (logits to the host)
             try:
                 self._put(slot, (self._greedy_for(slot, "masked" if masked else "keeping" if p.constrained else "")
@@ -163,7 +176,8 @@ class Sampling:
                 if chain is not None:
                     L.llama_sampler_free(chain)
                 raise
-        state = SeqSampling(slot, p, chain, in_graph, closing, graph_masked=masked)
+        state = SeqSampling(slot, p, chain, in_graph, closing, graph_masked=masked,
+                            mask_now=masked and self.graph_masks == "always")
         if closing is not None and self.masks is None:
             self.masks = Masks(self._slots, self.n_vocab)
             if self._graph is not None:
@@ -248,24 +262,43 @@ class Sampling:
                 s.masked = True
 
     def masks_next(self) -> None:
-        """After sampling: fill the running constrained sequences' next masks in the background."""
+        """After sampling: fill the running constrained sequences' next masks in the background, first
+        those the next launch applies ("on_refusal": :meth:`before_launch` waits for those only)."""
         if self.masks is None:
             return
         todo = [s for s in self.states.values() if s.matcher is not None and not s.masked
                 and not s.matcher.is_stopped()]
         for s in todo:
             s.masked = True
-        self.masks.start([(s.matcher, s.slot) for s in todo])
+        self.masks.start([(s.matcher, s.slot) for s in todo if not s.mask_now],
+                         [(s.matcher, s.slot) for s in todo if s.mask_now])
 
     def before_launch(self) -> None:
         """Right before ``llama_decode``: the masks the graph applies are complete (they are its inputs,
-        read inside ``llama_decode``; filled in the background since the last step's tokens were taken),
-        a new sequence's first mask filled now; and the mask thread is done with the matchers."""
-        if self.masks is not None and any(s.graph_masked for s in self.states.values()):
-            self.masks_ready([s for s in self.states.values() if s.graph_masked])
+        read inside ``llama_decode``). With "always", every masked row's (filled in the background since
+        the last step's tokens were taken), and the mask thread is done with the matchers. With
+        "on_refusal", a retried row's (complete: no token was taken since), a row's held after a refusal
+        (filled first: :meth:`masks_next`) and a new sequence's first mask (filled now: its prompt's last
+        row is picked under it), while the others' fill goes on."""
+        if self.masks is None or self._graph is None:
+            return
+        if self.graph_masks == "always":
+            if any(s.graph_masked for s in self.states.values()):
+                self.masks_ready([s for s in self.states.values() if s.graph_masked])
+            self._graph.apply = None
+            return
+        fresh = [s for s in self.states.values() if s.graph_masked and s.matcher is not None and not s.masked]
+        if fresh:
+            self.masks_ready(fresh)
+            for s in fresh:
+                s.mask_now = True
+        else:
+            self.masks.wait_urgent()
+        self._graph.apply = {s.slot for s in self.states.values() if s.mask_now}
 
     def pick(self, s: SeqSampling, idx: int) -> int:
-        """The sequence's token from output row ``idx`` of the step just decoded."""
+        """The sequence's token from output row ``idx`` of the step just decoded (:data:`RETRY`: none,
+        a constrained row whose argmax its mask refused is decoded again, its mask then applied)."""
         if s.in_graph:  # a constrained greedy row too: the graph's argmax, under the mask or checked against it
             tok = int(L.llama_get_sampled_token_ith(self.ctx, idx))
             if s.matcher is None:
@@ -278,16 +311,28 @@ class Sampling:
         return self._pick_constrained(s, idx)
 
     def _pick_masked(self, s: SeqSampling, idx: int, tok: int) -> int:
-        """A row the graph sampled under its mask: its token is allowed. Where it is not, the mask allows
-        nothing (the token is taken as the host path takes it), or the graph could not apply masks and
-        kept the row's logits (the host path replaces it from them); else the sequence fails."""
+        """A row of the slot's masked chain. Under its mask its token is allowed; without it (a pick
+        checked on the host) a refused token is picked again: the row is decoded again (:data:`RETRY`)
+        under its mask. A refused token is taken where the mask allows nothing (as the host path
+        takes it), replaced from the row's logits where the graph could not apply masks and kept them;
+        else the sequence fails."""
         assert self.masks is not None and s.closing is not None
         self.masks.check(s.slot)  # its mask could not be filled: this sequence fails, the others go on
         if not self.masks.allows(s.slot, tok) and self.masks.bits[s.slot].any():
-            if L.llama_get_sampled_logits_count_ith(self.ctx, idx) != self.n_vocab:
+            if L.llama_get_sampled_logits_count_ith(self.ctx, idx) == self.n_vocab:
+                return self._pick_constrained(s, idx, tok)
+            if s.mask_now:
                 raise RuntimeError(f"the decode graph picked token {tok}, which the mask of slot {s.slot} "
                                    "refuses")
-            return self._pick_constrained(s, idx, tok)
+            s.mask_now = True  # its mask stays filled (s.masked): no token was taken
+            s.hold, s.backoff = s.backoff, min(MAX_HOLD, 2 * s.backoff or 1)
+            self.retries += 1
+            return RETRY
+        if self.graph_masks != "always":
+            if s.mask_now:  # picked under its mask: held so for a while after a refusal
+                s.mask_now, s.hold = s.hold > 0, max(0, s.hold - 1)
+            else:
+                s.backoff //= 2
         s.masked = False
         return s.closing.take(tok)
 

@@ -45,7 +45,7 @@ from llamapool.worker.engine.spec import (
     threshold,
 )
 from llamapool.worker.faults import FaultInjector, request_failure
-from llamapool.worker.sampling import Sampling, SeqSampling
+from llamapool.worker.sampling import RETRY, Sampling, SeqSampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 
 
@@ -655,6 +655,8 @@ class Engine:
         sampled as a step of its own, on while the token sampled is the draft's next."""
         s, draft = seq.sampling, seq.draft
         toks = [self.sampling.pick(s, seq.rows[0])]
+        if toks[0] == RETRY:  # its mask refused the graph's pick: decoded again, under the mask
+            return []
         for i, d in enumerate(draft):
             if toks[-1] != d or d in self._eog or (s.matcher is not None and s.matcher.is_stopped()):
                 break
@@ -693,13 +695,15 @@ class Engine:
                    out: Step) -> list[int]:
         """The sequence's picked tokens taken (none when it ended); a verified draft's positions not kept
         leave the KV cache."""
-        self.sampling_steps += 1
+        self.sampling_steps += 1 if toks else 0
         draft = seq.draft
         if seq.drafting is not None:
             seq.drafting.draft = []
         written = seq.n_past + seq.tail  # the filler positions after its draft leave too
         seq.tail = 0
         seq.n_past -= len(draft)  # as without the draft: one more for each draft token kept
+        if not toks:  # no token (RETRY): the step's token is fed again, at its position
+            seq.n_past -= 1
         taken: list[int] = []
         for i, tok in enumerate(toks):
             seq.n_past += 1 if i else 0
@@ -708,7 +712,7 @@ class Engine:
                 taken = []
                 break
             taken.append(t)
-        if seq.drafting is not None and seq.drafting.shadow and not draft:
+        if seq.drafting is not None and seq.drafting.shadow and not draft and toks:
             settled = seq.drafting.saw(taken)
             if settled is not None:  # a watched draft: what it would have kept is the worker's news too
                 self.pool.verified(*settled)
