@@ -42,7 +42,8 @@ from llamapool.worker.graph_samplers import GraphSamplers
 
 PENALTY_LAST_N = 64  # repeat_penalty's window (llama.cpp's default)
 RETRY = -2  # :meth:`Sampling.pick`: no token this step; the row is decoded again with its mask in the graph
-MAX_HOLD = 32  # "on_refusal": the most steps a refused row's mask stays applied before its next try without
+WIDE = 0.5  # "on_refusal": a mask allowing at least this share of the vocabulary lets the next pick go unmasked
+PROBE = 64  # the tokens (a fixed random sample of the vocabulary) a mask's share is estimated from
 GRAPH_MASKS = ("on_refusal", "always", "keeping")  # how a constrained greedy row is sampled in the graph
 
 
@@ -59,9 +60,8 @@ class SeqSampling:
     closing: Closing | None = None
     masked: bool = False  # its mask for the next token is filled, or being filled
     graph_masked: bool = False  # sampled by the slot's masked chain (GraphSamplers.masked)
-    mask_now: bool = False  # the next launch applies its mask (complete by then): "always", or a retry
-    hold: int = 0  # "on_refusal": steps its mask stays applied after a retry (refused picks come in runs)
-    backoff: int = 0  # the hold its next refusal gets (doubled by each refusal, halved by each pick allowed)
+    mask_now: bool = False  # the next launch applies its mask (complete by then): "always", a retry, or
+    # "on_refusal" after a narrow mask (the grammar's structure, where a plain argmax is likely refused)
 
     @property
     def matcher(self) -> Any:
@@ -99,9 +99,10 @@ class Sampling:
         self._keeping: dict[int, Any] = {}
         self._masked: dict[int, Any] = {}  # each slot's masked greedy chain (a constrained row's; made when needed)
         # how the graph samples a constrained greedy row (GRAPH_MASKS):
-        # - "on_refusal": by the slot's masked chain, its mask applied only where the host refused the
-        #   row's plain argmax (the row is decoded again: RETRY). Its mask is filled while the GPU runs
-        #   the step, and no logits leave the GPU;
+        # - "on_refusal": by the slot's masked chain, its mask applied where the last one was narrow
+        #   (the grammar's structure: filled before the launch) or where the host refused the row's
+        #   plain argmax (the row is decoded again: RETRY); a wide mask (a free string) is filled while
+        #   the GPU runs the step and checked on the host. No logits leave the GPU;
         # - "always": by the masked chain, its mask applied every step. A graph's masks are inputs,
         #   complete before the launch, so their filling no longer overlaps the GPU's step: on an H100
         #   at 64 streams (1B and 8B, scripts/graph_mask_check.py) the rows ran at 0.79-0.83x of
@@ -118,6 +119,9 @@ class Sampling:
         self.states: dict[int, SeqSampling] = {}  # slot -> the running sequence's sampling
         self._row = ctypes.c_float * n_vocab  # one row of logits, viewed in place
         self._best: dict[int, int] = {}  # output row -> its argmax, taken for the step's greedy host rows
+        probe = np.random.default_rng(0).choice(n_vocab, min(PROBE, n_vocab), replace=False)
+        self._probe = (probe >> 5, (probe & 31).astype(np.uint32))  # each probe token's word and bit in a mask
+        self._wide: dict[int, bool] = {}  # slot -> its mask for this step's pick allows WIDE of the probe
 
     def context_params(self, cp: Any) -> None:
         """Attach each slot's greedy chain to the decode graph (GPU sampling)."""
@@ -239,6 +243,12 @@ class Sampling:
         """Before sampling a step's output ``rows`` (``(sampling, output row)``): the constrained rows'
         masks are ready, and the greedy host rows' argmaxes are taken in one numpy call."""
         self.masks_ready([s for s, _ in rows])
+        if self.graph_masks == "on_refusal" and self.masks is not None:
+            slots = [s.slot for s, _ in rows if s.graph_masked]
+            if slots:
+                words, shifts = self._probe
+                share = ((self.masks.bits[np.array(slots)[:, None], words] >> shifts) & 1).mean(axis=1)
+                self._wide = dict(zip(slots, (share >= WIDE).tolist(), strict=True))
         greedy = [idx for s, idx in rows if s.host_greedy]
         self._best = dict(zip(greedy, self._argmax(greedy), strict=True)) if len(greedy) > 1 else {}
 
@@ -277,9 +287,9 @@ class Sampling:
         """Right before ``llama_decode``: the masks the graph applies are complete (they are its inputs,
         read inside ``llama_decode``). With "always", every masked row's (filled in the background since
         the last step's tokens were taken), and the mask thread is done with the matchers. With
-        "on_refusal", a retried row's (complete: no token was taken since), a row's held after a refusal
-        (filled first: :meth:`masks_next`) and a new sequence's first mask (filled now: its prompt's last
-        row is picked under it), while the others' fill goes on."""
+        "on_refusal", a retried row's (complete: no token was taken since), a row's whose last mask was
+        narrow (filled first: :meth:`masks_next`) and a new sequence's first mask (filled now: its
+        prompt's last row is picked under it), while the others' fill goes on."""
         if self.masks is None or self._graph is None:
             return
         if self.graph_masks == "always":
@@ -325,14 +335,10 @@ class Sampling:
                 raise RuntimeError(f"the decode graph picked token {tok}, which the mask of slot {s.slot} "
                                    "refuses")
             s.mask_now = True  # its mask stays filled (s.masked): no token was taken
-            s.hold, s.backoff = s.backoff, min(MAX_HOLD, 2 * s.backoff or 1)
             self.retries += 1
             return RETRY
-        if self.graph_masks != "always":
-            if s.mask_now:  # picked under its mask: held so for a while after a refusal
-                s.mask_now, s.hold = s.hold > 0, max(0, s.hold - 1)
-            else:
-                s.backoff //= 2
+        if self.graph_masks != "always":  # the next mask is likely as narrow or as wide as this one
+            s.mask_now = not self._wide.get(s.slot, False)
         s.masked = False
         return s.closing.take(tok)
 
