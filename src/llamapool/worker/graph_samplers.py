@@ -22,15 +22,17 @@ op a row would be a kernel a row, and ggml's CUDA top-k a row took ~5 ms a step 
   are two graph inputs, set by the masked samplers' ``backend_set_input`` inside ``llama_decode``
   (so the masks must be complete before it). Four kernels for all masked rows: the rows (``get_rows``),
   their bias (``get_rows`` of the table, the first ``n_vocab`` of each row's taken), the sum, its argmax.
+  A row whose mask is not applied this step (:attr:`GraphSamplers.apply`: "on_refusal" sampling) reads
+  the table's all-allowed row: its plain argmax, checked on the host.
 
 On the host, a logprobs row's log-sum-exp is ``vals[j] - log(probs[j])`` at the likeliest ``j`` (its
 probability is at least ``1/n_vocab``, so the log is well conditioned), and each alternative's logprob
 is ``vals - lse``: the log-softmax of the raw logits, as the host path gives
 (:func:`llamapool.worker.sampling.log_softmax_top`).
 
-Only greedy rows without penalties or biases take them (with ``Sampling.graph_masks`` off, the default, a
-constrained greedy row keeps llama.cpp's greedy sampler: a refused pick is replaced from the row's
-logits). The samplers are written with llama-cpp-python's ctypes bindings and ggml's C API, so they
+Only greedy rows without penalties or biases take them (with ``Sampling.graph_masks`` "keeping", a
+constrained greedy row keeps llama.cpp's greedy sampler instead: a refused pick is replaced from the
+row's logits, which cross to the host every step). The samplers are written with llama-cpp-python's ctypes bindings and ggml's C API, so they
 need no rebuild of llama.cpp; their callbacks run when llama.cpp builds a graph, not every step (a
 graph is reused while the batch's shape and samplers stay).
 """

@@ -7,11 +7,12 @@ runs, and its grammar matcher. Where it runs:
   own, :mod:`llamapool.worker.graph_samplers`: only the token leaves the GPU), and a request with other
   parameters attaches its own chain. A greedy request with **logprobs** is sampled there too, by a chain
   that also computes the row's likeliest tokens and their probabilities in the graph. A constrained
-  greedy row is sampled there too, by llama.cpp's greedy chain (it keeps the row's logits beside the
-  token): a refused argmax is replaced from the row's logits. With ``graph_masks`` on, by the slot's
-  masked chain instead: the graph adds the row's mask (an input of the step, uploaded inside
-  ``llama_decode``: :meth:`Sampling.before_launch` waits for the masks first) and only the allowed
-  argmax leaves it (off by default: measured slower, see ``graph_masks``);
+  greedy row is sampled there too, by the slot's masked chain (``graph_masks``, "on_refusal" by
+  default): only its token leaves the graph. Where its last mask was narrow (the grammar's structure)
+  the graph adds its mask (an input of the step, uploaded inside ``llama_decode``:
+  :meth:`Sampling.before_launch` waits for it first); where it was wide (a free string) the row's plain
+  argmax is checked on the host against the mask filled meanwhile, and a refused one is decoded again
+  under its mask (:data:`RETRY`: the row's step is lost, its logits never copied);
 - **on the host**, from the row's logits, for what the graph cannot do: penalties (llama.cpp's
   repetition penalty, OpenAI's presence and frequency penalties), ``logit_bias``, the logprobs of
   sampled, constrained or echoed requests, and the
