@@ -21,7 +21,8 @@ runs, and its grammar matcher. Where it runs:
   logits in place, in one call for the step's rows.
 
 Masks are filled by :class:`~llamapool.worker.constraints.Masks` on a thread of their own while the GPU
-runs the step (for a masked row: from its token's taking to the next launch), and only constrained rows
+runs the step (for a masked row: from its token's taking to the next launch; on a CPU worker, whose
+decode takes every core, at once on the engine thread), and only constrained rows
 pay anything: unconstrained rows in the same batch take the path they take without them. A row the graph
 samples under its mask does not speculate (``verifies``: no constrained request does in the graph).
 """
@@ -184,7 +185,7 @@ class Sampling:
         state = SeqSampling(slot, p, chain, in_graph, closing, graph_masked=masked,
                             mask_now=masked and self.graph_masks == "always")
         if closing is not None and self.masks is None:
-            self.masks = Masks(self._slots, self.n_vocab)
+            self.masks = Masks(self._slots, self.n_vocab, inline=not self.gpu)
             if self._graph is not None:
                 self._graph.mask_bits = self.masks.bits
         self.states[slot] = state

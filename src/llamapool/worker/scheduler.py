@@ -154,6 +154,9 @@ class ArrivalRate:
         return self._sum / max(min(self.window, now - self._since), 0.25)
 
 
+SOLVE_EVERY = 8  # CostModel: steps between two fits once fitted (a fit is ~50-100 µs of host time a step)
+
+
 class CostModel:
     """A step's seconds, fitted while serving: ``base + per_row * rows + per_token * prompt_tokens``, plus
     ``prompt_step`` when the step has prompt work (such a step runs as several micro-batches and blocks
@@ -181,7 +184,7 @@ class CostModel:
             for j in range(len(x)):
                 self._xtx[i][j] = d * self._xtx[i][j] + x[i] * x[j]
         self.steps += 1
-        if self.steps >= self.warmup:
+        if self.steps >= self.warmup and (self.coef is None or self.steps % SOLVE_EVERY == 0):
             self.coef = self._solve()
 
     def predict(self, rows: int, prompt_tokens: int, drafts: int = 0) -> float | None:
