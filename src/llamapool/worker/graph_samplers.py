@@ -32,9 +32,9 @@ is ``vals - lse``: the log-softmax of the raw logits, as the host path gives
 
 Only greedy rows without penalties or biases take them (with ``Sampling.graph_masks`` "keeping", a
 constrained greedy row keeps llama.cpp's greedy sampler instead: a refused pick is replaced from the
-row's logits, which cross to the host every step). The samplers are written with llama-cpp-python's ctypes bindings and ggml's C API, so they
-need no rebuild of llama.cpp; their callbacks run when llama.cpp builds a graph, not every step (a
-graph is reused while the batch's shape and samplers stay).
+row's logits, which cross to the host every step). The samplers are written with llama-cpp-python's
+ctypes bindings and ggml's C API, so they need no rebuild of llama.cpp; their callbacks run when
+llama.cpp builds a graph, not every step (a graph is reused while the batch's shape and samplers stay).
 """
 
 from __future__ import annotations

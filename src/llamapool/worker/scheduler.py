@@ -198,14 +198,16 @@ class CostModel:
     def _solve(self) -> tuple[float, float, float, float, float] | None:
         """The least-squares coefficients, or the last ones where the steps do not give a prompt token a
         positive cost. Prompt steps of nearly one size cannot tell ``prompt_step`` from
-        ``per_prompt_token`` (noise on a busy host can then make the latter negative), so that case is
-        solved again with ``prompt_step`` folded into the tokens."""
+        ``per_prompt_token`` (noise on a busy host can then make the latter negative); with no fit yet,
+        that case is solved again with ``prompt_step`` folded into the tokens (a fit good for steps of
+        that size, not none)."""
         import numpy as np
 
         n = len(self.TERMS)
         a = np.array(self._xtx) + np.diag([1e-9] * n)  # a ridge: collinear steps stay solvable
         b = np.array(self._xty)
-        for keep in (list(range(n)), [i for i in range(n) if self.TERMS[i] != "prompt_step"]):
+        folded = [i for i in range(n) if self.TERMS[i] != "prompt_step"]
+        for keep in (list(range(n)), *([folded] if self.coef is None else [])):
             try:
                 sol = np.linalg.solve(a[np.ix_(keep, keep)], b[keep])
             except np.linalg.LinAlgError:
