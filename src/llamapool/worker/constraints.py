@@ -207,50 +207,62 @@ class Grammars:
 
 
 class Masks:
-    """The next-token bitmasks of the constrained sequences, one row per slot, filled in the background."""
+    """The next-token bitmasks of the constrained sequences, one row per slot.
+
+    Where they are filled:
+
+    - ``inline`` (a CPU worker): on the caller's thread at once, one row after another. Its decode takes
+      every core, so a fill in the background would not overlap it, only wait to be scheduled (~0.15-0.3
+      ms a step against ~10 µs of filling for 4 rows of the tiny model, scripts/engine_steps.py); and
+      llguidance's parallel executor hands each fill to a pool thread, which then spins before it sleeps
+      (on this 2-core VM, 8 streams of ``json_schema``: the worker's CPU a token went from 130-140 to
+      115 µs, scripts/bench_sampling.py);
+    - else (a GPU worker) with llguidance's parallel executor: the rows the next launch applies
+      (``urgent``) at once on the caller's thread, which waits for them anyway (a hand-off to the
+      mask thread would add its wake-up and its wait for the GIL to the launch's); the others on the
+      mask thread, while the GPU runs the step.
+    """
 
     def __init__(self, slots: int, n_vocab: int, inline: bool = False):
         import llguidance
         import llguidance.numpy as lln
 
-        # inline: filled on the caller's thread at once (a CPU worker: its decode takes every core, so a
-        # fill in the background would not overlap it, only wait to be scheduled: ~0.15-0.3 ms a step
-        # against ~10 µs of filling for 4 rows of the tiny model, scripts/engine_steps.py)
         self.inline = inline
         self.n_vocab = n_vocab
         self.bits = lln.allocate_token_bitmask(slots, n_vocab)
-        self._executor = llguidance.LLExecutor(num_threads=None)
+        self._executor = None if inline else llguidance.LLExecutor(num_threads=None)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self._pending: list[Future[None]] = []  # fills in the order they run (one thread)
-        self._urgent: Future[None] | None = None
         self.failed: dict[int, Exception] = {}  # slot -> what filling its mask raised (its sequence fails)
 
     def start(self, rows: list[tuple[Any, int]], urgent: Sequence[tuple[Any, int]] = ()) -> None:
-        """Fill the rows of ``(matcher, slot)`` in the background, the ``urgent`` ones first
-        (:meth:`wait_urgent`); the caller must :meth:`wait` for the fills before first."""
+        """Fill the rows of ``(matcher, slot)``: the ``urgent`` ones now, the others in the background (at
+        once where ``inline``); the caller must :meth:`wait` for the fills before first."""
         if self.inline:
-            if urgent or rows:
-                self._fill([*urgent, *rows])
-            return
-        if urgent:
-            self._urgent = self._pool.submit(self._fill, list(urgent))
-            self._pending.append(self._urgent)
-        if rows:
+            rows = [*urgent, *rows]
+        elif urgent:
+            self._fill(list(urgent))
+        if self.inline and rows:
+            self._fill(rows)
+        elif rows:
             self._pending.append(self._pool.submit(self._fill, rows))
 
     def _fill(self, rows: list[tuple[Any, int]]) -> None:
-        """Fill the rows at once; if that raises, each alone, and what one raises is kept for its slot
+        """Fill the rows; if that raises, each alone, and what one raises is kept for its slot
         (:meth:`check`): one matcher's failure is its sequence's, not the engine's."""
         import llguidance.numpy as lln
 
-        try:
-            lln.fill_next_token_bitmask_par(self._executor, rows, self.bits)
-        except Exception:
-            for matcher, slot in rows:
-                try:
-                    lln.fill_next_token_bitmask(matcher, self.bits, slot)
-                except Exception as e:
-                    self.failed[slot] = e
+        if self._executor is not None:
+            try:
+                lln.fill_next_token_bitmask_par(self._executor, rows, self.bits)
+                return
+            except Exception:
+                pass
+        for matcher, slot in rows:
+            try:
+                lln.fill_next_token_bitmask(matcher, self.bits, slot)
+            except Exception as e:
+                self.failed[slot] = e
 
     def check(self, slot: int) -> None:
         """Raise what filling the slot's mask raised, if it did (once)."""
@@ -260,14 +272,9 @@ class Masks:
                 raise e
 
     def wait(self) -> None:
-        pending, self._pending, self._urgent = self._pending, [], None
+        pending, self._pending = self._pending, []
         for f in pending:
             f.result()
-
-    def wait_urgent(self) -> None:
-        """The urgent rows of the last :meth:`start` are filled (the others may still be filling)."""
-        if self._urgent is not None:
-            self._urgent.result()
 
     def allows(self, slot: int, tok: int) -> bool:
         return bool((int(self.bits[slot, tok >> 5]) >> (tok & 31)) & 1)

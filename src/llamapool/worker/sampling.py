@@ -21,8 +21,9 @@ runs, and its grammar matcher. Where it runs:
   logits in place, in one call for the step's rows.
 
 Masks are filled by :class:`~llamapool.worker.constraints.Masks` on a thread of their own while the GPU
-runs the step (for a masked row: from its token's taking to the next launch; on a CPU worker, whose
-decode takes every core, at once on the engine thread), and only constrained rows
+runs the step (for a masked row: from its token's taking to the next launch), but for those the next
+launch applies, filled at once on the engine thread (so are all of a CPU worker's, whose decode takes
+every core), and only constrained rows
 pay anything: unconstrained rows in the same batch take the path they take without them. A row the graph
 samples under its mask does not speculate (``verifies``: no constrained request does in the graph).
 """
@@ -268,14 +269,13 @@ class Sampling:
         if fresh:
             for s in fresh:  # a failure left by a sequence that ended before it was sampled is not theirs
                 self.masks.failed.pop(s.slot, None)
-            self.masks.start([(s.matcher, s.slot) for s in fresh])
-            self.masks.wait()
+            self.masks.start([], [(s.matcher, s.slot) for s in fresh])  # filled now
             for s in fresh:
                 s.masked = True
 
     def masks_next(self) -> None:
-        """After sampling: fill the running constrained sequences' next masks in the background, first
-        those the next launch applies ("on_refusal": :meth:`before_launch` waits for those only)."""
+        """After sampling: fill the running constrained sequences' next masks, those the next launch
+        applies at once, the others in the background (:class:`Masks`)."""
         if self.masks is None:
             return
         todo = [s for s in self.states.values() if s.matcher is not None and not s.masked
@@ -290,7 +290,7 @@ class Sampling:
         read inside ``llama_decode``). With "always", every masked row's (filled in the background since
         the last step's tokens were taken), and the mask thread is done with the matchers. With
         "on_refusal", a retried row's (complete: no token was taken since), a row's whose last mask was
-        narrow (filled first: :meth:`masks_next`) and a new sequence's first mask (filled now: its
+        narrow (filled at once: :meth:`masks_next`) and a new sequence's first mask (filled now: its
         prompt's last row is picked under it), while the others' fill goes on."""
         if self.masks is None or self._graph is None:
             return
@@ -304,8 +304,6 @@ class Sampling:
             self.masks_ready(fresh)
             for s in fresh:
                 s.mask_now = True
-        else:
-            self.masks.wait_urgent()
         self._graph.apply = {s.slot for s in self.states.values() if s.mask_now}
 
     def pick(self, s: SeqSampling, idx: int) -> int:
@@ -456,15 +454,19 @@ def top_k(block: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     in column order). Each row's ``top`` largest are at least the ``top``-th largest of the maxima of
     64 strided groups of its columns (those maxima are ``top`` of its values): only the values above that
     bound are sorted, a few dozen a row, where ``argpartition`` selects over the whole vocabulary (5.9
-    against about 1.5 ms for 64 rows of 32,000). A row with too few or too many such values (a masked
-    row, NaNs) and a small vocabulary take ``argpartition``."""
+    against about 1.5 ms for 64 rows of 32,000); in a small vocabulary, at least the ``top``-th largest
+    value itself. A row with too few or too many such values (a masked row, NaNs) takes
+    ``argpartition``."""
     n, v = block.shape
     width = v // GROUPS_OF
     ids, vals = np.empty((n, top), np.intp), np.empty((n, top), block.dtype)
     todo = np.arange(n)
-    if width >= 4 * top:
-        maxima = block[:, : width * GROUPS_OF].reshape(n, GROUPS_OF, width).max(axis=1)
-        bound = np.partition(maxima, -top, axis=1)[:, -top, None]
+    if top < v:
+        if width >= 4 * top:
+            maxima = block[:, : width * GROUPS_OF].reshape(n, GROUPS_OF, width).max(axis=1)
+            bound = np.partition(maxima, -top, axis=1)[:, -top, None]
+        else:  # a small vocabulary: the top-th largest value itself (numpy's argpartition takes 4x longer)
+            bound = np.partition(block, v - top, axis=1)[:, v - top, None]
         r, c = np.divmod(np.flatnonzero(block >= bound), v)
         counts = np.bincount(r, minlength=n)
         fit = (counts >= top) & (counts <= 16 * top + 64)
