@@ -8,8 +8,8 @@
   how many tokens the shortest reply of each grammar takes (:mod:`~llamapool.worker.closing`), and
   reports a grammar that does not compile as a :class:`~llamapool.protocol.params.ParamError`.
 - :class:`Masks` fills the next-token bitmask of every constrained sequence with llguidance's parallel
-  executor on a background thread (it releases the GIL), while the GPU runs the step: the next mask
-  depends only on tokens already sampled.
+  executor (it releases the GIL), most of them right after the launch, while the GPU runs the step: the
+  next mask depends only on tokens already sampled.
 
 The tokenizer comes straight from llama.cpp's vocabulary (``llguidance.llamacpp``): no HuggingFace.
 """
@@ -207,20 +207,20 @@ class Grammars:
 
 
 class Masks:
-    """The next-token bitmasks of the constrained sequences, one row per slot.
+    """The next-token bitmasks of the constrained sequences, one row per slot, all filled on the engine
+    thread (no thread of their own: the fill releases the GIL, a Python thread would wait for it).
 
-    Where they are filled:
-
-    - ``inline`` (a CPU worker): on the caller's thread at once, one row after another. Its decode takes
-      every core, so a fill in the background would not overlap it, only wait to be scheduled (~0.15-0.3
-      ms a step against ~10 µs of filling for 4 rows of the tiny model, scripts/engine_steps.py); and
-      llguidance's parallel executor hands each fill to a pool thread, which then spins before it sleeps
-      (on this 2-core VM, 8 streams of ``json_schema``: the worker's CPU a token went from 130-140 to
-      115 µs, scripts/bench_sampling.py);
+    - ``inline`` (a CPU worker): at once, one row after another. Its decode takes every core, so a fill
+      beside it would not overlap it, only wait to be scheduled (~0.15-0.3 ms a step against ~10 µs of
+      filling for 4 rows of the tiny model, scripts/engine_steps.py); and llguidance's parallel
+      executor hands each fill to a pool thread, which then spins before it sleeps (on this 2-core VM,
+      8 streams of ``json_schema``: the worker's CPU a token went from 130-140 to 115 µs,
+      scripts/bench_sampling.py);
     - else (a GPU worker) with llguidance's parallel executor: the rows the next launch applies
-      (``urgent``) at once on the caller's thread, which waits for them anyway (a hand-off to the
-      mask thread would add its wake-up and its wait for the GIL to the launch's); the others on the
-      mask thread, while the GPU runs the step.
+      (``urgent``) at once, the others (``later``) when :meth:`fill_later` is called, right after the
+      launch, while the GPU computes. A mask thread did that before, but it had to take the GIL from
+      the engine thread first: on an H100 at 1B, 64 ``json_schema`` streams, the engine then waited
+      ~0.24 ms a step for masks not filled yet (py-spy, job QQ).
     """
 
     def __init__(self, slots: int, n_vocab: int, inline: bool = False):
@@ -231,21 +231,23 @@ class Masks:
         self.n_vocab = n_vocab
         self.bits = lln.allocate_token_bitmask(slots, n_vocab)
         self._executor = None if inline else llguidance.LLExecutor(num_threads=None)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="masks")
-        self._pending: list[Future[None]] = []  # fills in the order they run (one thread)
+        self._later: list[tuple[Any, int]] = []  # rows to fill after the launch
         self.failed: dict[int, Exception] = {}  # slot -> what filling its mask raised (its sequence fails)
 
     def start(self, rows: list[tuple[Any, int]], urgent: Sequence[tuple[Any, int]] = ()) -> None:
-        """Fill the rows of ``(matcher, slot)``: the ``urgent`` ones now, the others in the background (at
-        once where ``inline``); the caller must :meth:`wait` for the fills before first."""
-        if self.inline:
-            rows = [*urgent, *rows]
-        elif urgent:
-            self._fill(list(urgent))
-        if self.inline and rows:
+        """Fill the rows of ``(matcher, slot)``: the ``urgent`` ones now, the others at :meth:`fill_later`
+        (now where ``inline``)."""
+        now = [*urgent, *rows] if self.inline else list(urgent)
+        if now:
+            self._fill(now)
+        if not self.inline:
+            self._later += rows
+
+    def fill_later(self) -> None:
+        """Fill the rows left for later (right after a launch, or before a mask is read)."""
+        if self._later:
+            rows, self._later = self._later, []
             self._fill(rows)
-        elif rows:
-            self._pending.append(self._pool.submit(self._fill, rows))
 
     def _fill(self, rows: list[tuple[Any, int]]) -> None:
         """Fill the rows; if that raises, each alone, and what one raises is kept for its slot
@@ -272,9 +274,8 @@ class Masks:
                 raise e
 
     def wait(self) -> None:
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        """Every row started is filled."""
+        self.fill_later()
 
     def allows(self, slot: int, tok: int) -> bool:
         return bool((int(self.bits[slot, tok >> 5]) >> (tok & 31)) & 1)
@@ -284,5 +285,4 @@ class Masks:
         return np.unpackbits(self.bits[slot].view(np.uint8), bitorder="little")[: self.n_vocab].astype(bool)
 
     def close(self) -> None:
-        self.wait()
-        self._pool.shutdown(wait=False)
+        self._later = []

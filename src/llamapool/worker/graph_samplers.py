@@ -168,8 +168,9 @@ class GraphSamplers:
         self._table: tuple[int, int, int] | None = None
         self._rows: _MaskedRows | None = None
         self.masked_inputs = 0  # masked samplers' inputs set (llama.cpp's calls: one a masked row a step)
-        # llama_get_sampled_{logits,probs,candidates}_ith returning addresses (ints: no pointer objects)
-        lib, at = L.llama_cpp._lib, ctypes.CFUNCTYPE(_vp, _vp, ctypes.c_int32)
+        # llama_get_sampled_{logits,probs,candidates}_ith returning addresses (ints: no pointer objects),
+        # keeping the GIL (called after the step's synchronize: see Sampling._sampled_token)
+        lib, at = L.llama_cpp._lib, ctypes.PYFUNCTYPE(_vp, _vp, ctypes.c_int32)
         self._sampled_at = tuple(at((f"llama_get_sampled_{what}_ith", lib))
                                  for what in ("logits", "probs", "candidates"))
 

@@ -20,10 +20,9 @@ runs, and its grammar matcher. Where it runs:
   (as llama.cpp's own grammar sampler does). Greedy host rows pick with numpy's argmax over the
   logits in place, in one call for the step's rows.
 
-Masks are filled by :class:`~llamapool.worker.constraints.Masks` on a thread of their own while the GPU
-runs the step (for a masked row: from its token's taking to the next launch), but for those the next
-launch applies, filled at once on the engine thread (so are all of a CPU worker's, whose decode takes
-every core), and only constrained rows
+Masks are filled by :class:`~llamapool.worker.constraints.Masks` on the engine thread: those the next
+launch applies at once, the others right after the launch, while the GPU runs the step (a CPU worker's,
+whose decode takes every core, all at once), and only constrained rows
 pay anything: unconstrained rows in the same batch take the path they take without them. A row the graph
 samples under its mask does not speculate (``verifies``: no constrained request does in the graph).
 """
@@ -125,6 +124,12 @@ class Sampling:
         probe = np.random.default_rng(0).choice(n_vocab, min(PROBE, n_vocab), replace=False)
         self._probe = (probe >> 5, (probe & 31).astype(np.uint32))  # each probe token's word and bit in a mask
         self._wide: dict[int, bool] = {}  # slot -> its mask for this step's pick allows WIDE of the probe
+        # a row's token from the graph: llama.cpp synchronizes in every such call, and llama_cpp's binding
+        # releases the GIL for it, which the engine thread then waits to take back (the worker's I/O
+        # thread runs Python meanwhile): 4.5 µs a row on an H100 host at 64 streams (py-spy, job QQ).
+        # Called after the step's synchronize (Engine._collect), this one keeps the GIL.
+        self._sampled_token = ctypes.PYFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)(
+            ("llama_get_sampled_token_ith", L.llama_cpp._lib))
 
     def context_params(self, cp: Any) -> None:
         """Attach each slot's greedy chain to the decode graph (GPU sampling)."""
@@ -265,17 +270,22 @@ class Sampling:
         if self.masks is None:
             return
         self.masks.wait()
+        self._first_masks(states)
+
+    def _first_masks(self, states: list[SeqSampling]) -> None:
+        """The first masks of the new constrained sequences among ``states``, filled now."""
+        assert self.masks is not None
         fresh = [s for s in states if s.matcher is not None and not s.masked]
         if fresh:
             for s in fresh:  # a failure left by a sequence that ended before it was sampled is not theirs
                 self.masks.failed.pop(s.slot, None)
-            self.masks.start([], [(s.matcher, s.slot) for s in fresh])  # filled now
+            self.masks.start([], [(s.matcher, s.slot) for s in fresh])
             for s in fresh:
                 s.masked = True
 
     def masks_next(self) -> None:
         """After sampling: fill the running constrained sequences' next masks, those the next launch
-        applies at once, the others in the background (:class:`Masks`)."""
+        applies at once, the others after it (:meth:`after_launch`)."""
         if self.masks is None:
             return
         todo = [s for s in self.states.values() if s.matcher is not None and not s.masked
@@ -287,8 +297,8 @@ class Sampling:
 
     def before_launch(self) -> None:
         """Right before ``llama_decode``: the masks the graph applies are complete (they are its inputs,
-        read inside ``llama_decode``). With "always", every masked row's (filled in the background since
-        the last step's tokens were taken), and the mask thread is done with the matchers. With
+        read inside ``llama_decode``). With "always", every masked row's (filled when the last step's
+        tokens were taken). With
         "on_refusal", a retried row's (complete: no token was taken since), a row's whose last mask was
         narrow (filled at once: :meth:`masks_next`) and a new sequence's first mask (filled now: its
         prompt's last row is picked under it), while the others' fill goes on."""
@@ -301,16 +311,21 @@ class Sampling:
             return
         fresh = [s for s in self.states.values() if s.graph_masked and s.matcher is not None and not s.masked]
         if fresh:
-            self.masks_ready(fresh)
+            self._first_masks(fresh)
             for s in fresh:
                 s.mask_now = True
         self._graph.apply = {s.slot for s in self.states.values() if s.mask_now}
+
+    def after_launch(self) -> None:
+        """Right after ``llama_decode`` returns: the masks left for later are filled while the GPU computes."""
+        if self.masks is not None:
+            self.masks.fill_later()
 
     def pick(self, s: SeqSampling, idx: int) -> int:
         """The sequence's token from output row ``idx`` of the step just decoded (:data:`RETRY`: none,
         a constrained row whose argmax its mask refused is decoded again, its mask then applied)."""
         if s.in_graph:  # a constrained greedy row too: the graph's argmax, under the mask or checked against it
-            tok = int(L.llama_get_sampled_token_ith(self.ctx, idx))
+            tok: int = self._sampled_token(self.ctx, idx)
             if s.matcher is None:
                 return tok
             return self._pick_masked(s, idx, tok) if s.graph_masked else self._pick_constrained(s, idx, tok)

@@ -551,8 +551,6 @@ class Engine:
         matcher = seq.sampling.matcher
         if not draft or matcher is None:
             return draft
-        if self.sampling.masks is not None:
-            self.sampling.masks.wait()  # the matcher is the mask thread's until then
         return draft[: matcher.validate_tokens(draft)]
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:
@@ -564,6 +562,7 @@ class Engine:
         self.sampling.before_launch()  # the masks the graph applies are its inputs
         rc = L.llama_decode(self.ctx, b.raw)
         self.decode_s += time.perf_counter() - t0
+        self.sampling.after_launch()  # the masks left for later, while the GPU computes
         self.steps += 1
         if rc != 0:
             self.inflight = []
