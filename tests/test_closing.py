@@ -139,6 +139,37 @@ def test_any_tokens_close_within_the_budget_on_gemmas_vocabulary(gemma_grammars:
             jsonschema.validate(json.loads(tokenizer.decode_str(toks)), schema)
 
 
+def test_the_check_that_a_plan_closes_is_taking_it_and_being_done(gemma_grammars: Grammars) -> None:
+    """``Closing._closes`` asks llguidance whether EOS may follow the plan, without taking it: the same
+    answer as taking the plan and asking whether the grammar is complete, and the state is unchanged."""
+    rng = random.Random(5)
+    n_vocab = gemma_grammars.closer.n_vocab
+    checked = 0
+    for schema in SCHEMAS:
+        spec = spec_of(parse({"json_schema": schema}), None)
+        assert spec is not None
+        compiled = gemma_grammars.compile(spec).result(timeout=60)
+        closing = gemma_grammars.start(compiled, 200)
+        m = closing.matcher
+        for _ in range(40):
+            if m.is_stopped():
+                break
+            plan = gemma_grammars.closer.plan(m, 200, closing.where) or []
+            for p in (plan, plan[:-1], plan[1:], [*plan, plan[-1]] if plan else []):
+                mask = m.compute_bitmask()
+                n = m.try_consume_tokens(p)
+                want = n == len(p) and m.is_accepting()
+                if n:
+                    m.rollback(n)
+                assert closing._closes(p) == want
+                assert m.compute_bitmask() == mask
+                checked += 1
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+            ids = np.flatnonzero(bits[:n_vocab])
+            closing.take(int(rng.choice(ids)))
+    assert checked > 200
+
+
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
 def test_any_tokens_close_within_the_budget(engine: Engine, i: int) -> None:
     spec = spec_of(parse({"json_schema": SCHEMAS[i]}), None)

@@ -160,6 +160,11 @@ class Closing:
     forced: bool = False  # a token was replaced to close in time
     where: int = OUT  # where the text so far ends: in a JSON string or not (scan)
     depth: int = 0  # the objects and arrays it leaves open: the window grows with them
+    # text before or between JSON may be free (a tool call's opening after prose): where the grammar
+    # is complete, quotes so far mean nothing. A JSON value alone is complete only at its end, where it
+    # is outside strings anyway: no need to ask (llguidance's is_accepting took 0.2 ms a step of 64
+    # rows on an H100 host at 1B, twice the token's consume_token: py-spy, job SS)
+    free_text: bool = True
 
     def take(self, tok: int) -> int:
         """Consume ``tok`` (its mask allowed it), or the plan's next token when, after ``tok``, the grammar
@@ -200,14 +205,24 @@ class Closing:
         return forced
 
     def _consume(self, tok: int) -> None:
-        if self.matcher.is_accepting():  # free text (before a tool call's opening): quotes in it mean nothing
+        if self.free_text and self.matcher.is_accepting():  # free text (before a tool call's opening): quotes
+            # in it mean nothing
             self.where, self.depth = OUT, 0
         self.matcher.consume_token(tok)
         self.where, self.depth = self.closer.after(tok, self.where, self.depth)
 
     def _closes(self, plan: list[int]) -> bool:
-        """Whether ``plan`` completes the grammar from the matcher's state (which is left as it was)."""
-        n = self.matcher.try_consume_tokens(plan)
+        """Whether ``plan`` completes the grammar from the matcher's state (which is left as it was): the
+        end of the text (EOS) is allowed after it. llguidance checks that without moving the state, in
+        ~1 µs for a plan of a few tokens, where taking the plan and rolling it back took ~30 µs (on this
+        VM, Llama 3's vocabulary): a reply's last ``window`` tokens make this check, each of them on
+        every constrained row."""
+        eos = self.closer.eos
+        if plan and eos >= 0:
+            valid = self.matcher.validate_tokens([*plan, eos])
+            if valid != len(plan):  # all of it and EOS: it closes; not all of the plan: it cannot
+                return valid > len(plan)
+        n = self.matcher.try_consume_tokens(plan)  # (the plan, but not EOS after it: taken to make sure)
         done = n == len(plan) and self.matcher.is_accepting()
         if n:
             self.matcher.rollback(n)

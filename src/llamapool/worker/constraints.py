@@ -62,6 +62,7 @@ class Spec:
     grammar: str
     field: str
     opening: str = ""
+    json: bool = False  # a JSON value alone (a schema's answer): it is complete only at its end
 
 
 def spec_of(p: SamplingParams, tool_format: ToolFormat | None) -> Spec | None:
@@ -74,7 +75,7 @@ def spec_of(p: SamplingParams, tool_format: ToolFormat | None) -> Spec | None:
         return Spec(tool_format.grammar(p.tools, p.tool_choice or "auto", p.parallel_tool_calls, schema), "tools",
                     tool_format.trigger)
     if answer is not None:
-        return Spec(_json(answer[1], answer[0]), answer[0])
+        return Spec(_json(answer[1], answer[0]), answer[0], json=True)
     if p.grammar is not None:
         try:
             return Spec(llguidance.grammar_from("grammar", p.grammar), "grammar")
@@ -119,6 +120,7 @@ class Compiled:
     matcher: Any
     closing: int | None
     reach: int = 0
+    json: bool = False  # Spec.json
 
 
 class Grammars:
@@ -183,7 +185,7 @@ class Grammars:
             raise ParamError(spec.field, f"'{spec.field}' cannot be compiled: {matcher.get_error()}")
         plan = self.closer.plan(matcher, PLAN_LIMIT)
         closing = None if plan is None else len(plan)
-        return Compiled(matcher, closing, max(closing or 0, self._reach(matcher, spec.opening)))
+        return Compiled(matcher, closing, max(closing or 0, self._reach(matcher, spec.opening)), spec.json)
 
     def _reach(self, matcher: Any, opening: str) -> int:
         """Tokens a reply that starts with ``opening`` takes at least (0: no opening, or none found)."""
@@ -200,7 +202,8 @@ class Grammars:
 
     def start(self, compiled: Compiled, budget: int) -> Closing:
         """A sequence's own copy of ``compiled``, closing within ``budget`` tokens."""
-        return Closing(compiled.matcher.deep_copy(), self.closer, budget, compiled.reach + WINDOW)
+        return Closing(compiled.matcher.deep_copy(), self.closer, budget, compiled.reach + WINDOW,
+                       free_text=not compiled.json)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
