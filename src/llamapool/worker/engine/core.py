@@ -108,6 +108,11 @@ class Engine:
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
         self.step_s = 0.0  # whole steps, Python work included
+        # where a GPU step's time goes (diagnostics, scripts/graph_mask_check.py): the host's work from the
+        # batch's tokens read to the next launch (the GPU idle), the llama_decode calls themselves (the
+        # host's launch work), the waits for the GPU after them (decode_s = calls + waits)
+        self.gap_s = self.call_s = 0.0
+        self._synced = 0.0  # when the last synchronize returned (0: none since the last launch)
         self.drafted_tokens = 0  # draft tokens verified (speculation: spec.py)
         self.accepted_tokens = 0  # draft tokens kept
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
@@ -560,8 +565,13 @@ class Engine:
         t0 = time.perf_counter()
         self._time_step(t0)
         self.sampling.before_launch()  # the masks the graph applies are its inputs
+        if self._synced:
+            self.gap_s += t0 - self._synced
+            self._synced = 0.0
         rc = L.llama_decode(self.ctx, b.raw)
-        self.decode_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.decode_s += t1 - t0
+        self.call_s += t1 - t0
         self.sampling.after_launch()  # the masks left for later, while the GPU computes
         self.steps += 1
         if rc != 0:
@@ -599,7 +609,8 @@ class Engine:
             return []
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
-        self.decode_s += time.perf_counter() - t0
+        self._synced = time.perf_counter()
+        self.decode_s += self._synced - t0
         self._echo_logprobs(out)
         ready = self._take_all([seq for seq in self.inflight if self.active.get(seq.seq_id) is seq], out)
         self.inflight = []
