@@ -257,3 +257,32 @@ def test_masked_rows_in_steps_of_several_micro_batches(model_path: str, masks: s
         s._pick_constrained = no_host_pick  # type: ignore[method-assign]
         assert staggered(graph, runs) == staggered(host, runs)
         assert s._graph.masked_inputs > 0
+
+
+def test_a_slot_handed_over_within_a_step_keeps_its_new_sequences_mask(model_path: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slot: a constrained request ends by a stop string on its first token (``{``), which the worker
+    sends before the next launch, and a constrained request waiting takes the slot in the same step. The
+    first one's next mask, left to fill after the launch (every mask taken as wide here), is not filled
+    over the second one's first mask, which the graph applies and the host checks the pick against: the
+    second request ends well."""
+    import json
+
+    from llamapool.worker import sampling
+
+    monkeypatch.setattr(sampling, "WIDE", 0.0)
+    first = dataclasses.replace(CONSTRAINED[0], stop=["{"])
+    for _, graph in engines(model_path, slots=1, masks="on_refusal"):
+        graph.submit(Run(1, PROMPTS[0], first, False), Step())
+        while not graph.active or any(seq.prefilling for seq in graph.active.values()):  # its prompt decoded
+            graph.step()
+        graph.submit(Run(2, PROMPTS[1], CONSTRAINED[0], False), Step())  # compiled: the first one's grammar
+        reports: list[Step] = []
+        while graph.busy:
+            reports.append(graph.step(reports.append))  # what is flushed before a launch, then the rest
+        failed = [f for r in reports for f in r.failed]
+        done = {d.rid: d for r in reports for d in r.done}
+        assert not failed, failed
+        assert done[1].reason == "stop" and done[2].reason in ("stop", "length")
+        if done[2].reason == "stop":
+            json.loads(done[2].text)

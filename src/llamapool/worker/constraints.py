@@ -246,6 +246,11 @@ class Masks:
         if not self.inline:
             self._later += rows
 
+    def forget(self, slot: int) -> None:
+        """The slot's sequence ended: a fill left for later is not made (the slot's next sequence may have
+        its first mask by then, which it would overwrite)."""
+        self._later = [row for row in self._later if row[1] != slot]
+
     def fill_later(self) -> None:
         """Fill the rows left for later (right after a launch, or before a mask is read)."""
         if self._later:

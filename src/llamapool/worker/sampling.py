@@ -202,6 +202,8 @@ class Sampling:
         re-plan, and would wait for the batch in flight; the next sequence of the slot changes it if it
         needs another chain (a chain left in the graph is freed then)."""
         self.states.pop(state.slot, None)
+        if self.masks is not None:
+            self.masks.forget(state.slot)
         if state.chain is not None and state.chain is not self._on.get(state.slot):
             L.llama_sampler_free(state.chain)
 
