@@ -233,13 +233,12 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     loader = threading.Thread(target=load, args=(pod.url, model, results, started))
     t_load = time.monotonic()
     loader.start()
-    # SIGTERM (after preStop) once every stream is accepted and the load has run a while: the gauges show all
-    # 64 held at once, or (on a loaded machine the first could end before that) every stream's 200 came (the
-    # gateway answers a stream's head with its first token, so on an idle machine that is late: the last wave
-    # then ends before a probe sees the drain)
+    # SIGTERM (after preStop) as soon as every stream is accepted: the gauges show all 64 held at once (three
+    # waves of 16 still to run), or (on a loaded machine the first could end before that) every stream's 200
+    # came (the gateway answers a stream's head with its first token: the last wave has started). Any wait
+    # after that shortens the drain the probes below must see (on a fast machine a wave takes ~0.3 s).
     while accepted.value != STREAMS and len(started) != STREAMS and time.monotonic() - t_load < 30:
         time.sleep(0.01)
-    time.sleep(0.5)
     t_term = time.monotonic()
     drained.set()
     pod.proc.send_signal(signal.SIGTERM)
@@ -247,6 +246,10 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
         time.sleep(0.002)
     flip = time.monotonic() - t_term
     assert r is not None and r.status_code == 503 and r.json()["status"] == "draining", r
+    during = []  # (readiness, liveness) while the accepted streams drain, from the flip on
+    live = probe(pod, "liveness")
+    if loader.is_alive() and live is not None:  # the streams still ran after both probes: mid-drain
+        during.append((r.status_code, live.status_code))
     try:
         late = httpx.post(pod.url + "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2},
                           timeout=10)
@@ -258,10 +261,6 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
         assert results == [("length", TOKENS)] * STREAMS, sorted(set(results))
         pytest.skip("the last streams ended as the late request came (a fast run): the drain was over")
     assert late.status_code == 503, late.text  # a request the picker would not send any more is refused
-    during = []  # (readiness, liveness) while the accepted streams drain, from the flip on
-    live = probe(pod, "liveness")
-    if loader.is_alive() and live is not None:
-        during.append((r.status_code, live.status_code))
     while loader.is_alive():
         ready, live = probe(pod, "readiness"), probe(pod, "liveness")
         if loader.is_alive() and ready is not None and live is not None:
