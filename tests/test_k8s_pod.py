@@ -170,7 +170,7 @@ async def one_stream(http: httpx.AsyncClient, url: str, model: str, started: lis
     finish, tokens = None, 0
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return f"http {r.status_code}", 0
+            return f"http {r.status_code}: {(await r.aread())[:300]!r}", 0
         started.append(1)
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
@@ -240,6 +240,7 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     while accepted.value != STREAMS and len(started) != STREAMS and time.monotonic() - t_load < 30:
         time.sleep(0.01)
     t_term = time.monotonic()
+    held, answered = accepted.value, len(started)  # what ended the wait (the figures print them)
     drained.set()
     pod.proc.send_signal(signal.SIGTERM)
     while (r := probe(pod, "readiness")) is not None and r.status_code == 200:
@@ -298,7 +299,8 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
         "scrape_ms_p50": round(lat[len(lat) // 2] * 1e3, 2), "scrape_ms_p99": round(lat[int(len(lat) * 0.99)] * 1e3, 2),
         "scrape_ms_max": round(lat[-1] * 1e3, 2), "ready_503_after_sigterm_ms": round(flip * 1e3, 1),
         "drain_s": round(t_done - t_term, 2), "exit_after_sigterm_s": round(t_exit - t_term, 2),
-        "sigterm_at_s": round(t_term - trace[0][0], 2),
+        "sigterm_at_s": round(t_term - trace[0][0], 2), "sigterm_after_load_s": round(t_term - t_load, 2),
+        "held_at_sigterm": held, "answered_at_sigterm": answered,
         "trace (s, waiting, running, kv)": [(round(s[0] - trace[0][0], 2), *s[1:]) for s in trace[::10]],
     }
     print("\nk8s pod figures:", json.dumps(figures), f"load average {os.getloadavg()[0]:.1f}")
