@@ -127,8 +127,8 @@ def test_status_lists_models_with_their_workers(pool: tuple[Daemon, str]) -> Non
     out = subprocess.run([sys.executable, "-m", "llamapool.cli", "status", "--endpoint", d.endpoint],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "model alpha (default): 1 worker(s) alpha-cpu0" in out.stdout
-    assert "model beta: 1 worker(s) beta-cpu0" in out.stdout
+    assert "model alpha (default): loaded, load always: 1 worker(s) alpha-cpu0" in out.stdout
+    assert "model beta: loaded, load always: 1 worker(s) beta-cpu0" in out.stdout
     gen = subprocess.run([sys.executable, "-m", "llamapool.cli", "generate", "hi", "--max-tokens", "2",
                           "--model", "beta", "--endpoint", d.endpoint], capture_output=True, text=True, timeout=60)
     assert gen.returncode == 0 and "model beta, worker beta-cpu0" in gen.stderr, gen.stderr

@@ -210,13 +210,35 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_action(args: argparse.Namespace) -> int:
+    """load, unload, pin, unpin: one model of a running daemon."""
+    from llamapool import Client, LlamapoolError
+
+    with Client(_endpoint(args), **_keys(args)) as client:
+        try:
+            if args.cmd == "load":
+                reply = client.load_model(args.name, wait=not args.no_wait, timeout=args.timeout)
+            elif args.cmd == "unload":
+                reply = client.unload_model(args.name, timeout=args.timeout)
+            else:
+                reply = client.pin_model(args.name, args.cmd == "pin", timeout=args.timeout)
+        except LlamapoolError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    print(f"{reply['message']} (state: {reply['state']})")
+    return 0
+
+
 def print_status(st: dict[str, Any]) -> None:
     """``llamapool status``'s text: models, the worker table, each worker's notes, GPUs, the queue."""
     models = st.get("models") or []
     for i, m in enumerate(models):  # the queue per model only where there are several (the total is below)
         queue = f"; queued {m['queued']}, running {m['running']}" if len(models) > 1 else ""
-        print(f"model {m['name']}{' (default)' if i == 0 else ''}: {len(m['workers'])} worker(s) "
+        pool = f"{m['state']}{', pinned' if m.get('pinned') else ''}, load {m['load']}: " if m.get("state") else ""
+        print(f"model {m['name']}{' (default)' if i == 0 else ''}: {pool}{len(m['workers'])} worker(s) "
               f"{', '.join(m['workers']) or '-'}{queue}")
+        if m.get("reason"):
+            print(f"model {m['name']}: {m['reason']}")
     cols: tuple[str, ...] = ("id", "model", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
     if any(w.get("node") for w in st["workers"]):
         cols = ("id", "node", *cols[1:])
@@ -446,6 +468,20 @@ def _daemon_commands(sub: Any) -> None:
     st.add_argument("--json", action="store_true", help="print the whole status reply as JSON")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
     st.set_defaults(fn=cmd_status)
+
+    for name, summary in (("load", "load a model now (placed by free memory; waits until it is loaded)"),
+                          ("unload", "unload a model: its workers finish what they run, then exit"),
+                          ("pin", "pin a model: load it, and never evict it or unload it when idle"),
+                          ("unpin", "unpin a model: it may be evicted, and unloaded when idle, again")):
+        q = _sub(sub, name, summary, f"{summary[0].upper()}{summary[1:]} (a model of a running daemon; "
+                 "docs/operations.md, \"A pool that follows demand\").")
+        q.add_argument("name", help="the model's name (llamapool status lists them)")
+        _endpoint_args(q)
+        q.add_argument("--timeout", type=float, default=600.0 if name == "load" else 5.0,
+                       help="seconds to wait for the daemon (load: for the model to be loaded)")
+        if name == "load":
+            q.add_argument("--no-wait", action="store_true", help="return once the load has started")
+        q.set_defaults(fn=cmd_model_action)
 
 
 def _tool_commands(sub: Any) -> None:

@@ -82,6 +82,27 @@ class ModelConfig:
     embedding: bool = False  # an embedding model: its workers answer /v1/embeddings (and embed), not generation
     pooling: str = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
     grammar_cache_mb: int = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
+    # When its workers run (docs/configuration.md, "A pool that follows demand"): "always" (at start, never
+    # evicted: the plan of `devices`) or "on_demand" (at its first request, placed by free memory, evicted
+    # when idle and another model needs the room, unloaded after idle_unload)
+    load: str = "always"
+    # [min, max] workers, placed by free memory and following the load; [] -> "always": one worker per
+    # device of `devices` (a fixed plan), "on_demand": [0, 1]
+    replicas: list[int] = field(default_factory=list)
+    idle_unload: float = -1.0  # seconds unused before an on_demand model is unloaded; -1 -> [pool] idle_unload
+
+    @property
+    def managed(self) -> bool:
+        """Whether the placement policy starts and stops its workers (supervisor/placement.py), rather
+        than the fixed plan of its ``devices``."""
+        return self.load == "on_demand" or bool(self.replicas)
+
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(at least, at most) workers of a managed model."""
+        if self.replicas:
+            return self.replicas[0], self.replicas[1]
+        return (0, 1) if self.load == "on_demand" else (1, 1)
 
     @property
     def groups(self) -> list[list[Device]] | None:
@@ -116,6 +137,19 @@ class WorkersConfig:
     restart_backoff_max: float = 30.0
     flap_window: float = 60.0  # more than flap_limit deaths within this window -> failed
     flap_limit: int = 5
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """``[pool]``: how models marked ``load = "on_demand"`` or given ``replicas`` are loaded, placed,
+    scaled and unloaded (supervisor/placement.py; docs/configuration.md, "A pool that follows demand")."""
+
+    ram_budget: str = ""  # what CPU workers' models may take: "16GiB", "12000MB", "75%"; "" -> 80% of the RAM
+    idle_unload: float = 0.0  # seconds unused before an on_demand model is unloaded; 0 -> never
+    scale_up_wait: float = 2.0  # a model's oldest waiting request waited this long: start another replica
+    scale_down_idle: float = 60.0  # a replica idle this long (and more than its minimum): retire it
+    min_residency: float = 30.0  # a worker serves at least this long before it can be evicted or retired
+    load_backoff: float = 30.0  # a failed load: no new try for this long (doubling with each failure, to 10 min)
 
 
 @dataclass(frozen=True)
@@ -191,6 +225,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     models: tuple[ModelConfig, ...] = (ModelConfig(name="llamapool"),)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
     http: HttpConfig | None = None
     metrics: MetricsConfig | None = None
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -250,6 +285,45 @@ _POSITIVE = {
 }
 
 
+_DURATIONS = {"model.idle_unload", "pool.idle_unload", "pool.scale_up_wait", "pool.scale_down_idle",
+              "pool.min_residency", "pool.load_backoff"}
+
+
+def _duration(key: str, value: str) -> float:
+    """Seconds from a number of seconds or a duration string: "90s", "15m", "2h", "1h30m"."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", value)
+    if not value.strip() or parts is None or not any(parts.groups()):
+        raise ConfigError(f"{key}: must be seconds or a duration such as \"90s\", \"15m\", \"2h\", got {value!r}")
+    h, m, sec = (float(g or 0) for g in parts.groups())
+    return h * 3600 + m * 60 + sec
+
+
+def ram_budget(text: str, total: int) -> int:
+    """``[pool] ram_budget`` in bytes, given the machine's RAM: "16GiB", "12000MB", "75%"; "" -> 80 %."""
+    if not text:
+        return int(total * 0.8)
+    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+    parts = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|[a-zA-Z]*)\s*", text)
+    if parts is None or (parts.group(2) != "%" and parts.group(2).lower() not in units):
+        raise ConfigError(f"pool.ram_budget: must be a size such as \"16GiB\" or \"12000MB\", or a share of "
+                          f"the RAM such as \"75%\", got {text!r}")
+    number, unit = float(parts.group(1)), parts.group(2)
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ConfigError(f"pool.ram_budget: a share of the RAM must be > 0% and <= 100%, got {text!r}")
+        return int(total * number / 100)
+    return int(number * units[unit.lower()])
+
+
+def _pool(pool: PoolConfig) -> PoolConfig:
+    ram_budget(pool.ram_budget, 1 << 30)  # checks its form (the machine's RAM is read at start)
+    for key in ("idle_unload", "scale_up_wait", "scale_down_idle", "min_residency", "load_backoff"):
+        if getattr(pool, key) < 0:
+            raise ConfigError(f"pool.{key}: must be >= 0 seconds, got {getattr(pool, key)!r}")
+    return pool
+
+
 _REPLACED = {
     "model.n_batch": "renamed to model.max_batch_tokens (the per-step token budget)",
     "model.prefill_chunk": "replaced by model.max_batch_tokens: one token budget per step, shared by "
@@ -294,6 +368,15 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
             raise ConfigError(f"{key}: must be a list of non-negative numbers (a share per GPU of a group), "
                               f"got {value!r}")
         return [float(v) for v in value]
+    if rule == "model.replicas":
+        if not isinstance(value, list) or len(value) != 2 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value) \
+                or not 0 <= value[0] <= value[1] or value[1] < 1:
+            raise ConfigError(f"{key}: must be [at least, at most] workers, 0 <= at least <= at most, "
+                              f"at most >= 1, e.g. [1, 4], got {value!r}")
+        return list(value)
+    if rule in _DURATIONS and isinstance(value, str):
+        value = _duration(key, value)
     if isinstance(default, tuple):  # a list of strings
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
             raise ConfigError(f"{key}: must be a list of non-empty strings, got {value!r}")
@@ -422,6 +505,15 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
             f"{key}.max_batch_tokens: must be > the slots per worker ({m.slots}): every step gives each "
             f"busy slot a token and prompts need the rest, got {m.max_batch_tokens}"
         )
+    if m.load not in ("always", "on_demand"):
+        raise ConfigError(f"{key}.load: must be \"always\" (loaded at start, never evicted) or \"on_demand\" "
+                          f"(loaded at its first request), got {m.load!r}")
+    if m.idle_unload < 0 and m.idle_unload != -1:
+        raise ConfigError(f"{key}.idle_unload: must be >= 0 seconds (0: never), got {m.idle_unload!r}")
+    if m.managed and (m.devices == "remote" or any(len(g) > 1 for g in m.groups or [])):
+        what = "load = \"on_demand\"" if m.load == "on_demand" else "replicas"
+        raise ConfigError(f"{key}.devices: {what} places each worker on one GPU (or the CPU) by free memory; "
+                          f"it cannot be \"remote\" or GPU groups, got {m.devices!r}")
     if m.tensor_split:
         groups = m.groups
         if groups is None or any(len(g) != len(m.tensor_split) for g in groups):
@@ -435,7 +527,7 @@ def _check_overlap(named: list[tuple[str, Any]], models: list[ModelConfig]) -> N
     and a UUID of one GPU are caught at start, once NVML says which is which.)"""
     owner: dict[Device, tuple[str, str]] = {}
     for (key, _), m in zip(named, models, strict=True):
-        for group in m.groups or []:
+        for group in [] if m.managed else m.groups or []:  # managed models share GPUs by free memory
             for d in group:
                 if d in owner and owner[d][1] != m.name:
                     other_key, other = owner[d]
@@ -447,7 +539,7 @@ def _check_overlap(named: list[tuple[str, Any]], models: list[ModelConfig]) -> N
 
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
-    sections = {"server": ServerConfig, "workers": WorkersConfig, "http": HttpConfig,
+    sections = {"server": ServerConfig, "workers": WorkersConfig, "pool": PoolConfig, "http": HttpConfig,
                 "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig}
     for key in raw:
         if key not in sections and key not in ("model", "models"):
@@ -461,6 +553,7 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"metrics.listen: must be \"host:port\" (or \"\" for none), "
                               f"got {parts['metrics'].listen!r}")
+    parts["pool"] = _pool(parts["pool"])
     log: LogConfig = parts["log"]
     if log.format not in ("text", "json"):
         raise ConfigError(f"log.format: must be \"text\" or \"json\", got {log.format!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from llamapool.client.calls import (
     embed_inputs,
     generate_frame,
     metrics_of,
+    model_action_of,
     new_id,
     no_answer,
     not_connected,
@@ -50,6 +52,7 @@ from llamapool.protocol.messages import (
     Error,
     Message,
     MetricsRequest,
+    ModelAction,
     Prompt,
     StatusRequest,
     Tokenize,
@@ -444,11 +447,37 @@ class AsyncClient:
         """The daemon's view (see ``Client.status``)."""
         return status_of(await self._query(StatusRequest(new_id()), timeout))
 
+    async def load_model(self, model: str, *, wait: bool = False, timeout: float = 5.0) -> dict[str, Any]:
+        """Load ``model`` now (a model of ``load = "on_demand"``; the pool places it by free memory, evicting
+        an idle model if it must); ``wait=True`` waits up to ``timeout`` for it to be loaded. Returns
+        ``{"model", "action", "state", "message"}``; an unknown model raises ``BadRequestError``."""
+        return await self._model_action("load", model, wait, timeout)
+
+    async def unload_model(self, model: str, *, timeout: float = 5.0) -> dict[str, Any]:
+        """Unload ``model``: its workers finish the requests they run, then exit (see ``load_model``)."""
+        return await self._model_action("unload", model, False, timeout)
+
+    async def pin_model(self, model: str, pinned: bool = True, *, timeout: float = 5.0) -> dict[str, Any]:
+        """Pin ``model`` (load it; never evict it or unload it when idle), or unpin it (``pinned=False``)."""
+        return await self._model_action("pin" if pinned else "unpin", model, False, timeout)
+
+    async def _model_action(self, action: str, model: str, wait: bool, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        reply = model_action_of(await self._query(ModelAction(new_id(), action, model), timeout))
+        while wait and reply["state"] != "loaded" and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            models = (await self.status(timeout=max(0.1, deadline - time.monotonic())))["models"]
+            row: dict[str, Any] = next((m for m in models if m["name"] == model), {})
+            reply["state"] = row.get("state", reply["state"])
+            if reply["state"] == "failed":
+                raise UnavailableError("unavailable", str(row.get("reason") or f"model {model!r} failed to load"))
+        return reply
+
     async def metrics(self, *, timeout: float = 5.0) -> str:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
         return metrics_of(await self._query(MetricsRequest(new_id()), timeout))
 
-    async def _query(self, request: StatusRequest | MetricsRequest, timeout: float) -> Message:
+    async def _query(self, request: StatusRequest | MetricsRequest | ModelAction, timeout: float) -> Message:
         """Send a one-reply request and wait for its reply."""
         q = await self._open(codec.encode(request), request.id, timeout)
         try:

@@ -22,6 +22,7 @@ from llamapool.protocol.messages import (
     ErrorCode,
     Message,
     MetricsReply,
+    ModelActionReply,
     Prompt,
     Result,
     StatusReply,
@@ -218,6 +219,16 @@ def status_of(msg: Message) -> dict[str, Any]:
         raise LlamapoolError("internal", f"unexpected reply {msg!r}")
     return {"models": msg.models, "workers": msg.workers, "queued": msg.queued, "running": msg.running,
             "draining": msg.draining, "gpus": msg.gpus}
+
+
+def model_action_of(msg: Message) -> dict[str, Any]:
+    """The answer of ``load_model``, ``unload_model``, ``pin_model`` and ``unpin_model`` of both clients:
+    the model, the action, its state after it and a sentence; an :class:`Error` raises."""
+    if isinstance(msg, Error):
+        raise from_reply(msg)
+    if not isinstance(msg, ModelActionReply):
+        raise LlamapoolError("internal", f"unexpected reply {msg!r}")
+    return {"model": msg.model, "action": msg.action, "state": msg.state, "message": msg.message}
 
 
 def metrics_of(msg: Message) -> str:

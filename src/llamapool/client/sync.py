@@ -34,6 +34,7 @@ from llamapool.client.calls import (
     embed_inputs,
     generate_frame,
     metrics_of,
+    model_action_of,
     new_id,
     no_answer,
     not_connected,
@@ -51,6 +52,7 @@ from llamapool.protocol.messages import (
     Embed,
     Message,
     MetricsRequest,
+    ModelAction,
     Prompt,
     StatusRequest,
     Tokenize,
@@ -474,11 +476,37 @@ class Client:
         ``workers`` (id, model, pid, device, state, slots, active, ...), the queue."""
         return status_of(self._query(StatusRequest(new_id()), timeout))
 
+    def load_model(self, model: str, *, wait: bool = False, timeout: float = 5.0) -> dict[str, Any]:
+        """Load ``model`` now (a model of ``load = "on_demand"``; the pool places it by free memory, evicting
+        an idle model if it must); ``wait=True`` waits up to ``timeout`` for it to be loaded. Returns
+        ``{"model", "action", "state", "message"}``; an unknown model raises ``BadRequestError``."""
+        return self._model_action("load", model, wait, timeout)
+
+    def unload_model(self, model: str, *, timeout: float = 5.0) -> dict[str, Any]:
+        """Unload ``model``: its workers finish the requests they run, then exit (see ``load_model``)."""
+        return self._model_action("unload", model, False, timeout)
+
+    def pin_model(self, model: str, pinned: bool = True, *, timeout: float = 5.0) -> dict[str, Any]:
+        """Pin ``model`` (load it; never evict it or unload it when idle), or unpin it (``pinned=False``)."""
+        return self._model_action("pin" if pinned else "unpin", model, False, timeout)
+
+    def _model_action(self, action: str, model: str, wait: bool, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        reply = model_action_of(self._query(ModelAction(new_id(), action, model), timeout))
+        while wait and reply["state"] != "loaded" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            models = (self.status(timeout=max(0.1, deadline - time.monotonic())))["models"]
+            row: dict[str, Any] = next((m for m in models if m["name"] == model), {})
+            reply["state"] = row.get("state", reply["state"])
+            if reply["state"] == "failed":
+                raise UnavailableError("unavailable", str(row.get("reason") or f"model {model!r} failed to load"))
+        return reply
+
     def metrics(self, *, timeout: float = 5.0) -> str:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
         return metrics_of(self._query(MetricsRequest(new_id()), timeout))
 
-    def _query(self, request: StatusRequest | MetricsRequest, timeout: float) -> Message:
+    def _query(self, request: StatusRequest | MetricsRequest | ModelAction, timeout: float) -> Message:
         """Send a one-reply request and wait for its reply."""
         conn = self._conns.mine()
         deadline = time.monotonic() + timeout

@@ -63,6 +63,7 @@ class Gateway(Serving):
         ]
         return Starlette(routes=[
             *self.pod.routes(),
+            Route("/models/{action:str}", api(Door(models.handle_action)), methods=["POST"]),  # llama-server's
             *(Route(prefix + path, api(door), methods=[method])
               for prefix in ("/v1", "") for path, door, method in openai_routes),
             Route("/v1/messages", api(anthropic.MESSAGES), methods=["POST"]),

@@ -12,6 +12,7 @@ import msgpack
 
 from llamapool.protocol import control, params
 from llamapool.protocol.messages import (
+    MODEL_ACTIONS,
     PROTOCOL_VERSION,
     Abort,
     Cancel,
@@ -32,6 +33,8 @@ from llamapool.protocol.messages import (
     Message,
     MetricsReply,
     MetricsRequest,
+    ModelAction,
+    ModelActionReply,
     Prompt,
     Result,
     Run,
@@ -400,6 +403,16 @@ def _detokenize(d: dict[str, Any], rid: str) -> Detokenize:
     return Detokenize(rid, _token_ids(d["tokens"], "tokens", empty=True), *_timeout_model(d))
 
 
+def _model_action(d: dict[str, Any], rid: str) -> ModelAction:
+    _check_keys(d, frozenset({"v", "type", "id", "action", "model"}))
+    action, model = d.get("action"), d.get("model")
+    if action not in MODEL_ACTIONS:
+        raise _invalid("action", f"must be one of {', '.join(MODEL_ACTIONS)}, got {action!r}")
+    if not isinstance(model, str) or not model:
+        raise _invalid("model", f"must be a model's name, got {model!r}")
+    return ModelAction(rid, action, model)
+
+
 def _plain(cls: type) -> Callable[[dict[str, Any]], Message]:
     names = [f.name for f in dataclasses.fields(cls)]
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
@@ -467,9 +480,11 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Embed.TYPE: _with_id(_embed),
     Tokenize.TYPE: _with_id(_tokenize),
     Detokenize.TYPE: _with_id(_detokenize),
+    ModelAction.TYPE: _with_id(_model_action),
 }
 REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Error, StatusReply, MetricsReply, Embedding, TokenizeReply, DetokenizeReply)
+    c.TYPE: _plain(c) for c in (Error, StatusReply, MetricsReply, Embedding, TokenizeReply, DetokenizeReply,
+                                ModelActionReply)
 }
 REPLY_TYPES.update({c.TYPE: _with_logprobs(c) for c in (Chunk, Result)})
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {

@@ -85,10 +85,43 @@ class StopRouter:
     TYPE: ClassVar[str] = "stop_router"
 
 
+@dataclass(slots=True)
+class ModelRows:
+    """Each model's state as the supervisor's pool sees it (``loaded``, ``loading``, ``unloaded``,
+    ``failed``; its load mode, pin, memory need, workers, failure and counters): for ``status``,
+    ``/v1/models`` and the metrics, and a ``failed`` model's waiting requests end with its reason."""
+
+    TYPE: ClassVar[str] = "model_rows"
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelLoaded:
+    """A model's worker became ready ``seconds`` after its spawn (``llamapool_model_load_seconds``)."""
+
+    TYPE: ClassVar[str] = "model_loaded"
+    model: str
+    seconds: float
+
+
+@dataclass(slots=True)
+class ModelReply:
+    """The supervisor's answer to a client's :class:`ModelCommand`: the router sends it on."""
+
+    TYPE: ClassVar[str] = "model_reply"
+    client: bytes
+    id: str
+    model: str
+    action: str
+    ok: bool
+    state: str
+    message: str
+
+
 Command = (WorkerInfo | ForgetWorker | GpuRows | WorkerExited | RetireWorker | PoolModels | StartDrain
-           | CancelAll | StopRouter)
+           | CancelAll | StopRouter | ModelRows | ModelLoaded | ModelReply)
 COMMANDS: tuple[type, ...] = (WorkerInfo, ForgetWorker, GpuRows, WorkerExited, RetireWorker, PoolModels,
-                              StartDrain, CancelAll, StopRouter)
+                              StartDrain, CancelAll, StopRouter, ModelRows, ModelLoaded, ModelReply)
 
 # ---------------------------------------------------------------- child process -> supervisor
 
@@ -140,4 +173,34 @@ class Drained:
     """The drain is done: no request is left."""
 
 
-Event = WorkerJoined | KillWorker | ReadyCount | Drained
+@dataclass(frozen=True, slots=True)
+class ModelDemand:
+    """One model's demand as the router sees it: prompts waiting, how long the oldest has waited, and
+    when a request for it last arrived or ended (``time.monotonic``)."""
+
+    queued: int
+    oldest_wait: float
+    last_used: float
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What the placement policy reads from the router (every tick, and at once when a request waits for
+    a model with no worker): each model's demand and each connected worker's running prompts."""
+
+    models: dict[str, ModelDemand]
+    active: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCommand:
+    """An operator's ``load``, ``unload``, ``pin`` or ``unpin`` of a model (SDK, CLI, HTTP): the supervisor
+    carries it out and answers with :class:`ModelReply`."""
+
+    client: bytes
+    id: str
+    action: str
+    model: str
+
+
+Event = WorkerJoined | KillWorker | ReadyCount | Drained | Demand | ModelCommand

@@ -132,6 +132,21 @@ class MetricsRequest:
     id: str
 
 
+MODEL_ACTIONS = ("load", "unload", "pin", "unpin")
+
+
+@dataclass(slots=True)
+class ModelAction:
+    """An operator's command for one model of the pool: ``load`` (start a worker now), ``unload``
+    (its workers finish what they run, then exit), ``pin`` (load it and never evict or idle-unload it),
+    ``unpin``. Answered with :class:`ModelActionReply` (or an :class:`Error`)."""
+
+    TYPE: ClassVar[str] = "model_action"
+    id: str
+    action: str
+    model: str
+
+
 # ---------------------------------------------------------------- router -> client
 
 
@@ -227,6 +242,20 @@ class StatusReply:
     draining: bool = False
     gpus: list[dict[str, Any]] = field(default_factory=list)
     models: list[dict[str, Any]] = field(default_factory=list)  # name, workers, queued; the first is the default
+
+
+@dataclass(slots=True)
+class ModelActionReply:
+    """What a :class:`ModelAction` did: the model's state after it (``loading``, ``loaded``,
+    ``unloading``, ``unloaded``) and a sentence for a person."""
+
+    TYPE: ClassVar[str] = "model_action_reply"
+    id: str
+    model: str
+    action: str
+    state: str
+    message: str = ""
+    pinned: bool = False
 
 
 @dataclass(slots=True)
@@ -377,6 +406,8 @@ Message = (
     | Cancel
     | StatusRequest
     | MetricsRequest
+    | ModelAction
+    | ModelActionReply
     | Chunk
     | Result
     | Embedding

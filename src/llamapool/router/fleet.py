@@ -138,11 +138,13 @@ class Fleet:
     queued: dict[str, int] = field(default_factory=dict)
     draining: bool = False
     gpus: list[dict[str, Any]] = field(default_factory=list)
+    model_rows: dict[str, dict[str, Any]] = field(default_factory=dict)  # the supervisor's (ModelRows)
 
     @classmethod
     def build(cls, models: list[str], supervised: dict[str, dict[str, Any]], live: list[LiveWorker],
               lost: dict[str, dict[str, Any]], queued: dict[str, int] | None = None, draining: bool = False,
-              gpus: list[dict[str, Any]] | None = None) -> Fleet:
+              gpus: list[dict[str, Any]] | None = None,
+              model_rows: dict[str, dict[str, Any]] | None = None) -> Fleet:
         """The fleet from the supervisor's rows, the connected workers and the nodes' lost workers."""
         by_name = {w.name: w for w in live}
         workers = []
@@ -150,7 +152,8 @@ class Fleet:
             w = by_name.get(name)
             info = supervised.get(name) if name in supervised else lost.get(name, {}) if w is None else {}
             workers.append(FleetWorker.merge(name, dict(info or {}), w, name in supervised))
-        return cls(list(models) or [""], workers, dict(queued or {}), draining, list(gpus or []))
+        return cls(list(models) or [""], workers, dict(queued or {}), draining, list(gpus or []),
+                   dict(model_rows or {}))
 
     @property
     def queued_total(self) -> int:
@@ -166,7 +169,8 @@ class Fleet:
 
     def status(self, rid: str) -> StatusReply:
         rows = [w.status_row() for w in self.workers]
-        models = [{"name": m, "workers": [r["id"] for r in rows if r.get("model", self.models[0]) == m
+        models = [{**self.model_rows.get(m, {}),
+                   "name": m, "workers": [r["id"] for r in rows if r.get("model", self.models[0]) == m
                                           and r.get("state") not in ("lost", "stopped")],
                    "queued": self.queued.get(m, 0), "running": self.running(m)}
                   for m in self.models]

@@ -34,6 +34,8 @@ RESTART_REASONS = ("exit", "signal", "heartbeat", "step_timeout", "start_timeout
 # the supervisor's lifecycle states (supervisor/lifecycle.py), and the router's "lost"
 WORKER_STATES = ("starting", "joining", "ready", "backoff", "retiring", "failed", "stopped", "lost")
 
+LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+MODEL_STATES = ("loaded", "loading", "unloaded", "failed")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
                2.5)
@@ -88,6 +90,10 @@ class RouterMetrics:
         # heartbeat figures are cumulative per worker process: what earlier processes reported
         self.engine_base: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.latencies: dict[str, Latencies] = {}
+        self.load_seconds: dict[str, Histogram] = {}  # by model: spawn to ready of its workers
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.load_seconds.setdefault(model, Histogram(LOAD_BUCKETS)).observe(seconds)
 
     def of(self, model: str) -> Latencies:
         """``model``'s histograms."""
@@ -136,6 +142,7 @@ class _Snapshot(Collector):
                                 value=fleet.queued_total)
         yield GaugeMetricFamily("llamapool_requests_running", "Prompts running on workers", value=fleet.running())
         yield from self._workers()
+        yield from self._models()
         yield from _gpu_families(fleet.gpus, fleet.gpu_workers())
 
     def _model_of(self, worker: str) -> str:
@@ -200,6 +207,39 @@ class _Snapshot(Collector):
                 hist: Histogram = getattr(m.of(name), attr)
                 fam_h.add_metric([name], hist.buckets(), hist.sum)
             yield fam_h
+
+    def _models(self) -> Iterator[Metric]:
+        """The pool's models as the placement policy runs them (docs/configuration.md, "A pool that
+        follows demand"): state, workers, loads, evictions, unloads, failed loads, load seconds."""
+        rows = self.fleet.model_rows
+        state = GaugeMetricFamily("llamapool_model_state", "1 for the model's state (loaded, loading, unloaded, "
+                                  "failed), 0 for the others", labels=["model", "state"])
+        replicas = GaugeMetricFamily("llamapool_model_replicas", "Workers of the model that are loaded or "
+                                     "loading", labels=["model"])
+        counters = {key: CounterMetricFamily(f"llamapool_model_{key}", text, labels=["model"]) for key, text in (
+            ("loads", "Workers started for the model by the pool (on demand, for replicas, or by an operator)"),
+            ("evictions", "Workers of the model drained to make room for another model"),
+            ("unloads", "Workers of the model drained because it sat idle, by an operator, or as a replica "
+                        "no longer needed"),
+            ("load_failures", "Workers of the model that failed while loading"))}
+        for model in self.fleet.models:
+            row = rows.get(model)
+            if row is None:
+                continue
+            for s in MODEL_STATES:
+                state.add_metric([model, s], 1.0 if row.get("state") == s else 0.0)
+            replicas.add_metric([model], float(row.get("replicas", 0)))
+            for key, fam in counters.items():
+                fam.add_metric([model], float(row.get(key, 0)))
+        yield state
+        yield replicas
+        yield from counters.values()
+        hist = HistogramMetricFamily("llamapool_model_load_seconds", "Seconds from a worker's spawn to its "
+                                     "first hello (its model loaded)", labels=["model"])
+        for model in sorted(set(self.fleet.models) | set(self.m.load_seconds)):
+            h = self.m.load_seconds.get(model) or Histogram(LOAD_BUCKETS)
+            hist.add_metric([model], h.buckets(), h.sum)
+        yield hist
 
     def _workers(self) -> Iterator[Metric]:
         busy = GaugeMetricFamily("llamapool_worker_slots_busy", "Sequence slots in use",

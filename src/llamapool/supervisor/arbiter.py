@@ -30,10 +30,15 @@ from llamapool.config import Config, ConfigError, load_config, step_budget
 from llamapool.protocol import codec, control
 from llamapool.protocol.control import (
     CancelAll,
+    Demand,
     Drained,
     ForgetWorker,
     GpuRows,
     KillWorker,
+    ModelCommand,
+    ModelLoaded,
+    ModelReply,
+    ModelRows,
     PoolModels,
     ReadyCount,
     RetireWorker,
@@ -46,7 +51,7 @@ from llamapool.protocol.control import (
 from llamapool.rlimits import raise_fd_limit
 from llamapool.router import Router, RouterConfig
 from llamapool.supervisor import gpus as gpumod
-from llamapool.supervisor import lifecycle
+from llamapool.supervisor import lifecycle, placement
 from llamapool.supervisor.children import (
     KILL_GRACE,
     Launch,
@@ -63,6 +68,8 @@ from llamapool.supervisor.curve import Curve
 from llamapool.supervisor.env import cpu_threads, worker_env
 from llamapool.supervisor.gpuwatch import GpuWatch
 from llamapool.supervisor.lifecycle import State
+from llamapool.supervisor.memory import fmt_bytes
+from llamapool.supervisor.pool import CPU, Pool
 from llamapool.supervisor.runlock import RunLock
 from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
@@ -88,6 +95,8 @@ class Supervisor:
         self.notify = Notifier.from_env()
         self.slots: list[WorkerSlot] = []  # the workers
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
+        self.pool: Pool | None = None  # the models the placement policy loads and unloads (supervisor/pool.py)
+        self._model_rows: dict[str, dict[str, Any]] = {}  # the last ModelRows sent to the router
         self.zctx = zmq.Context()
         self.stopping = False
         self.draining = False  # a SIGTERM/SIGINT drain is under way (a second signal stops at once)
@@ -111,9 +120,11 @@ class Supervisor:
         self.loop = asyncio.get_running_loop()
         logmod.configure(self.cfg.log.format, self.cfg.log.level)
         self.slots = self._plan(self.cfg)  # a GPU given to two models is a ConfigError (exit 2)
+        self.pool = self._make_pool(self.cfg)
         self._prepare_runtime_dir()
         if not self._start_router():
             return 1
+        self._place()
         handlers: dict[signal.Signals, Callable[[], Coroutine[Any, Any, None]]] = {
             signal.SIGTERM: self.stop_signal, signal.SIGINT: self.stop_signal,
             signal.SIGQUIT: self.fast_stop, signal.SIGHUP: self.reload,
@@ -150,6 +161,8 @@ class Supervisor:
         groups = gpumod.plan_groups(self.gpus, cfg.models, keys)
         slots = []
         for m in cfg.models:
+            if m.managed:  # the placement policy starts its workers (_place)
+                continue
             prefix = f"{m.name}-" if cfg.models_table else ""
             if groups[m.name]:
                 slots += [WorkerSlot(f"{prefix}gpu{'+'.join(str(g.index) for g in group)}", group, m)
@@ -162,6 +175,27 @@ class Supervisor:
                 self._log(f"{m.name}: no GPU found through NVML; starting CPU workers")
             slots += [WorkerSlot(f"{prefix}cpu{i}", (), m) for i in range(m.cpu_workers)]
         return slots
+
+    def _make_pool(self, cfg: Config, old: Pool | None = None) -> Pool:
+        """The placement policy's view of ``cfg``'s models (a reload keeps each model's pin and counters);
+        a model that can never fit on the devices it may use is failed now, with both numbers."""
+        keys = [f"models[{i}]" for i in range(len(cfg.models))] if cfg.models_table else ["model"]
+        pool = Pool(cfg, self.gpus, gpumod.plan_groups(self.gpus, cfg.models, keys))
+        for name, rec in pool.models.items():
+            kept = old.models.get(name) if old is not None else None
+            if kept is not None:
+                rec.pinned, rec.loads, rec.evictions = kept.pinned, kept.loads, kept.evictions
+                rec.unloads, rec.load_failures = kept.unloads, kept.load_failures
+            if rec.need:
+                largest = max(d.total for d in pool.devices(self.slots) if d.id in rec.allowed)
+                if rec.need > largest:
+                    where = "the CPU workers' RAM budget (pool.ram_budget)" if rec.allowed == (CPU,) else \
+                        "the largest GPU it may use"
+                    why = (f"model {name!r} can never be loaded: it needs {rec.need_text}, more than "
+                           f"{where} holds ({fmt_bytes(largest)})")
+                    pool.refuse(name, why)
+                    self._log(why, "error", model=name)
+        return pool
 
     def _prepare_runtime_dir(self) -> None:
         d = self.cfg.runtime_dir
@@ -318,6 +352,9 @@ class Supervisor:
                 slot.state = State.STOPPED
             self._publish(slot)
             return
+        if slot.model is not None and self.pool is not None and slot.model.name in self.pool.models:
+            self._replica_died(slot, proc.pid, code, how)
+            return
         self._after_death(slot, proc.pid, code, how)
         self._publish(slot)
         self._check_all_failed()
@@ -346,6 +383,94 @@ class Supervisor:
             self._spawn_task(self._restart_later(slot, delay))
             return
         self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
+
+    def _replica_died(self, slot: WorkerSlot, pid: int, code: int, how: str) -> None:
+        """A worker of a managed model died. While loading, its model has failed: the requests waiting for
+        it end with the cause, and no new load is tried for a back-off; once serving, the slot is dropped
+        and the policy starts another if the model still has demand."""
+        assert slot.model is not None and self.pool is not None
+        model, now = slot.model.name, time.monotonic()
+        loading = slot.state == State.STARTING
+        fatal = [ln for ln in slot.log if "FATAL" in ln]
+        cause = fatal[-1] if fatal else f"{how}" + (f"; its last line: {slot.log[-1]}" if slot.log else "")
+        slot.state, slot.reason = State.FAILED, cause
+        if slot in self.slots:
+            self.slots.remove(slot)
+        self._command(ForgetWorker(slot.name))
+        if loading:
+            backoff = self.pool.load_failed(model, cause, now)
+            self._log(f"placement: model {model} failed to load on {slot.name} ({slot.device}): {cause}; "
+                      f"the requests waiting for it fail; next try in {backoff:g}s", "error", model=model)
+        else:
+            self._log(f"{slot.name}: pid {pid} died ({how}); its model {model} gets a new worker when it has "
+                      f"demand", "warning", model=model)
+        self._publish_models()
+        self._place()
+
+    # ------------------------------------------------------------ the pool: placement (supervisor/placement.py)
+
+    def _place(self) -> None:
+        """Ask the placement policy, carry out its actions (the one spawn path, the one retire path) and
+        tell the router each model's state."""
+        if self.pool is None or self.stopping:
+            return
+        now = time.monotonic()
+        for action in self.pool.plan(self.slots, now):
+            if isinstance(action, placement.Start):
+                self._start_replica(action)
+            elif isinstance(action, placement.Drain):
+                self._drain_replica(action)
+            elif isinstance(action, placement.Refuse) and not self.pool.models[action.model].never:
+                self.pool.refuse(action.model, action.why)
+                self._log(f"placement: {action.why}", "error", model=action.model)
+        self._publish_models()
+
+    def _start_replica(self, action: placement.Start) -> None:
+        assert self.pool is not None
+        m = self.pool.models[action.model].cfg
+        gpu = next((g for g in self.gpus if g.uuid == action.device), None)
+        base = f"{m.name}-gpu{gpu.index}" if gpu is not None else f"{m.name}-cpu"
+        taken = {s.name for s in self.slots}
+        name = next(n for n in (f"{base}{k}" if gpu is None else base if k == 0 else f"{base}.{k}"
+                                for k in range(len(taken) + 1)) if n not in taken)
+        slot = WorkerSlot(name, (gpu,) if gpu is not None else (), m)
+        self.slots.append(slot)
+        self.pool.started(m.name)
+        self._log(f"placement: start {name}: {action.why}", model=m.name, worker=name, device=action.device)
+        self._start(slot)
+
+    def _drain_replica(self, action: placement.Drain) -> None:
+        assert self.pool is not None
+        slot = self._slot(action.worker)
+        if slot is None or slot.state not in (State.STARTING, State.READY):
+            return
+        self.pool.drained(action.model, action.evict)
+        self._log(f"placement: {'evict' if action.evict else 'retire'} {slot.name}: {action.why}",
+                  model=action.model, worker=slot.name)
+        self._spawn_task(self._retire(slot))
+
+    def _model_command(self, cmd: ModelCommand) -> None:
+        """An operator's load, unload, pin or unpin (SDK, CLI, HTTP), answered through the router."""
+        assert self.pool is not None
+        ok, message = self.pool.command(cmd.action, cmd.model, self.slots)
+        if ok and cmd.action == "unload":
+            for slot in [s for s in self.slots if s.model is not None and s.model.name == cmd.model
+                         and s.state in (State.STARTING, State.READY)]:
+                self._drain_replica(placement.Drain(slot.name, cmd.model, "unloaded by an operator", evict=False))
+        if ok:
+            self._log(f"placement: {cmd.action} {cmd.model} (operator): {message}", model=cmd.model)
+        self._place()
+        state = str(self._model_rows.get(cmd.model, {}).get("state", ""))
+        self._command(ModelReply(cmd.client, cmd.id, cmd.model, cmd.action, ok, state, message))
+
+    def _publish_models(self) -> None:
+        """Each model's row to the router, when it changed."""
+        if self.pool is None:
+            return
+        rows = self.pool.rows(self.cfg, self.slots, time.monotonic())
+        if rows != self._model_rows:
+            self._model_rows = rows
+            self._command(ModelRows(rows))
 
     async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -397,6 +522,11 @@ class Supervisor:
             self.notify.status(f"{self._ready_workers} workers ready, {self._queued} queued")
         elif isinstance(event, Drained):
             self._drained.set()
+        elif isinstance(event, Demand) and self.pool is not None:
+            self.pool.on_demand(event, time.monotonic())
+            self._place()
+        elif isinstance(event, ModelCommand):
+            self._model_command(event)
 
     @property
     def _ready_needed(self) -> int:
@@ -409,6 +539,13 @@ class Supervisor:
         self._ever_ready = True
         slot.state, slot.ready_at, slot.reason = State.READY, time.monotonic(), None
         slot.ready_event.set()
+        if slot.model is not None and self.pool is not None and slot.model.name in self.pool.models:
+            self.pool.loaded(slot.model.name)
+            seconds = slot.ready_at - slot.started_at
+            self._command(ModelLoaded(slot.model.name, seconds))
+            self._log(f"placement: {slot.model.name} loaded on {slot.name} ({slot.device}) in {seconds:.2f}s",
+                      model=slot.model.name, worker=slot.name, load_seconds=round(seconds, 3))
+        self._publish_models()
         n = sum(1 for s in self.slots if s.state == State.READY)
         if self._announced_ready or n < self._ready_needed:
             self._log(f"ready: {n} of {len(self.slots)} local workers")
@@ -429,7 +566,7 @@ class Supervisor:
                         now - slot.started_at > self.cfg.workers.start_timeout:
                     self._spawn_task(kill(slot, slot.proc.pid, "no hello within "
                                           f"workers.start_timeout={self.cfg.workers.start_timeout:g}s"))
-            if all(slot.state == State.FAILED for slot in self.slots):
+            if self.slots and all(slot.state == State.FAILED for slot in self.slots):
                 self.notify.status("every worker failed: " + "; ".join(sorted({str(s.reason) for s in self.slots})))
             elif not self._announced_ready:
                 self.notify.extend_timeout(10)
@@ -437,6 +574,7 @@ class Supervisor:
                 self.notify.watchdog()
             if self.gpu_watch.due(now):
                 self._on_gpus(self.gpu_watch.poll())
+            self._place()
             await asyncio.sleep(min(1.0, wd) if wd else 1.0)
 
     def _loop_alive(self, now: float, wd: float) -> bool:
@@ -446,6 +584,8 @@ class Supervisor:
     def _on_gpus(self, rows: list[dict[str, Any]]) -> None:
         """NVML's reading, to the router; a worker whose GPU NVML lost is failed for good and killed."""
         self._command(GpuRows(rows))
+        if self.pool is not None:
+            self.pool.on_gpu_rows(rows)
         for row in rows:
             lost = next((s for s in self.slots if any(g.uuid == row["uuid"] for g in s.gpus)), None)
             if row.get("lost") and lost is not None and lost.state != State.FAILED:
@@ -526,7 +666,12 @@ class Supervisor:
             return
         self.curve.apply_allowed(new, allowed)  # the allow-list applies to new connections now
         self.notify.reloading()
-        old = {s.name: s for s in self.slots}
+        # a managed model's workers stay as they are while it stays managed (the policy retires them); the
+        # fixed plan's workers are replaced, retired or started as before
+        managed = {m.name for m in new.models if m.managed}
+        old = {s.name: s for s in self.slots if s.model is None or s.model.name not in managed
+               or not s.model.managed}
+        self.pool = self._make_pool(new, self.pool)
         planned = {s.name: s for s in plan}
         staying = [(old[n], planned[n]) for n in planned if n in old]
         added = [s for n, s in planned.items() if n not in old]

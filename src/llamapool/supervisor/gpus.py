@@ -84,7 +84,9 @@ def plan_groups(gpus: list[Gpu], models: tuple[ModelConfig, ...] | list[ModelCon
 
     Explicit ``devices`` are resolved first; ``"auto"`` takes every GPU no other model lists, one
     worker each. A GPU in two models is a :class:`ConfigError` naming both (``keys`` name each
-    model's table in errors).
+    model's table in errors). A managed model (``load = "on_demand"`` or ``replicas``) claims no GPU:
+    its groups are the GPUs it may be placed on (its ``devices``, or every GPU for ``"auto"``), which
+    it shares with others by free memory (supervisor/placement.py).
     """
     keys = keys or [f"models[{i}]" for i in range(len(models))]
     owner: dict[str, str] = {}  # GPU uuid -> model name
@@ -99,11 +101,16 @@ def plan_groups(gpus: list[Gpu], models: tuple[ModelConfig, ...] | list[ModelCon
 
     for m, key in zip(models, keys, strict=True):
         groups = m.groups
-        if groups is not None:
+        if m.managed:
+            out[m.name] = [tuple(_find(gpus, d, f"{key}.devices") for d in group) for group in groups] \
+                if groups is not None else [] if m.devices == "cpu" else [(g,) for g in gpus]
+        elif groups is not None:
             out[m.name] = [tuple(_find(gpus, d, f"{key}.devices") for d in group) for group in groups]
             for group in out[m.name]:
                 claim(m, key, group)
     for m, key in zip(models, keys, strict=True):
+        if m.managed:
+            continue
         if m.devices == "auto":
             out[m.name] = [(g,) for g in gpus if g.uuid not in owner]
             if gpus and not out[m.name]:

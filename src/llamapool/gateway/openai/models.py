@@ -1,4 +1,6 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the pool's models, as the router has them now."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the pool's models, as the router has them now; and
+``POST /models/load``, ``/models/unload``, ``/models/pin``, ``/models/unpin`` (llama-server's router
+mode's names, behind the API keys): an operator's command for one model."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from llamapool.client.errors import LlamapoolError
 from llamapool.gateway.errors import ApiError
 from llamapool.gateway.serving import Call, Serving
+from llamapool.protocol.messages import MODEL_ACTIONS
 
 
 async def listed(s: Serving) -> list[dict[str, Any]]:
@@ -18,7 +21,8 @@ async def listed(s: Serving) -> list[dict[str, Any]]:
         models = (await s.client.status(timeout=2.0)).get("models") or []
     except LlamapoolError:
         models = []
-    return [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"]}
+    return [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"],
+             **{k: m[k] for k in ("state", "load", "pinned", "devices", "reason") if k in m}}
             for m in models or [{"name": s.spec.model, "workers": []}]]
 
 
@@ -36,3 +40,22 @@ async def handle_one(s: Serving, call: Call) -> Response:
     known = ", ".join(m["id"] for m in models)
     raise ApiError(404, f"The model {name!r} does not exist (the pool's models: {known})", param="model",
                    code="model_not_found")
+
+
+async def handle_action(s: Serving, call: Call) -> Response:
+    """``POST /models/{load,unload,pin,unpin}`` with ``{"model": NAME}``: the model's state after it."""
+    action = call.request.path_params["action"]
+    if action not in MODEL_ACTIONS:
+        raise ApiError(404, f"no such endpoint: POST /models/{action} (the model commands: "
+                       f"{', '.join(MODEL_ACTIONS)})", code="not_found")
+    body = await s.body(call)
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, f"'model' must be the name of one of the pool's models, got {model!r}", param="model")
+    if action == "load":
+        reply = await s.client.load_model(model)
+    elif action == "unload":
+        reply = await s.client.unload_model(model)
+    else:
+        reply = await s.client.pin_model(model, action == "pin")
+    return JSONResponse({"success": True, **reply})

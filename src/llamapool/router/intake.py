@@ -1,0 +1,172 @@
+"""The router's client side: a client's messages read, checked and queued as jobs, or refused with a
+reason (:meth:`Intake._refusal`, one place); status, metrics and an operator's model commands."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from llamapool.protocol import codec, params
+from llamapool.protocol.control import (
+    ModelCommand,
+)
+from llamapool.protocol.messages import (
+    LIGHT_TASKS,
+    Cancel,
+    Detokenize,
+    Embed,
+    Error,
+    ErrorCode,
+    Generate,
+    Message,
+    MetricsReply,
+    MetricsRequest,
+    ModelAction,
+    SamplingParams,
+    StatusRequest,
+    Tokenize,
+)
+from llamapool.router.policy import prefix_keys
+from llamapool.router.tables import LOG, Job, JobTable, RequestStatus
+
+
+class Intake(JobTable):
+    """The frontend: clients' requests in, replies out."""
+
+    def _reply(self, client: bytes, msg: Message) -> None:
+        try:
+            self.front.send_multipart([client, codec.encode(msg)])
+        except zmq.ZMQError:  # EHOSTUNREACH: the client is gone; stop its work
+            for job in [j for j in self.jobs.values() if j.client == client]:
+                self._cancel_job(job, RequestStatus.DISCONNECTED)
+
+    def _on_client(self, client: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = codec.decode(frames, codec.CLIENT_TYPES, self.cfg.max_message_bytes)
+        except codec.ProtocolError as e:
+            self.metrics.outcome(e.code)
+            self._reply(client, e.to_error())
+            return
+        if isinstance(msg, Generate):
+            self._on_generate(client, msg)
+        elif isinstance(msg, (Embed, Tokenize, Detokenize)):
+            self._on_task(client, msg)
+        elif isinstance(msg, Cancel):
+            for job in list(self.by_request.get((client, msg.id), ())):
+                self._cancel_job(job, RequestStatus.CANCELLED)
+        elif isinstance(msg, StatusRequest):
+            self._reply(client, self._status(msg.id))
+        elif isinstance(msg, MetricsRequest):
+            self._reply(client, MetricsReply(msg.id, self.metrics.render(self.fleet()).decode()))
+        elif isinstance(msg, ModelAction):
+            self._on_model_action(client, msg)
+
+    def _on_generate(self, client: bytes, msg: Generate) -> None:
+        model = self.models[0] if msg.model is None else msg.model
+        n = msg.params.n
+        why = self._refusal(client, msg.id, model, len(msg.prompts) * n)
+        if why:
+            code, message, fld = why
+            self._refuse_request(client, msg, model if model in self.models else None, code, message, fld)
+            return
+        queue = self._queue(model)
+        now = time.monotonic()
+        deadline = now + msg.timeout if msg.timeout else None
+        jobs = []
+        for i, prompt in enumerate(msg.prompts):
+            keys = prefix_keys(prompt)
+            for j in range(n):  # choice j of prompt i is the reply with index i * n + j
+                job = Job(self.next_rid, client, msg.id, i * n + j, prompt, params.choice(msg.params, j), msg.stream,
+                          now, deadline, keys=keys, log_id=f"{msg.id}/{i * n + j}" if msg.batch or n > 1 else msg.id,
+                          model=model)
+                self.next_rid += 1
+                self.jobs[job.rid] = job
+                if j == 0:
+                    first = job
+                    queue.append(job)
+                else:
+                    first.siblings.append(job)
+                jobs.append(job)
+        self.by_request[(client, msg.id)] = jobs
+        self._used(model, now)
+
+    def _on_task(self, client: bytes, msg: Embed | Tokenize | Detokenize) -> None:
+        """An embed (a job per input, each taking a slot of an embedding model's worker), or a tokenize
+        or detokenize (one job that takes no slot: the first worker of the model answers it at once)."""
+        if isinstance(msg, Embed):
+            task, inputs, options = "embed", list(msg.inputs), None
+        elif isinstance(msg, Tokenize):
+            task, inputs = "tokenize", [msg.content]
+            options = {"add_special": msg.add_special, "parse_special": msg.parse_special,
+                       "with_pieces": msg.with_pieces}
+        else:
+            task, inputs, options = "detokenize", [msg.tokens], None
+        model = self.models[0] if msg.model is None else msg.model
+        why = self._refusal(client, msg.id, model, len(inputs) if task == "embed" else 0)
+        if why:
+            code, message, fld = why
+            self.metrics.outcome(code, len(inputs), model if model in self.models else self.models[0])
+            self._reply(client, Error(msg.id, code, message, field=fld))
+            return
+        now = time.monotonic()
+        deadline = now + msg.timeout if msg.timeout else None
+        jobs = []
+        for i, prompt in enumerate(inputs):
+            job = Job(self.next_rid, client, msg.id, i, prompt, SamplingParams(), False, now, deadline,
+                      log_id=f"{msg.id}/{i}" if len(inputs) > 1 else msg.id, model=model, task=task, options=options)
+            self.next_rid += 1
+            self.jobs[job.rid] = job
+            (self.light if task in LIGHT_TASKS else self._queue(model)).append(job)
+            jobs.append(job)
+        self.by_request[(client, msg.id)] = jobs
+        self._used(model, now)
+
+    def _refusal(self, client: bytes, rid: str, model: str, queued: int) -> tuple[str, str, str | None] | None:
+        """Why a request cannot be queued (code, message, field), or None: the one place that says it."""
+        if (client, rid) in self.by_request:
+            return ErrorCode.DUPLICATE_ID, f"request id {rid!r} is already in flight", "id"
+        if model not in self.models:
+            return (ErrorCode.UNKNOWN_MODEL, f"model {model!r} is not in this pool "
+                    f"(models: {', '.join(repr(m) for m in self.models)})", "model")
+        if self.draining:
+            return ErrorCode.UNAVAILABLE, "llamapool is shutting down", None
+        unservable = self._unservable(model)
+        if unservable:
+            return ErrorCode.UNAVAILABLE, unservable, None
+        queue = self._queue(model)
+        if queued and len(queue) + queued > self.cfg.max_queue:
+            return (ErrorCode.OVERLOADED, f"queue of model {model!r} is full ({len(queue)} waiting, "
+                    f"server.max_queue={self.cfg.max_queue})", None)
+        return None
+
+    def _refuse_request(self, client: bytes, msg: Generate, model: str | None, code: str, message: str,
+                        fld: str | None = None) -> None:
+        """Answer a request refused before it was queued: count it (under the pool's first model when
+        its own is unknown), reply, and write its access line."""
+        self.metrics.outcome(code, len(msg.prompts), model or self.models[0])
+        self._reply(client, Error(msg.id, code, message, field=fld))
+        if LOG.enabled("info"):
+            LOG.info("access", id=msg.id, model=model or (msg.model if isinstance(msg.model, str) else None),
+                     outcome=code, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
+
+    def _used(self, model: str, now: float) -> None:
+        """A request for ``model`` arrived: a model with no worker to take it makes the supervisor hear
+        of it now (it may start one), not at the next tick."""
+        self.last_used[model] = now
+        if not any(w.model == model and w.routable for w in self.workers.values()):
+            self._demand_now = True
+
+    def _on_model_action(self, client: bytes, msg: ModelAction) -> None:
+        """An operator's load, unload, pin or unpin: checked here, carried out by the supervisor, which
+        answers (ModelReply)."""
+        if msg.model not in self.models:
+            self._reply(client, Error(msg.id, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not in this pool "
+                                      f"(models: {', '.join(repr(m) for m in self.models)})", field="model"))
+        elif self.draining:
+            self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
+        else:
+            if msg.action in ("load", "pin"):
+                self.last_used[msg.model] = time.monotonic()
+            self.on_event(ModelCommand(client, msg.id, msg.action, msg.model))
+
