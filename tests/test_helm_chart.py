@@ -176,8 +176,8 @@ def test_deploy_k8s_is_what_the_chart_renders_and_kustomize_reads_it(tools: Path
 
 def test_the_epp_config_names_the_gauges_llamapool_exports(tools: Path) -> None:
     """The EndpointPickerConfig of the chart and of deploy/k8s/gie (llm-d-router's chart) name the same
-    gauges, the ones router/podgauges.py exports."""
-    from llamapool.router.podgauges import NAMES
+    gauges, the ones gateway/podgauges.py exports."""
+    from llamapool.gateway.podgauges import NAMES
 
     (cm,) = [o for o in of_kind(render(tools, "values-gie.yaml"), "ConfigMap") if "llamapool-plugins.yaml" in o["data"]]
     ours = yaml.safe_load(cm["data"]["llamapool-plugins.yaml"])

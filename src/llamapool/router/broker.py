@@ -2,8 +2,8 @@
 
 One thread, one poll loop. Clients send requests; each prompt becomes a :class:`Job` that waits
 in its model's FIFO queue until the worker of that model with the most free slots takes it. Workers stream step reports
-back; the router forwards chunks and exactly one final reply per prompt. The supervisor talks to
-the router over an inproc PAIR socket (``control``) with small Python tuples.
+back; the router forwards chunks and exactly one final reply per prompt. The supervisor sends the router
+the typed commands of protocol/control.py over an inproc PAIR socket (``control``); events go back typed too.
 """
 
 from __future__ import annotations
