@@ -1,14 +1,16 @@
 """Anthropic's Messages API (issue 22 item 6) with the real ``anthropic`` client against the daemon
 (the tiny random-weight model): ``messages.create`` and ``messages.stream``, text and forced tool
-calls, tool results in the history, errors in Anthropic's shape, ``x-api-key``."""
+calls, tool results in the history, errors in Anthropic's shape (the 404, 405 and 500 no endpoint answers
+included: issue 44 item 6), ``x-api-key``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import httpx
@@ -178,6 +180,51 @@ def test_errors_and_keys(gw: tuple[Daemon, str], client: anthropic.Anthropic) ->
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="tiny", max_tokens=4, messages=too_long)
     assert "the limit is 2047" in e.value.body["error"]["message"]  # type: ignore[index]
+
+
+def test_no_such_route_or_method_under_v1_messages_is_in_anthropics_shape(gw: tuple[Daemon, str],
+                                                                          client: anthropic.Anthropic) -> None:
+    """Starlette's 404 and 405 (no endpoint answers them) under /v1/messages reach Anthropic's client in
+    Anthropic's shape, as its own errors do; outside it they stay OpenAI's."""
+    with pytest.raises(anthropic.NotFoundError) as nf:  # the Message Batches API, which llamapool lacks
+        client.messages.batches.list()
+    assert nf.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "no such endpoint: GET /v1/messages/batches"}}, nf.value.body
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        with pytest.raises(anthropic.APIStatusError) as na:
+            client.get(path, cast_to=httpx.Response)
+        assert na.value.status_code == 405 and na.value.response.headers["allow"] == "POST"
+        assert na.value.body == {"type": "error", "error": {
+            "type": "invalid_request_error", "message": f"method not allowed: GET {path} (allowed: POST)"}}
+    for path in ("/v1/messagesx", "/v1/message"):  # not Anthropic's API: OpenAI's shape
+        r = httpx.get(gw[1] + path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+
+def test_a_bug_is_a_500_in_the_shape_of_the_paths_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's 500 handler, unit-tested (no request makes a handler fail; one that raises stands in
+    for a bug): Anthropic's shape under /v1/messages, OpenAI's elsewhere."""
+    from starlette.testclient import TestClient
+
+    from llamapool.client.aio import AsyncClient
+    from llamapool.gateway import GatewaySpec
+    from llamapool.gateway import app as gateway_app
+
+    async def bug(s: Any, call: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    messages = dataclasses.replace(gateway_app.anthropic.MESSAGES, handle=bug)  # Anthropic's door, its handler a bug
+    monkeypatch.setattr(gateway_app.anthropic, "MESSAGES", messages)
+    monkeypatch.setattr(gateway_app.completions, "handle", bug)
+    spec = GatewaySpec(name="t", frontend="ipc:///nonexistent/router", host="127.0.0.1", port=0, model="tiny")
+    app = gateway_app.Gateway(spec, cast(AsyncClient, None)).app()  # the bug comes before any router call
+    http = TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
+    r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": []})
+    assert r.status_code == 500 and r.json() == {"type": "error", "error": {
+        "type": "api_error", "message": "internal error: RuntimeError"}}, r.text
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "internal error: RuntimeError", "type": "server_error", "param": None, "code": "internal_error"}
 
 
 def test_raw_stream_events(gw: tuple[Daemon, str]) -> None:

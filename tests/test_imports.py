@@ -1,4 +1,5 @@
-"""The package's import graph: no cycle in src/, and the SDK (client/) stands on protocol/ alone."""
+"""The package's import graph: no cycle in src/; the SDK (client/) stands on protocol/ alone, and the
+gateway (gateway/) is a client of the router that loads none of the daemon's insides."""
 
 from __future__ import annotations
 
@@ -72,16 +73,36 @@ def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_client_imports_nothing_of_the_daemon() -> None:
-    """client/ and everything it imports (transitively) stay clear of config.py, router/, worker/ and
-    supervisor/: the SDK does not pull the daemon in."""
-    graph = _graph()
+def _loaded(graph: dict[str, set[str]], package: str) -> set[str]:
+    """What importing ``package`` and its modules loads: every module they import, transitively, and
+    the packages above each (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first)."""
     seen: set[str] = set()
-    todo = [m for m in graph if m == "llamapool.client" or m.startswith("llamapool.client.")]
+    todo = [m for m in graph if m == package or m.startswith(f"{package}.")]
     while todo:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
+            parts = m.split(".")
             todo.extend(graph[m])
-    pulled = sorted(m for m in seen if m.startswith(DAEMON))
+            todo.extend(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in graph)
+    return seen
+
+
+def test_the_client_imports_nothing_of_the_daemon() -> None:
+    """client/ and everything it imports (transitively) stay clear of config.py, router/, worker/ and
+    supervisor/: the SDK does not pull the daemon in."""
+    pulled = sorted(m for m in _loaded(_graph(), "llamapool.client") if m.startswith(DAEMON))
     assert not pulled, f"client/ imports (directly or not) {pulled}"
+
+
+def test_the_gateway_imports_nothing_of_the_daemon() -> None:
+    """gateway/ (and what it imports, transitively) stays clear of config.py, router/, worker/ and
+    supervisor/: a gateway process is an ordinary client of the router and never loads its broker; the
+    pod's gauges (gateway/podgauges.py) are the gateway's, which the supervisor's metrics endpoint uses."""
+    pulled = sorted(m for m in _loaded(_graph(), "llamapool.gateway") if m.startswith(DAEMON))
+    assert not pulled, f"gateway/ imports (directly or not) {pulled}"
+
+
+def test_loading_a_module_loads_its_packages() -> None:
+    graph = {"a": set(), "a.b": set(), "a.b.c": {"d.e"}, "d": {"f"}, "d.e": set(), "f": set(), "g": set()}
+    assert _loaded(graph, "a.b.c") == {"a", "a.b", "a.b.c", "d", "d.e", "f"}

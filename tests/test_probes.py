@@ -1,4 +1,4 @@
-"""The gateway's probes and the pod's gauges (gateway/pod.py, router/podgauges.py), on the real daemon.
+"""The gateway's probes and the pod's gauges (gateway/pod.py, gateway/podgauges.py), on the real daemon.
 
 - ``/health`` (liveness) is 200 while the gateway and its router answer, while loading and while
   draining; ``/ready`` is 200 only with ``min_ready_workers`` workers serving, 503 while the model
@@ -22,7 +22,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from llamapool.config import ConfigError, from_dict
-from llamapool.router.podgauges import BLOCK_SIZE, PodGauges
+from llamapool.gateway.podgauges import BLOCK_SIZE, PodGauges
 from tests.conftest import Daemon, free_port
 
 POD_GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "cache_config_info")

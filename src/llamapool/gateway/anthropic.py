@@ -1,6 +1,6 @@
 """Anthropic's Messages API (``POST /v1/messages``): request bodies -> llamapool requests, results ->
 messages and stream events, and its handler. A bad request raises :class:`ApiError` naming the field,
-and :func:`error_response` gives it Anthropic's shape.
+and :func:`~llamapool.gateway.errors.anthropic_error` gives it Anthropic's shape.
 
 The translation: ``system`` becomes the first (system) message; a user message's ``tool_result``
 blocks become ``tool`` messages (in order, before the user's text), an assistant's ``tool_use`` blocks
@@ -20,28 +20,15 @@ from starlette.responses import JSONResponse, Response
 from llamapool.client.aio import AsyncStream
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
-from llamapool.gateway.errors import ApiError, bad, not_an_object, unsupported
+from llamapool.gateway.errors import ApiError, anthropic_body, anthropic_error, bad, not_an_object, unsupported
 from llamapool.gateway.parsing import Generation, checked, model_name, stream_flag
 from llamapool.gateway.serving import Call, Door, Serving, closing, merge, sse
 from llamapool.protocol import limits, params
 
-# HTTP status -> Anthropic's error type
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 # tool fields as the contract names them -> as Anthropic's request does
 _TOOL_FIELDS = ((".function.parameters", ".input_schema"), (".function.description", ".description"),
                 (".function.name", ".name"), (".function", ""), (".type", ""))
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
-
-
-def error_body(e: ApiError) -> dict[str, Any]:
-    """``{"type": "error", "error": {"type", "message"}}``."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
-
-
-def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
 
 
 def _texts(content: Any, at: str, kinds: tuple[str, ...] = ("text",)) -> list[dict[str, Any]]:
@@ -369,7 +356,7 @@ class EventWriter:
 
     @staticmethod
     def error(e: ApiError) -> bytes:
-        return event("error", {"error": error_body(e)["error"]})
+        return event("error", {"error": anthropic_body(e)["error"]})
 
 
 # ---------------------------------------------------------------- the handler
@@ -431,5 +418,5 @@ async def _events(s: Serving, call: Call, req: Generation, stream: AsyncStream,
             yield w.end(item)
 
 
-MESSAGES = Door(handle, error_response)
-COUNT_TOKENS = Door(count_tokens, error_response)
+MESSAGES = Door(handle, anthropic_error)
+COUNT_TOKENS = Door(count_tokens, anthropic_error)

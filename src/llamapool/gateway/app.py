@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from llamapool.client.aio import AsyncClient
 from llamapool.gateway import GatewaySpec, anthropic, tokenizer_info, tokens
-from llamapool.gateway.errors import ApiError, openai_error
+from llamapool.gateway.errors import ANTHROPIC_PATH, ApiError, error_response, openai_error
 from llamapool.gateway.openai import chat, completions, embeddings, models, responses
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
 from llamapool.gateway.pod import PodView
@@ -27,7 +27,8 @@ from llamapool.gateway.serving import Door, Serving
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's 404 (no such route) and 405 (a route without that method), in OpenAI's shape."""
+    """Starlette's 404 (no such route) and 405 (a route without that method), in the shape of the
+    path's API (Anthropic's under ``/v1/messages``, OpenAI's elsewhere)."""
     assert isinstance(exc, HTTPException)
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 404:
@@ -38,13 +39,13 @@ async def http_error(request: Request, exc: Exception) -> Response:
     else:
         e = ApiError(exc.status_code, exc.detail)
     e.headers = dict(exc.headers or {})
-    return openai_error(e)
+    return error_response(request.url.path)(e)
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
-    """A bug: OpenAI's shape rather than a plain-text 500 (uvicorn still logs the traceback)."""
-    return openai_error(ApiError(500, f"internal error: {type(exc).__name__}", type_="server_error",
-                                 code="internal_error"))
+    """A bug: a 500 in the shape of the path's API rather than plain text (uvicorn still logs the traceback)."""
+    return error_response(request.url.path)(ApiError(500, f"internal error: {type(exc).__name__}",
+                                                     type_="server_error", code="internal_error"))
 
 
 class Gateway(Serving):
@@ -66,8 +67,8 @@ class Gateway(Serving):
             Route("/models/{action:str}", api(Door(models.handle_action)), methods=["POST"]),  # llama-server's
             *(Route(prefix + path, api(door), methods=[method])
               for prefix in ("/v1", "") for path, door, method in openai_routes),
-            Route("/v1/messages", api(anthropic.MESSAGES), methods=["POST"]),
-            Route("/v1/messages/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
+            Route(ANTHROPIC_PATH, api(anthropic.MESSAGES), methods=["POST"]),
+            Route(ANTHROPIC_PATH + "/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),
             Route("/tokenizer_info", api(Door(tokenizer_info.handle)), methods=["GET"]),

@@ -1,12 +1,16 @@
 """The gateway's one error type and its mapping from llamapool's errors.
 
 A bad request raises :class:`ApiError` naming the parameter, whichever API it came through; each API
-gives it its own shape (OpenAI's ``{"error": {...}}`` here, Anthropic's in :mod:`.anthropic`).
+gives it its own shape: OpenAI's ``{"error": {...}}``, or Anthropic's ``{"type": "error", "error": {...}}``
+for Anthropic's API (every path under ``/v1/messages``). An error no endpoint answers (no such route, a
+method the route lacks, a bug, a request the origin guard refuses) takes the shape of the path's API
+(:func:`error_response`), so an Anthropic client reads each of them as its own.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -50,6 +54,39 @@ def not_an_object() -> ApiError:
 def openai_error(e: ApiError) -> JSONResponse:
     """The error as an HTTP response in OpenAI's shape (every API but Anthropic's)."""
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+ANTHROPIC_PATH = "/v1/messages"  # Anthropic's Messages API: this path and every path under it
+# HTTP status -> Anthropic's error type (any other: "api_error")
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_body(e: ApiError) -> dict[str, Any]:
+    """Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(e.status, "api_error"), "message": e.message}}
+
+
+def anthropic_error(e: ApiError) -> JSONResponse:
+    """The error as an HTTP response in Anthropic's shape."""
+    return JSONResponse(anthropic_body(e), status_code=e.status, headers=e.headers)
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether ``path`` belongs to Anthropic's API (``/v1/messages`` or under it)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def error_body(e: ApiError, path: str) -> dict[str, Any]:
+    """The error's body in the shape of the API ``path`` belongs to."""
+    return anthropic_body(e) if is_anthropic(path) else e.body()
+
+
+def error_response(path: str) -> Callable[[ApiError], JSONResponse]:
+    """The error response of the API ``path`` belongs to: Anthropic's or OpenAI's."""
+    return anthropic_error if is_anthropic(path) else openai_error
 
 
 # llamapool error codes -> (HTTP status, OpenAI error type)

@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from llamapool.gateway.errors import ApiError, error_body
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -112,13 +114,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 async def refuse(scope: Scope, send: Send, status: int, message: str, code: str,
                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """A JSON error: OpenAI's shape, Anthropic's on ``/v1/messages``."""
-    if scope.get("path", "").startswith("/v1/messages"):
-        kind = {403: "permission_error"}.get(status, "invalid_request_error")
-        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    raw = json.dumps(body).encode()
+    """A JSON error in the shape of the path's API: OpenAI's, Anthropic's under ``/v1/messages``."""
+    raw = json.dumps(error_body(ApiError(status, message, code=code), scope.get("path", ""))).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": raw})

@@ -1,7 +1,7 @@
 """What a load balancer and a kubelet read from a gateway: ``/health``, ``/ready`` and ``/metrics``.
 
 A task of the gateway process asks the router for its ``status`` every :data:`REFRESH` seconds and
-keeps the pod's figures (:class:`~llamapool.router.podgauges.PodGauges`) and their exposition text:
+keeps the pod's figures (:class:`~llamapool.gateway.podgauges.PodGauges`) and their exposition text:
 the probes and the endpoint picker's 50-ms scrapes are answered from that snapshot, with no round
 trip to the router of their own. The router's full exposition (counters, histograms, per-worker
 gauges) is fetched at most once per :data:`FULL_EVERY` seconds while scrapes come faster than that
@@ -30,8 +30,7 @@ from starlette.routing import Route
 from llamapool.client.aio import AsyncClient
 from llamapool.client.errors import LlamapoolError
 from llamapool.gateway import GatewaySpec
-from llamapool.router.metrics import CONTENT_TYPE
-from llamapool.router.podgauges import PodGauges
+from llamapool.gateway.podgauges import CONTENT_TYPE, PodGauges
 
 REFRESH = 0.025  # seconds between snapshots: the EPP scrapes every 50 ms
 STALE_AFTER = 2.0  # a snapshot this old means the router is not answering: not ready (the EPP's own limit)

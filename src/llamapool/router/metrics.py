@@ -26,9 +26,6 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from llamapool.router.fleet import Fleet, FleetWorker
 
-# the classic text format, which every Prometheus reads (generate_latest writes it)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 # the supervisor's reasons for a worker's unexpected exit (``llamapool_worker_restarts_total``)
 RESTART_REASONS = ("exit", "signal", "heartbeat", "step_timeout", "start_timeout", "gpu_lost")
 # the supervisor's lifecycle states (supervisor/lifecycle.py), and the router's "lost"

@@ -3,7 +3,7 @@
 It holds no figures of its own: each ``GET /metrics`` asks the router for its exposition text
 over the frontend (a ``metrics`` request, the same one the gateway's ``GET /metrics`` sends) and for
 its ``status``, from which the pod's gauges are rendered as the gateway renders them
-(router/podgauges.py), so both endpoints show the same numbers from their one owner. See
+(gateway/podgauges.py), so both endpoints show the same numbers from their one owner. See
 docs/metrics.md.
 """
 
@@ -15,8 +15,7 @@ from typing import Any
 
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.sync import Client
-from llamapool.router.metrics import CONTENT_TYPE
-from llamapool.router.podgauges import PodGauges
+from llamapool.gateway.podgauges import CONTENT_TYPE, PodGauges
 
 
 class MetricsServer(ThreadingHTTPServer):

@@ -7,7 +7,9 @@ requests running, KV-cache use (0 to 1) and the cache's size (an info gauge with
 each figure here is one series for the whole daemon (the pod), with no per-worker labels; the
 per-worker detail stays in ``llamapool_worker_*`` (router/metrics.py). See docs/metrics.md.
 
-:class:`PodGauges` is built from the router's ``status`` reply, so every figure has one owner.
+:class:`PodGauges` is built from the router's ``status`` reply, so every figure has one owner. Its
+users are the HTTP endpoints that serve ``/metrics``: the gateway's (gateway/pod.py) and the
+supervisor's ``[metrics] listen`` (supervisor/metrics_http.py); it imports nothing of the router.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
+
+# the classic text format, which every Prometheus reads (generate_latest writes it): the content type of
+# every /metrics answer (the router's exposition followed by these gauges)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # llama.cpp keeps its KV cache per token cell, not in blocks; the EPP's prefix scorer wants a block
 # size and clamps one under 64 tokens to 64, so the cache is counted in blocks of 64 cells.
