@@ -30,3 +30,25 @@ def test_no_pickle_and_no_hand_packed_messages_outside_the_codec() -> None:
         assert "pickle" not in text and "_pyobj(" not in text, path
         if path.parent.name in ("client", "router", "supervisor", "worker"):
             assert "msgpack.packb" not in text, f"{path}: messages are built by protocol/codec.py"
+
+
+# the classes that carry a model's engine settings from the config file to the engine
+SETTINGS_CARRIERS = {"config.py": "ModelConfig", "worker/server.py": "WorkerSpec",
+                     "worker/engine/model.py": "EngineConfig"}
+
+
+def test_each_engine_setting_is_declared_once() -> None:
+    """A model's engine settings (and their defaults) are declared in worker/settings.py alone: the config's
+    model, the worker's spec and the engine's config extend EngineSettings rather than copy its fields."""
+    import dataclasses
+
+    from llamapool.worker.settings import EngineSettings
+
+    names = {f.name for f in dataclasses.fields(EngineSettings)}
+    assert len(names) >= 14
+    for path, cls in SETTINGS_CARRIERS.items():
+        tree = ast.parse((SRC / path).read_text())
+        node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+        assert "EngineSettings" in [ast.unparse(b) for b in node.bases], f"{path}:{cls} does not extend EngineSettings"
+        own = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+        assert not own & names, f"{path}:{cls} declares engine settings again: {sorted(own & names)}"
