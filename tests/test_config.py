@@ -100,7 +100,7 @@ def test_models_tables_take_the_workers_keys_as_defaults_and_override_them() -> 
                          workers={"devices": "cpu", "cpu_workers": 3, "slots": 6, "threads": 2}))
     a, b = cfg.models
     assert (a.name, a.slots, a.devices, a.groups, a.tensor_split) == ("a", 2, [[0, 1], [2, 3]], [[0, 1], [2, 3]],
-                                                                      [3.0, 1.0])
+                                                                      (3.0, 1.0))
     assert (b.slots, b.devices, b.cpu_workers, b.threads, b.groups) == (6, "cpu", 3, 2, None)
     assert cfg.model is a and cfg.model_name == "a" and cfg.model_names == ["a", "b"] and cfg.models_table
 

@@ -269,7 +269,7 @@ def test_a_gpu_group_worker_gets_its_group_and_a_split_spec() -> None:
     env = worker_env({"CUDA_VISIBLE_DEVICES": "0"}, slots[1].gpus, {"CUDA_VISIBLE_DEVICES": "1"}, 4)
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-2222,GPU-3333" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     spec = sup._spec(slots[0])
-    assert spec.device == "GPU-0000,GPU-1111" and spec.n_gpus == 2 and spec.tensor_split == [3.0, 1.0]
+    assert spec.device == "GPU-0000,GPU-1111" and spec.n_gpus == 2 and spec.tensor_split == (3.0, 1.0)
     assert spec.model_name == "big"
     info = slots[1].info()
     assert info["gpu_indices"] == [2, 3] and info["model"] == "big"

@@ -135,3 +135,72 @@ def test_client_errors_survive_pickling() -> None:
     err = pickle.loads(pickle.dumps(WorkerLostError("worker_lost", "gone", None, 7, 2)))
     assert isinstance(err, WorkerLostError) and (err.code, err.tokens_delivered, err.index) == ("worker_lost", 7, 2)
     assert str(err) == "worker_lost: gone"
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+DOORS = {  # each HTTP door's parser and a body giving most of the parameters it reads
+    "chat": ("llamapool.gateway.openai.chat", lambda g: g, {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "temperature": 1, "top_p": 0.5,
+        "stop": ["x", "yz"], "seed": 7, "logit_bias": {"5": 2}, "logprobs": True, "top_logprobs": 2, "n": 2,
+        "speculative": 3, "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False,
+        "response_format": {"type": "json_object"}}),
+    "completions": ("llamapool.gateway.openai.completions", lambda g: g, {
+        "prompt": "Once", "stop": "END", "logprobs": 3, "presence_penalty": 0.5, "regex": "[ab]+"}),
+    "responses": ("llamapool.gateway.openai.responses", lambda r: r.gen, {
+        "input": "hi", "max_output_tokens": 20, "temperature": 0, "tools": [
+            {"type": "function", "name": "get_weather", "parameters": TOOL["function"]["parameters"]}],
+        "tool_choice": "auto"}),
+    "messages": ("llamapool.gateway.anthropic", lambda g: g, {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "top_k": 5,
+        "stop_sequences": ["\n\n"], "output_config": {"format": {"type": "json_schema", "schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+}
+
+
+@pytest.mark.parametrize("door", sorted(DOORS))
+def test_the_gateways_typed_params_reach_the_worker_equal_and_parsed_once(
+        door: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway reads a body's parameters into one SamplingParams; the client sends that object
+    (to_wire), the router reads it back once (its check: any client may write a frame), and the worker
+    reads the router's ``run`` with no second check: equal at every stop."""
+    import importlib
+
+    from llamapool.client.calls import generate_frame
+    from llamapool.protocol import params
+
+    parses: list[str] = []
+    checks: list[str] = []
+    parse, check = params.parse, params.check
+    monkeypatch.setattr(params, "parse", lambda raw, **kw: parses.append(door) or parse(raw, **kw))
+    monkeypatch.setattr(params, "check", lambda name, v: checks.append(name) or check(name, v))
+    module, gen_of, body = DOORS[door]
+    mod = importlib.import_module(module)
+    req = gen_of(mod.parse_messages(body) if door == "messages" else mod.parse(body))
+    assert isinstance(req.params, SamplingParams) and req.params != SamplingParams()
+    assert parses == [] and len(checks) == len(set(checks)), f"the gateway checked {checks} and parsed {parses}"
+
+    frame = generate_frame("r1", req.prompts, False, False, None, req.params)
+    msg = codec.decode([frame], codec.CLIENT_TYPES)
+    assert isinstance(msg, Generate) and msg.params == req.params and len(parses) == 1  # the router's check
+
+    parses.clear()
+    checks.clear()
+    run = codec.decode([codec.encode(Run(5, msg.prompts[0], msg.params, False))], codec.ROUTER_TYPES)
+    assert isinstance(run, Run) and run.params == req.params
+    assert type(run.params.stop) is tuple
+    assert parses == [] and checks == [], "the worker checked the router's parameters again"
+
+
+def test_the_sdk_takes_typed_params_or_keywords_not_both() -> None:
+    from llamapool.client.calls import choices, generate_frame, given
+    from llamapool.protocol import params
+
+    typed = params.parse({"n": 2, "stop": "END", "temperature": 0})
+    assert given({}, typed) is typed and choices(typed) == 2
+    with pytest.raises(TypeError, match="not both"):
+        given({"n": 2}, typed)
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        given({}, {"n": 2})  # type: ignore[arg-type]
+    sent = msgpack.unpackb(generate_frame("r1", ["hi"], False, False, None, typed))["params"]
+    assert sent == {"n": 2, "stop": ["END"], "temperature": 0.0}

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from llamapool.config import Config, ConfigError, default_frontend, load_config
+from llamapool.protocol.params import DEFAULT_MAX_TOKENS, SamplingParams
 
 EXIT_CONFIG = 78  # EX_CONFIG: a model that cannot be had; systemd does not restart (RestartPreventExitStatus)
 
@@ -412,7 +413,8 @@ def _endpoint_args(q: argparse.ArgumentParser) -> None:
 def _sampling_args(q: argparse.ArgumentParser, max_tokens: int) -> None:
     q.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (a reply "
                    "that reaches it is cut, finish reason 'length')")
-    q.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; at most 2")
+    q.add_argument("--temperature", type=float, default=SamplingParams().temperature,
+                   help="0 = greedy; at most 2")
     q.add_argument("--seed", type=int, help="sampling seed, for repeatable output (default: random)")
     q.add_argument("--timeout", type=float, default=300.0, help="seconds the whole reply may take")
     q.add_argument("--model", help="the pool's model to use (default: the pool's first)")
@@ -449,7 +451,7 @@ def _daemon_commands(sub: Any) -> None:
     g = _sub(sub, "generate", "stream a completion of PROMPT to the terminal")
     g.add_argument("prompt", help="the text to complete")
     _endpoint_args(g)
-    _sampling_args(g, 128)
+    _sampling_args(g, DEFAULT_MAX_TOKENS)
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     g.set_defaults(fn=cmd_generate)

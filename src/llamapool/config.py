@@ -15,6 +15,8 @@ from llamapool.protocol.endpoints import default_frontend as default_frontend
 from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
 from llamapool.protocol.endpoints import ipc_path as ipc_path
 from llamapool.protocol.endpoints import needs_curve as needs_curve
+from llamapool.worker.settings import SPECULATIVE, EngineSettings
+from llamapool.worker.settings import step_budget as step_budget
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,9 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """One model of the pool: a ``[[models]]`` table (or the legacy ``[model]``).
+class ModelConfig(EngineSettings):
+    """One model of the pool: a ``[[models]]`` table (or the legacy ``[model]``); its engine's keys are
+    :class:`EngineSettings`' (declared there once).
 
     ``devices``, ``cpu_workers``, ``slots`` and ``threads`` default to the ``[workers]`` keys of the
     same name; a model's own key overrides them.
@@ -48,47 +51,23 @@ class ModelConfig:
 
     path: str = ""
     name: str = ""  # "" -> the model file's stem; requests name the model by it
-    ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
-    # Per-step token budget: one token per decoding sequence, prompt chunks fill the rest.
-    # 0 = auto: 4096 on a GPU (measured: docs/benchmarks.md), 512 on CPU workers.
-    max_batch_tokens: int = 0
-    # How much prompt work a step takes, under max_batch_tokens (worker/scheduler.py StepTarget):
-    # "auto" (sized from the step costs the worker measures and the prompts waiting), "off" (the
-    # token budget alone), "<F>x" (F times the measured pure-decode step) or "<N>ms".
-    target_step: str = "auto"
-    n_ubatch: int = 1024  # llama.cpp physical micro-batch
     # CUDA: quantised matrix products of at least this many rows (prompt batches) run in cuBLAS, smaller
     # ones (decode steps) in llama.cpp's MMQ kernels; needs patches/llama.cpp (make install CUDA=1).
     # 0 = llama.cpp's own choice. Measured: docs/benchmarks.md (issue 30).
     prefill_cublas_min_rows: int = 128
-    flash_attn: bool = True
-    gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
-    prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
-    # Speculative decoding (worker/engine/spec.py): "ngram" (drafts from the prompt and output, verified in
-    # the batch), "off", or "auto": ngram on GPU workers, off on CPU workers (docs/configuration.md: why)
-    speculative: str = "auto"
     engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
-    chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
-    # Chat contents are tokenized as text: a user's "<end_of_turn>" stays text, only the template's own
-    # special-token text becomes control tokens. true: contents' special-token text is parsed too
-    # (callers that are trusted to write control tokens); docs/security.md.
-    parse_special_in_content: bool = False
     devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] (a worker per GPU) | [[0, 1], [2, 3]] (per group)
     # | "remote": no local worker, `llamapool node` hosts serve it (a router host without GPUs)
     cpu_workers: int = 2  # CPU workers when devices = "cpu" or no GPU is found
-    slots: int = 8  # parallel sequences per worker
-    threads: int = 0  # CPU threads per worker; 0 -> the cores split between all CPU workers
-    tensor_split: list[float] = field(default_factory=list)  # per GPU of a group; [] -> llama.cpp's split
     embedding: bool = False  # an embedding model: its workers answer /v1/embeddings (and embed), not generation
     pooling: str = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
-    grammar_cache_mb: int = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
     # When its workers run (docs/configuration.md, "A pool that follows demand"): "always" (at start, never
     # evicted: the plan of `devices`) or "on_demand" (at its first request, placed by free memory, evicted
     # when idle and another model needs the room, unloaded after idle_unload)
     load: str = "always"
     # [min, max] workers, placed by free memory and following the load; [] -> "always": one worker per
     # device of `devices` (a fixed plan), "on_demand": [0, 1]
-    replicas: list[int] = field(default_factory=list)
+    replicas: tuple[int, ...] = ()
     idle_unload: float = -1.0  # seconds unused before an on_demand model is unloaded; -1 -> [pool] idle_unload
 
     @property
@@ -112,13 +91,6 @@ class ModelConfig:
         return [d if isinstance(d, list) else [d] for d in self.devices]
 
 
-def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
-    """The per-step token budget a worker uses: the configured one, or the measured default."""
-    if max_batch_tokens:
-        return max_batch_tokens
-    return max(4096 if gpu else 512, 2 * slots)
-
-
 @dataclass(frozen=True)
 class WorkersConfig:
     """Pool-wide worker settings. ``devices``, ``cpu_workers``, ``slots`` and ``threads`` are the
@@ -126,8 +98,8 @@ class WorkersConfig:
 
     devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] | ["GPU-<uuid>", ...] | [[0, 1], [2, 3]]
     cpu_workers: int = 2
-    slots: int = 8
-    threads: int = 0  # CPU threads per worker; 0 -> split the cores between CPU workers
+    slots: int = EngineSettings.slots
+    threads: int = EngineSettings.threads  # CPU threads per worker; 0 -> split the cores between CPU workers
     env: dict[str, str] = field(default_factory=dict)
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3  # missed heartbeats before a worker is dead
@@ -367,14 +339,14 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
                 or (value and not sum(value) > 0):
             raise ConfigError(f"{key}: must be a list of non-negative numbers (a share per GPU of a group), "
                               f"got {value!r}")
-        return [float(v) for v in value]
+        return tuple(float(v) for v in value)
     if rule == "model.replicas":
         if not isinstance(value, list) or len(value) != 2 or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value) \
                 or not 0 <= value[0] <= value[1] or value[1] < 1:
             raise ConfigError(f"{key}: must be [at least, at most] workers, 0 <= at least <= at most, "
                               f"at most >= 1, e.g. [1, 4], got {value!r}")
-        return list(value)
+        return tuple(value)
     if rule in _DURATIONS and isinstance(value, str):
         value = _duration(key, value)
     if isinstance(default, tuple):  # a list of strings
@@ -492,8 +464,9 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
     if m.pooling and not m.embedding:
         raise ConfigError(f"{key}.pooling: applies to an embedding model only; set {key}.embedding = true")
-    if m.speculative not in ("auto", "ngram", "off"):
-        raise ConfigError(f"{key}.speculative: must be \"auto\", \"ngram\" or \"off\", got {m.speculative!r}")
+    if m.speculative not in SPECULATIVE:
+        values = ", ".join(f'"{v}"' for v in SPECULATIVE[:-1]) + f' or "{SPECULATIVE[-1]}"'
+        raise ConfigError(f"{key}.speculative: must be {values}, got {m.speculative!r}")
     from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
 
     try:

@@ -21,6 +21,7 @@ from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
     EmbedInputs,
     KeySource,
+    Params,
     Pending,
     TaskPending,
     chat_prompt,
@@ -31,6 +32,7 @@ from llamapool.client.calls import (
     decode_reply,
     embed_inputs,
     generate_frame,
+    given,
     metrics_of,
     model_action_of,
     new_id,
@@ -57,6 +59,7 @@ from llamapool.protocol.messages import (
     StatusRequest,
     Tokenize,
 )
+from llamapool.protocol.params import SamplingParams
 
 P = TypeVar("P", Pending, TaskPending)  # what a request's replies are folded into
 _CLOSED = Error(None, "closed", "")  # put in the queue of each waiting request by close(): raises closed_error
@@ -332,7 +335,7 @@ class AsyncClient:
         return msg
 
     async def _run(self, prompts: list[Prompt], batch: bool, timeout: float | None,
-                   params: dict[str, Any], model: str | None) -> Pending:
+                   params: Params, model: str | None) -> Pending:
         rid = new_id()
         t, wait = self._budget(timeout)
         frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model)
@@ -360,39 +363,41 @@ class AsyncClient:
         self._link.cancel(rid)
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-                       **params: Any) -> Completion:
-        choices(params, one=True)
-        return (await self._run([prompt], False, timeout, params, model)).completions()[0]
+                       sampling: SamplingParams | None = None, **params: Any) -> Completion:
+        p = given(params, sampling)
+        choices(p, one=True)
+        return (await self._run([prompt], False, timeout, p, model)).completions()[0]
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
-                            return_exceptions: bool = False, model: str | None = None, **params: Any
+                            return_exceptions: bool = False, model: str | None = None,
+                            sampling: SamplingParams | None = None, **params: Any
                             ) -> list[Completion] | list[Completion | LlamapoolError]:
-        pending = await self._run(list(prompts), True, timeout, params, model)
+        pending = await self._run(list(prompts), True, timeout, given(params, sampling), model)
         if return_exceptions:
             return [r for r in pending.results if r is not None]
         return pending.completions()
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                   model: str | None = None, **params: Any) -> Completion:
+                   model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> Completion:
         """The model's reply to a chat (see :meth:`llamapool.Client.chat`)."""
-        return await self.generate(chat_prompt(messages), timeout=timeout, model=model, **params)
+        return await self.generate(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                    model: str | None = None, **params: Any) -> AsyncStream:
+                    model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> AsyncStream:
         """:meth:`chat`, streamed: ``async for chunk in client.chat_stream(...)``."""
-        return self.stream(chat_prompt(messages), timeout=timeout, model=model, **params)
+        return self.stream(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-               **params: Any) -> AsyncStream:
+               sampling: SamplingParams | None = None, **params: Any) -> AsyncStream:
         """Async iterator of chunks (``completion`` is set at the end); leaving it early cancels the request.
 
         The request is sent when the iteration starts.
         """
         done: list[Completion] = []
-        return AsyncStream(self._stream(prompt, timeout, params, done, self.model if model is None else model),
-                           done)
+        return AsyncStream(self._stream(prompt, timeout, given(params, sampling), done,
+                                        self.model if model is None else model), done)
 
-    async def _stream(self, prompt: Prompt, timeout: float | None, params: dict[str, Any],
+    async def _stream(self, prompt: Prompt, timeout: float | None, params: Params,
                       done: list[Completion], model: str | None) -> AsyncGenerator[StreamChunk, None]:
         rid = new_id()
         t, wait = self._budget(timeout)

@@ -33,6 +33,21 @@ from llamapool.protocol.messages import (
 DEFAULT_TIMEOUT = 300.0
 R = TypeVar("R")
 PARAM_NAMES = params.PARAM_NAMES  # the contract's names (protocol/params.py): the SDK's keywords
+# a call's generation parameters: its keywords as given (the daemon checks them), or a SamplingParams
+# built (and checked) once by the caller, passed as ``sampling=`` and sent as it is
+Params = Mapping[str, Any] | params.SamplingParams
+
+
+def given(keywords: dict[str, Any], sampling: params.SamplingParams | None) -> Params:
+    """A call's parameters: its keywords, or ``sampling`` in their stead."""
+    if sampling is None:
+        return keywords
+    if not isinstance(sampling, params.SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams (llamapool.protocol.params), got {type(sampling).__name__}")
+    if keywords:
+        raise TypeError(f"give the generation parameters as keywords or as sampling=, not both "
+                        f"(got {', '.join(keywords)})")
+    return sampling
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -103,10 +118,10 @@ def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> Prompt:
     return [dict(m) if isinstance(m, Mapping) else m for m in messages]
 
 
-def choices(params: dict[str, Any], one: bool = False) -> int:
+def choices(given: Params, one: bool = False) -> int:
     """Replies per prompt: its ``n`` choices (the daemon checks ``n``; a bad one fails there, by name).
     ``one``: a call that returns one :class:`Completion` takes only ``n = 1``."""
-    n = params.get("n", 1)
+    n = given.n if isinstance(given, params.SamplingParams) else given.get("n", 1)
     n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
     if one and n > 1:
         raise TypeError(f"n={n}: this call returns one Completion; use generate_many([prompt], n={n}) (a prompt "
@@ -119,18 +134,21 @@ def new_id() -> str:
 
 
 def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
-                   timeout: float | None, params: dict[str, Any], model: str | None = None) -> bytes:
+                   timeout: float | None, given: Params, model: str | None = None) -> bytes:
     """Encode a generate request. Unknown parameter names are rejected here, early. ``model``: the
     pool's model to run it (None: the pool's first model)."""
     if model is not None and not isinstance(model, str):
         raise TypeError(f"model must be a string, got {type(model).__name__}")
-    for k in params:
-        if k not in PARAM_NAMES:
-            raise TypeError(f"unknown generation parameter {k!r} (known: {', '.join(PARAM_NAMES)})")
+    if isinstance(given, params.SamplingParams):
+        sent = params.to_wire(given)
+    else:
+        for k in given:
+            if k not in PARAM_NAMES:
+                raise TypeError(f"unknown generation parameter {k!r} (known: {', '.join(PARAM_NAMES)})")
+        # None means "the default" only where the protocol has no value for it
+        sent = {k: v for k, v in given.items() if v is not None or k not in ("seed", "stop")}
     if not prompts:
         raise ValueError("no prompts given")
-    # None means "the default" only where the protocol has no value for it
-    sent = {k: v for k, v in params.items() if v is not None or k not in ("seed", "stop")}
     try:
         frame = codec.encode_generate(rid, prompts, batch, stream, timeout, sent, model)
     except (OverflowError, TypeError, ValueError) as e:  # ValueError: a lone surrogate in a string

@@ -23,6 +23,7 @@ from llamapool.client.calls import (
     DEFAULT_TIMEOUT,
     EmbedInputs,
     KeySource,
+    Params,
     Pending,
     TaskPending,
     chat_prompt,
@@ -33,6 +34,7 @@ from llamapool.client.calls import (
     decode_reply,
     embed_inputs,
     generate_frame,
+    given,
     metrics_of,
     model_action_of,
     new_id,
@@ -57,6 +59,7 @@ from llamapool.protocol.messages import (
     StatusRequest,
     Tokenize,
 )
+from llamapool.protocol.params import SamplingParams
 
 WAIT_SLICE = 0.25  # seconds: the longest single wait on a socket, after which a call sees a close()
 CLOSE_LINGER_MS = 1000  # a closed socket's last messages (a cancel) may still leave this long; never waited for
@@ -359,7 +362,7 @@ class Client:
         return t, (None if t is None else time.monotonic() + t + 1.0)
 
     def _submit(self, prompts: list[Prompt], batch: bool, stream: bool, timeout: float | None,
-                params: dict[str, Any], model: str | None) -> tuple[_Conn, str, float | None]:
+                params: Params, model: str | None) -> tuple[_Conn, str, float | None]:
         rid = new_id()
         t, deadline = self._deadline(timeout)
         frame = generate_frame(rid, prompts, batch, stream, t, params, self.model if model is None else model)
@@ -388,39 +391,44 @@ class Client:
             conn.inflight.discard(rid)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-                 **params: Any) -> Completion:
+                 sampling: SamplingParams | None = None, **params: Any) -> Completion:
         """Generate a completion for one prompt (text or token ids) with ``model`` (a name in the pool;
-        None: the client's ``model``, else the pool's first)."""
-        choices(params, one=True)
-        conn, rid, deadline = self._submit([prompt], False, False, timeout, params, model)
+        None: the client's ``model``, else the pool's first). The parameters are keywords, or
+        ``sampling``: a :class:`~llamapool.protocol.params.SamplingParams` built once, sent as it is."""
+        p = given(params, sampling)
+        choices(p, one=True)
+        conn, rid, deadline = self._submit([prompt], False, False, timeout, p, model)
         pending = Pending(1)
         self._collect(conn, rid, pending, deadline)
         return pending.completions()[0]
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-               **params: Any) -> Stream:
+               sampling: SamplingParams | None = None, **params: Any) -> Stream:
         """Stream a completion as text deltas."""
-        conn, rid, deadline = self._submit([prompt], False, True, timeout, params, model)
-        return Stream(conn, rid, deadline, choices(params))
+        p = given(params, sampling)
+        conn, rid, deadline = self._submit([prompt], False, True, timeout, p, model)
+        return Stream(conn, rid, deadline, choices(p))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-             model: str | None = None, **params: Any) -> Completion:
+             model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> Completion:
         """The model's reply to a chat: ``messages`` are ``{"role": ..., "content": ...}`` maps, rendered
         on the worker with the model's chat template (the reply is the assistant's next turn)."""
-        return self.generate(chat_prompt(messages), timeout=timeout, model=model, **params)
+        return self.generate(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                    model: str | None = None, **params: Any) -> Stream:
+                    model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> Stream:
         """:meth:`chat`, streamed as text deltas (like :meth:`stream`)."""
-        return self.stream(chat_prompt(messages), timeout=timeout, model=model, **params)
+        return self.stream(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
 
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
-                      return_exceptions: bool = False, model: str | None = None, **params: Any
+                      return_exceptions: bool = False, model: str | None = None,
+                      sampling: SamplingParams | None = None, **params: Any
                       ) -> list[Completion] | list[Completion | LlamapoolError]:
         """One micro-batch message; one result per prompt, in order (with ``n``: ``n`` per prompt, the
         choices of prompt ``i`` at ``i * n`` to ``i * n + n - 1``)."""
-        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, params, model)
-        pending = Pending(len(prompts) * choices(params))
+        p = given(params, sampling)
+        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, p, model)
+        pending = Pending(len(prompts) * choices(p))
         self._collect(conn, rid, pending, deadline)
         if return_exceptions:
             return [r for r in pending.results if r is not None]

@@ -219,14 +219,15 @@ def parse_messages(body: Any, count_only: bool = False) -> Generation:
     ``/v1/messages/count_tokens``'s body, without ``max_tokens``)."""
     if not isinstance(body, dict):
         raise not_an_object()
-    if body.get("max_tokens") is None and not count_only:
+    max_tokens = body.get("max_tokens", params.MESSAGES_MAX_TOKENS)
+    if max_tokens is None and not count_only:
         raise bad("max_tokens", "'max_tokens' is required")
-    sent: dict[str, Any] = {"max_tokens": 1 if count_only else checked("max_tokens", body["max_tokens"])}
+    sent: dict[str, Any] = {"max_tokens": 1 if count_only else checked("max_tokens", max_tokens)}
     for key in ("temperature", "top_p", "top_k"):
         if body.get(key) is not None and not count_only:
             sent[key] = checked(key, body[key])
     if body.get("stop_sequences") and not count_only:
-        sent["stop"] = list(checked("stop", body["stop_sequences"], "stop_sequences"))
+        sent["stop"] = checked("stop", body["stop_sequences"], "stop_sequences")
     _thinking(body)
     _tools(body, sent)
     _format(body, sent)
@@ -235,13 +236,13 @@ def parse_messages(body: Any, count_only: bool = False) -> Generation:
         sent.update(temperature=0.0, **({"tool_choice": "none"} if sent.get("tools") else {}))
     sent = {k: v for k, v in sent.items() if v is not None}
     try:
-        params.parse(sent)  # the checks across parameters (a tool choice names one of the tools)
+        typed = params.build(sent)  # the checks across parameters (a tool choice names one of the tools)
     except params.ParamError as e:
         field = e.field.replace("parallel_tool_calls", "tool_choice").replace("response_format", "output_config")
         raise bad(field, e.message.replace("'response_format'", "'output_config'")) from None
     stream = stream_flag(body) and not count_only
     messages = _messages(body)
-    return Generation([messages], sent, stream, False, model_name(body),  # type: ignore[list-item]
+    return Generation([messages], typed, stream, False, model_name(body),  # type: ignore[list-item]
                       renames={"response_format.json_schema": "output_config.format",
                                "response_format": "output_config"})
 

@@ -18,7 +18,7 @@ class Generation:
     """One generation request as llamapool sees it, whichever API it came through."""
 
     prompts: list[Prompt]
-    params: dict[str, Any]  # the contract's parameters (protocol/params.py)
+    params: params.SamplingParams  # the contract's parameters (protocol/params.py), typed once, sent as they are
     stream: bool
     include_usage: bool = False
     model: str | None = None  # the model the body names; None: the pool's first
@@ -29,12 +29,17 @@ class Generation:
 
     def renamed(self, e: ApiError) -> ApiError:
         """``e`` naming the body's field where it names a renamed parameter."""
-        for ours, theirs in self.renames.items():
-            if e.param is not None and (e.param == ours or e.param.startswith(ours + ".")):
-                e.message = e.message.replace(f"'{e.param}'", f"'{theirs}{e.param[len(ours):]}'")
-                e.param = theirs + e.param[len(ours):]
-                break
-        return e
+        return renamed(self.renames, e)
+
+
+def renamed(renames: dict[str, str], e: ApiError) -> ApiError:
+    """``e`` naming the body's field where it names a parameter of ``renames`` (ours -> the body's)."""
+    for ours, theirs in renames.items():
+        if e.param is not None and (e.param == ours or e.param.startswith(ours + ".")):
+            e.message = e.message.replace(f"'{e.param}'", f"'{theirs}{e.param[len(ours):]}'")
+            e.param = theirs + e.param[len(ours):]
+            break
+    return e
 
 
 def json_body(raw: bytes) -> Any:

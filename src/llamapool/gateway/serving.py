@@ -27,7 +27,7 @@ from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
 from llamapool.gateway.errors import ApiError, Messages, from_llamapool, openai_error
-from llamapool.gateway.parsing import Generation, json_body
+from llamapool.gateway.parsing import Generation, json_body, renamed
 from llamapool.log import Logger
 
 T = TypeVar("T")
@@ -60,8 +60,7 @@ class Call:
     watch: Watch | None = None
 
     def api_error(self, e: LlamapoolError) -> ApiError:
-        return Generation([], {}, False, renames=self.renames).renamed(
-            from_llamapool(e, self.chat, self.n_prompts, self.messages))
+        return renamed(self.renames, from_llamapool(e, self.chat, self.n_prompts, self.messages))
 
 
 Handler = Callable[["Serving", Call], Awaitable[Response]]
@@ -175,14 +174,14 @@ class Serving:
     async def generate(self, call: Call, req: Generation) -> list[Completion]:
         """Every prompt's completions (``n`` each), unless the client goes away first."""
         return cast(list[Completion], await unless_gone(call.request, self.client.generate_many(
-            req.prompts, timeout=self.spec.request_timeout, model=req.model, **req.params)))
+            req.prompts, timeout=self.spec.request_timeout, model=req.model, sampling=req.params)))
 
     async def open_streams(self, call: Call, req: Generation) -> tuple[list[AsyncStream], list[Any]]:
         """A stream per prompt and each one's first item: an error before the first token is raised
         here, so it can still become the HTTP status. The requests are sent in this loop round (no task
         between the HTTP request and the router); the client's disconnect is watched from here to the
         end of the event stream (:func:`sse`, which takes ``call.watch`` over)."""
-        streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, **req.params)
+        streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, sampling=req.params)
                    for p in req.prompts]
         call.watch = watch = Watch(call.request)
         try:

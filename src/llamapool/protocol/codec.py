@@ -438,7 +438,8 @@ def _id_only(cls: type) -> Callable[[dict[str, Any]], Message]:
 def _run(d: dict[str, Any]) -> Run:
     req, task, options = d.get("req", ""), d.get("task") or "", d.get("options")
     after = d.get("after", -1)
-    return Run(d["rid"], d["prompt"], parse_params(d["params"]), d["stream"], req if isinstance(req, str) else "",
+    # the router checked the parameters (parse_params): a worker reads them back, no second check
+    return Run(d["rid"], d["prompt"], params.from_wire(d["params"]), d["stream"], req if isinstance(req, str) else "",
                task if isinstance(task, str) else "", options if isinstance(options, dict) else None,
                after if isinstance(after, int) else -1)
 

@@ -26,6 +26,11 @@ MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 TOOL_CHOICES = ("none", "auto", "required")
+# Each door's max_tokens when a request gives none (docs/http.md, docs/sdk.md), declared here alone:
+DEFAULT_MAX_TOKENS = 128  # the SDK, the CLI and the wire protocol: SamplingParams' default
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's /v1/completions (OpenAI's default)
+UNTIL_THE_END = 1 << 20  # OpenAI's chat completions and responses: until the end of turn (or of the context)
+MESSAGES_MAX_TOKENS: int | None = None  # Anthropic's /v1/messages: none, max_tokens is required (as Anthropic has it)
 
 
 class ParamError(ValueError):
@@ -198,7 +203,7 @@ def _meta(check: Check, doc: str) -> dict[str, Any]:
 class SamplingParams:
     """Per-request generation parameters: the contract (each field's metadata holds its check and doc)."""
 
-    max_tokens: int = field(default=128, metadata=_meta(
+    max_tokens: int = field(default=DEFAULT_MAX_TOKENS, metadata=_meta(
         number, "tokens to generate at most (each door's default: docs/http.md, docs/sdk.md)"))
     temperature: float = field(default=0.8, metadata=_meta(number, "0 to 2; 0 is greedy"))
     top_k: int = field(default=40, metadata=_meta(number, "sample among the k likeliest tokens; 0: off"))
@@ -283,6 +288,12 @@ def parse(raw: dict[str, Any], *, known_names: str = "") -> SamplingParams:
                 raise ParamError(k, f"'{k}' must not be null")
             continue
         kw[k] = check(k, v)
+    return build(kw)
+
+
+def build(kw: dict[str, Any]) -> SamplingParams:
+    """:class:`SamplingParams` from values each already read by :func:`check` (an HTTP door checks each
+    under its own field's name), after the checks across parameters."""
     if "top_logprobs" in kw and kw.get("logprobs") is not True:  # given, even 0 (OpenAI's and vLLM's rule)
         raise ParamError("top_logprobs", "'top_logprobs' is only allowed when 'logprobs' is true")
     p = SamplingParams(**kw)
@@ -324,3 +335,11 @@ def to_wire(p: SamplingParams) -> dict[str, Any]:
         if v != f.default:
             out[name] = list(v) if isinstance(v, tuple) else v
     return out
+
+
+def from_wire(raw: dict[str, Any]) -> SamplingParams:
+    """The parameters of a ``run`` as :func:`to_wire` wrote them from parameters already checked (the
+    router checked the request's): read back as they are, with no second check."""
+    if "stop" in raw:
+        raw = {**raw, "stop": tuple(raw["stop"])}
+    return SamplingParams(**raw)

@@ -308,18 +308,13 @@ class Supervisor:
         # the cores are split between every CPU worker of every model (a model's threads overrides)
         n_cpu = sum(1 for s in live if not s.gpus) or 1
         threads = cpu_threads(n_cpu, m.threads) if not slot.gpus else min(8, cpu_threads(len(live), m.threads))
+        budget = step_budget(m.max_batch_tokens, m.slots, bool(slot.gpus))
+        curve: dict[str, Any] = self.curve.child_fields(self.cfg.backend)
         return WorkerSpec(
             name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
-            slots=m.slots, ctx_per_slot=m.ctx_per_slot,
-            max_batch_tokens=step_budget(m.max_batch_tokens, m.slots, bool(slot.gpus)),
-            n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-            gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine, target_step=m.target_step,
-            chat_template=m.chat_template, parse_special_in_content=m.parse_special_in_content,
-            model_name=m.name, tensor_split=list(m.tensor_split),
-            boot_id=self.boot_id, embedding=m.embedding, pooling=m.pooling, grammar_cache_mb=m.grammar_cache_mb,
-            speculative=m.speculative,
-            **self.curve.child_fields(self.cfg.backend),
+            engine=m.engine, model_name=m.name, boot_id=self.boot_id, embedding=m.embedding, pooling=m.pooling,
+            **m.engine_settings(threads=threads, max_batch_tokens=budget), **curve,
         )
 
     def _worker_log_env(self) -> dict[str, str]:

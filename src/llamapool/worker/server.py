@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import zmq
@@ -38,6 +38,7 @@ from llamapool.protocol.messages import (
     Step,
 )
 from llamapool.worker.contract import Engine
+from llamapool.worker.settings import EngineSettings
 
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
 # A node's worker logs these for people; its supervisor follows it by its reports (lifeline.report)
@@ -51,37 +52,24 @@ LINK_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs, passed by the supervisor as JSON in argv."""
+class WorkerSpec(EngineSettings):
+    """Everything a worker process needs, passed by the supervisor as JSON in argv: its model's
+    :class:`EngineSettings` (``threads`` and ``max_batch_tokens`` resolved for this worker) and these."""
 
     name: str
     backend: str
     device: str  # "cpu", "GPU-<uuid>", or a group's UUIDs joined by "," (= CUDA_VISIBLE_DEVICES)
     model_path: str
-    slots: int
-    ctx_per_slot: int
-    max_batch_tokens: int
-    n_ubatch: int
-    threads: int
-    flash_attn: bool
     heartbeat_interval: float
     heartbeat_liveness: int
-    gpu_sampling: bool = True
-    prefix_cache: bool = True
-    target_step: str = "auto"  # model.target_step: how much prompt work a step takes (worker/scheduler.py)
-    speculative: str = "auto"  # model.speculative: "auto", "ngram" or "off" (worker/engine/spec.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
-    chat_template: str = ""  # a Jinja2 chat template file overriding the GGUF's (model.chat_template)
-    parse_special_in_content: bool = False  # model.parse_special_in_content: trusted callers' contents parsed
     server_key: str = ""  # the router's public key (Z85): connect with CURVE (a tcp:// backend)
     key_file: str = ""  # with server_key: this worker's secret key file (llamapool keygen format)
     node: str = ""  # the node it belongs to (`llamapool node`): its name is "<node>/<slot>"
     model_name: str = ""  # the model's name in the pool (its Hello says it; "" -> the pool's first model)
     boot_id: str = ""  # its daemon's incarnation, said in its Hello (the router refuses other daemons' workers)
-    tensor_split: list[float] = field(default_factory=list)  # a GPU group's layer shares
     embedding: bool = False  # an embedding model (model.embedding): worker/embedder.py, not the generation engine
     pooling: str = ""  # model.pooling: "mean" | "cls" | "last"; "" -> the GGUF's own
-    grammar_cache_mb: int = 0  # model.grammar_cache_mb: the compiled-grammar cache's bound (0: sized for the machine)
 
     @property
     def n_gpus(self) -> int:
@@ -206,15 +194,7 @@ def serve(spec: WorkerSpec) -> int:
     from llamapool.worker.engine import Engine as LlamaEngine
     from llamapool.worker.engine import EngineConfig, EngineError, visible_gpus
 
-    cfg = EngineConfig(
-        model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
-        max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
-        gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
-        gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
-        chat_template=spec.chat_template, parse_special_in_content=spec.parse_special_in_content,
-        n_gpus=max(1, spec.n_gpus), tensor_split=tuple(spec.tensor_split), grammar_cache_mb=spec.grammar_cache_mb,
-        speculative=spec.speculative,
-    )
+    cfg = EngineConfig(spec.model_path, gpu=gpu, n_gpus=max(1, spec.n_gpus), **spec.engine_settings())
     try:
         if spec.embedding:
             from llamapool.worker.embedder import Embedder

@@ -10,6 +10,7 @@ from llamapool.gateway.errors import bad, unsupported
 from llamapool.gateway.openai import generation
 from llamapool.gateway.parsing import Generation, model_name
 from llamapool.gateway.serving import Call, Serving
+from llamapool.protocol import params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # "developer" is sent as "system"
 ROLES_TEXT = "system, developer, user, assistant, tool"
@@ -53,7 +54,7 @@ def _content(m: dict[str, Any], at: str, role: str) -> str:
 
 
 def parse(body: Any) -> Generation:
-    sent, stream, include_usage, renames = generation.common(body, 1 << 20)  # until end of turn or the context
+    sent, stream, include_usage, renames = generation.common(body, params.UNTIL_THE_END)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")

@@ -10,7 +10,7 @@ from llamapool.gateway.errors import bad
 from llamapool.gateway.openai import generation
 from llamapool.gateway.parsing import Generation, model_name
 from llamapool.gateway.serving import Call, Serving
-from llamapool.protocol import limits
+from llamapool.protocol import limits, params
 from llamapool.protocol.messages import Prompt
 
 
@@ -27,7 +27,7 @@ def _logprobs(body: Any) -> Any:
 
 def parse(body: Any) -> Generation:
     body = _logprobs(body)
-    sent, stream, include_usage, renames = generation.common(body, 16)
+    sent, stream, include_usage, renames = generation.common(body, params.COMPLETIONS_MAX_TOKENS)
     p = body.get("prompt")
     prompts: list[Prompt]
     if isinstance(p, list) and p and set(map(type, p)) == {int}:  # token ids, the common case: checked in C

@@ -13,7 +13,7 @@ from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import StreamChunk
 from llamapool.gateway.errors import ApiError, bad, unsupported
 from llamapool.gateway.openai import shapes
-from llamapool.gateway.parsing import Generation, limited, stream_flag
+from llamapool.gateway.parsing import Generation, limited, renamed, stream_flag
 from llamapool.gateway.serving import Call, Serving, closing, merge, sse
 from llamapool.protocol import limits, params
 
@@ -37,16 +37,16 @@ def seed(body: dict[str, Any]) -> int | None:
     return v & 0xFFFFFFFF
 
 
-def cross_checked(sent: dict[str, Any]) -> dict[str, Any]:
-    """The checks across parameters (one constraint; a tool choice in tools)."""
+def cross_checked(sent: dict[str, Any]) -> params.SamplingParams:
+    """The typed parameters from values each already checked, after the checks across them (one
+    constraint; a tool choice in tools): built once, here, and sent as they are."""
     try:
-        params.parse(sent)
+        return params.build(sent)
     except params.ParamError as e:
         raise bad(e.field, e.message) from None
-    return sent
 
 
-def sampling(body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
+def sampling(body: dict[str, Any], default_max_tokens: int) -> params.SamplingParams:
     """The contract's parameters from a chat or completions body."""
     for key, fine in UNSUPPORTED.items():
         if key in body and body[key] not in fine:
@@ -60,10 +60,9 @@ def sampling(body: dict[str, Any], default_max_tokens: int) -> dict[str, Any]:
         if v is None or (key == "stop" and v == []):
             continue
         try:
-            params.check(key, v)
+            sent[key] = params.check(key, v)
         except params.ParamError as e:
             raise bad(e.field, e.message) from None
-        sent[key] = v
     s = seed(body)
     if s is not None:
         sent["seed"] = s
@@ -96,7 +95,7 @@ def json_object_schema(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         "name": "json_object", "schema": rf["schema"]}}}, JSON_OBJECT_SCHEMA
 
 
-def common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, bool, dict[str, str]]:
+def common(body: Any, default_max_tokens: int) -> tuple[params.SamplingParams, bool, bool, dict[str, str]]:
     """A chat or completions body's parameters, ``stream``, ``stream_options.include_usage``, and the
     renames of parameters the body gave under other names."""
     if not isinstance(body, dict):
@@ -105,7 +104,7 @@ def common(body: Any, default_max_tokens: int) -> tuple[dict[str, Any], bool, bo
     try:
         sent = sampling(body, default_max_tokens)
     except ApiError as e:
-        raise Generation([], {}, False, renames=renames).renamed(e) from None
+        raise renamed(renames, e) from None
     return sent, stream_flag(body), include_usage(body), renames
 
 
@@ -116,7 +115,7 @@ async def serve(s: Serving, call: Call, req: Generation, chat: bool) -> Response
         streams, first = await s.open_streams(call, req)
         return sse(call, _events(s, call, req, chat, streams, first))
     done = await s.generate(call, req)
-    pt, ct, cached = shapes.totals(done, req.params.get("n", 1))
+    pt, ct, cached = shapes.totals(done, req.params.n)
     model = s.model(req.model, done[0])
     body = (shapes.chat_body if chat else shapes.completion_body)(req, model, done, pt, ct, cached)
     return JSONResponse(body)
@@ -128,7 +127,7 @@ async def _events(s: Serving, call: Call, req: Generation, chat: bool, streams: 
     w = shapes.ChunkWriter(req, s.model(req.model), chat)
     pt = ct = cached = 0
     async with closing(streams):
-        n = req.params.get("n", 1)
+        n = req.params.n
         if chat:
             for j in range(n):
                 yield w.first(j)

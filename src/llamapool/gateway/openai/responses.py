@@ -30,6 +30,7 @@ from llamapool.gateway.parsing import Generation, checked, limited, model_name, 
 from llamapool.gateway.serving import Call, Serving, closing, merge, sse
 from llamapool.protocol import limits
 from llamapool.protocol.messages import TokenLogprob, TopLogprob
+from llamapool.protocol.params import UNTIL_THE_END, SamplingParams
 
 NO_STATE = "llamapool keeps no state between requests (stateless Responses API): send the whole conversation in 'input'"
 # fields that need a stored response or conversation: refused when given (anything but null/false)
@@ -218,8 +219,8 @@ def _format(body: dict[str, Any], sent: dict[str, Any]) -> None:
         raise bad(at, e.message.replace(e.param or "response_format", at)) from None
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    sent: dict[str, Any] = {"max_tokens": limited(body, "max_output_tokens", "max_tokens") or 1 << 20}
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    sent: dict[str, Any] = {"max_tokens": limited(body, "max_output_tokens", "max_tokens") or UNTIL_THE_END}
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             sent[key] = checked(key, body[key])
@@ -337,7 +338,7 @@ class EventWriter:
         self.req, self.model, self.ids = req, model, Ids(req.gen)
         self.seq = 0
         self.text = ""
-        self.lp: list[TokenLogprob] | None = [] if req.gen.params.get("logprobs") else None
+        self.lp: list[TokenLogprob] | None = [] if req.gen.params.logprobs else None
         self.open = False  # the message item is open
         self.index = 0  # the output index of the open or next item
 

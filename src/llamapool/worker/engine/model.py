@@ -9,6 +9,8 @@ from typing import Any
 
 import llama_cpp as L
 
+from llamapool.worker.settings import EngineSettings, step_budget
+
 
 class EngineError(Exception):
     """The model or context could not be created; ``permanent`` when retrying cannot help."""
@@ -19,29 +21,20 @@ class EngineError(Exception):
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(EngineSettings):
+    """A model's :class:`EngineSettings` and this process's facts: the model file, its GPUs. A
+    ``max_batch_tokens`` of 0 is resolved here (``step_budget``)."""
+
     model_path: str
-    slots: int = 8
-    ctx_per_slot: int = 2048
-    max_batch_tokens: int = 2048  # the per-step token budget: decode tokens + prompt chunks
-    target_step: str = "auto"  # how large a step's prompt work is, below the budget (scheduler.StepTarget)
-    n_ubatch: int = 512
-    prefix_cache: bool = True  # reuse KV of a shared prompt prefix instead of recomputing it
     gpu: bool = False
-    threads: int = 0
-    flash_attn: bool = True
-    gpu_sampling: bool = True  # on a GPU: sample on the device (llama.cpp backend sampling)
-    backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
-    kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see below)
-    chat_template: str = ""  # a Jinja2 chat template file, used instead of the GGUF's
-    parse_special_in_content: bool = False  # chat contents' special-token text read as those tokens (trusted)
     n_gpus: int = 1  # GPUs this process sees (with gpu): more than one splits the layers between them
-    tensor_split: tuple[float, ...] = ()  # each GPU's share of the layers; () -> llama.cpp's (by free memory)
-    grammar_cache_mb: int = 0  # the compiled grammars kept, in MiB (0: sized for the machine)
-    # "ngram": drafts from the sequence's own tokens (engine/spec.py); "off"; "auto": ngram on a GPU only
-    # (llama.cpp's CPU kernels compute a sequence's row otherwise for one query token than for several,
-    # so greedy text would change at near-ties: docs/configuration.md)
-    speculative: str = "auto"
+    backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
+    kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see context_params)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.max_batch_tokens:
+            object.__setattr__(self, "max_batch_tokens", step_budget(0, self.slots, self.gpu))
 
 
 def model_params(cfg: EngineConfig) -> tuple[Any, Any]:
