@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from llamapool import Client, LlamapoolError, UnknownModelError
-from llamapool.supervisor.memory import estimate
+from llamapool.supervisor.pool import worker_need
 from tests.conftest import Daemon, free_port, launch
 from tests.test_gateway import wait_http
 
@@ -33,7 +33,9 @@ def table(path: str, name: str, **kw: Any) -> dict[str, Any]:
 
 def need(path: str) -> int:
     """What the pool estimates one worker of the test's models takes (the budget is set from it)."""
-    return estimate(path, SIZES["slots"], SIZES["ctx_per_slot"], SIZES["n_ubatch"], gpu=False).total
+    from llamapool.config import ModelConfig
+
+    return worker_need(ModelConfig(path=path, **{k: v for k, v in SIZES.items() if k != "threads"}), gpu=False)[0]
 
 
 def model_row(d: Daemon, name: str) -> dict[str, Any]:
@@ -240,8 +242,8 @@ def test_a_model_that_can_never_fit_is_refused_with_both_numbers(
     d.wait_ready(1)
     with d.client() as c, pytest.raises(LlamapoolError) as e:
         greedy(c, "huge")
-    assert re.search(r"huge' can never be loaded: it needs .* = 4 MiB, more than the CPU workers' RAM budget "
-                     r"\(pool.ram_budget\) holds \(2 MiB\)", str(e.value)), e.value
+    assert re.search(r"huge' can never be loaded: it needs .* for the process = 100 MiB, more than the CPU "
+                     r"workers' RAM budget \(pool.ram_budget\) holds \(50 MiB\)", str(e.value)), e.value
     assert "can never be loaded" in d.log_text()
 
 

@@ -27,6 +27,25 @@ from llamapool.supervisor.lifecycle import State
 LOG = logmod.Logger("supervisor")
 CPU = "cpu"  # the device id of the CPU workers' RAM budget
 MAX_BACKOFF = 600.0  # a failed model's back-off doubles up to this
+# What a worker process takes besides its model (memory.estimate): on a CPU worker, Python, llama.cpp,
+# numpy and llguidance (a worker of the tiny test model, a 4 MiB estimate, holds 67 MB resident); on a GPU,
+# the process's own CUDA context (several hundred MB of device memory, one per process)
+PROCESS_BYTES = {False: 96 << 20, True: 512 << 20}
+
+
+def worker_need(m: ModelConfig, gpu: bool) -> tuple[int, str]:
+    """What one worker of ``m`` takes (bytes, and the sum in words); (0, why) when the GGUF cannot be
+    read (a Hugging Face file not downloaded yet, or not a GGUF: its load will say)."""
+    if m.engine != "llama" or not m.path:
+        return PROCESS_BYTES[gpu], f"{memory.fmt_bytes(PROCESS_BYTES[gpu])} for the process"
+    try:
+        need = memory.estimate(m.path, m.slots, m.ctx_per_slot, m.n_ubatch, gpu=gpu, flash_attn=m.flash_attn)
+    except (OSError, ValueError, KeyError) as e:
+        LOG.warning(f"{m.name}: cannot estimate its memory from {m.path}: {e}", model=m.name)
+        return 0, f"unknown ({e})"
+    total = need.total + PROCESS_BYTES[gpu]
+    return total, (f"{need.text().rsplit(' = ', 1)[0]} + {memory.fmt_bytes(PROCESS_BYTES[gpu])} for the process "
+                   f"= {memory.fmt_bytes(total)}")
 
 
 def machine_ram() -> int:
@@ -72,24 +91,11 @@ class Pool:
         self.needs: dict[str, int] = {}  # every model's need (fixed ones' too: they take memory)
         managed = any(m.managed for m in cfg.models)  # a fixed plan alone needs no estimate
         for m in cfg.models:
-            on_gpu = bool(groups.get(m.name))
-            need = self._estimate(m, on_gpu) if managed else None
-            self.needs[m.name] = need.total if need is not None else 0
-            if not m.managed:
-                continue
-            allowed = tuple(g[0].uuid for g in groups.get(m.name, [])) or (CPU,)
-            text = need.text() if need is not None else "unknown (not a readable GGUF)"
-            self.models[m.name] = ModelRecord(m, self.needs[m.name], text, allowed)
-
-    @staticmethod
-    def _estimate(m: ModelConfig, gpu: bool) -> memory.MemoryNeed | None:
-        if m.engine != "llama" or not m.path:
-            return None
-        try:
-            return memory.estimate(m.path, m.slots, m.ctx_per_slot, m.n_ubatch, gpu=gpu, flash_attn=m.flash_attn)
-        except (OSError, ValueError, KeyError) as e:  # a file to download, or not a GGUF: its load will say
-            LOG.warning(f"{m.name}: cannot estimate its memory from {m.path}: {e}", model=m.name)
-            return None
+            need, text = worker_need(m, bool(groups.get(m.name))) if managed else (0, "")
+            self.needs[m.name] = need
+            if m.managed:
+                allowed = tuple(g[0].uuid for g in groups.get(m.name, [])) or (CPU,)
+                self.models[m.name] = ModelRecord(m, need, text, allowed)
 
     # ------------------------------------------------------------ what the router and NVML report
 
