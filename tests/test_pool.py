@@ -5,6 +5,7 @@ that fails. The real daemon on CPU workers against a RAM budget (``[pool] ram_bu
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -338,3 +339,40 @@ def test_a_cold_gemma_streams_its_first_token_within_its_load_time_and_half_a_se
     load = float(re.findall(r"placement: gemma loaded on \S+ \(cpu\) in ([\d.]+)s", d.log.read_text())[0])
     print(f"cold Gemma 3 270M: load {load:.2f} s, first token {ttft:.2f} s after the request")
     assert ttft <= load + 0.5, (ttft, load)
+
+
+def test_a_loaded_on_demand_worker_that_dies_is_replaced_at_the_next_request(
+        tmp_path: Path, model_path: str, daemons: list[Daemon]) -> None:
+    d = start(daemons, tmp_path / "d", model_path, models=[table(model_path, "lazy", load="on_demand")])
+    with d.client() as c:
+        first = greedy(c, "lazy")
+        pid = next(w["pid"] for w in d.status()["workers"] if w["id"] == "lazy-cpu0")
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 30
+        while model_row(d, "lazy")["state"] != "unloaded" and time.monotonic() < end:
+            time.sleep(0.05)
+        assert model_row(d, "lazy")["state"] == "unloaded"  # not failed: it had loaded
+        assert greedy(c, "lazy") == first
+    assert "its model lazy gets a new worker when it has demand" in d.log.read_text()
+
+
+def test_a_reload_adds_and_removes_on_demand_models(tmp_path: Path, model_path: str, daemons: list[Daemon]) -> None:
+    from tests.conftest import write_config
+
+    d = start(daemons, tmp_path / "d", model_path, models=[table(model_path, "always", cpu_workers=1)])
+    d.wait_ready(1)
+    both = [table(model_path, "always", cpu_workers=1), table(model_path, "lazy", load="on_demand")]
+    write_config(d.config, model_path, d.config.parent / "run", models=both)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_log("reload done")
+    with d.client() as c:
+        assert greedy(c, "lazy") == greedy(c, "always")
+    assert model_row(d, "lazy")["state"] == "loaded"
+    write_config(d.config, model_path, d.config.parent / "run", models=both[:1])
+    d.proc.send_signal(signal.SIGHUP)
+    end = time.monotonic() + 30
+    while any(w["id"] == "lazy-cpu0" and w["state"] != "stopped" for w in d.status()["workers"]) \
+            and time.monotonic() < end:
+        time.sleep(0.1)
+    assert [m["name"] for m in d.status()["models"]] == ["always"]
+    assert all(w["id"] != "lazy-cpu0" or w["state"] == "stopped" for w in d.status()["workers"])
