@@ -14,6 +14,7 @@ from llamapool.modelgen import make_model
 from llamapool.supervisor.memory import (
     CPU_PROCESS,
     CTX_PAD,
+    GPU_PROCESS,
     MemoryNeed,
     estimate,
     fmt_bytes,
@@ -94,7 +95,7 @@ def test_compute_follows_the_logits_and_attention_without_flash_attention(tmp_pa
     cpu = estimate(path, 8, 2048, 512, gpu=False)
     assert gpu.compute == (512 * 512 + (64 + 128) * 512) * 4  # flash attention: the logits dominate
     assert cpu.compute == ((4 + 2) * 2048 * 512 + (64 + 128) * 512 + 512 * 8) * 4  # KQ and mask, output rows
-    assert gpu.process == 0 and cpu.process == CPU_PROCESS
+    assert gpu.process == GPU_PROCESS and cpu.process == CPU_PROCESS
     assert estimate(path, 8, 2048, 512, gpu=True, flash_attn=False).compute > gpu.compute
     assert worker_ubatch(1024, 512, 8) == 520 and worker_ubatch(256, 4096, 64) == 256
 

@@ -27,11 +27,13 @@ Gemma 3 270M, SmolLM2 135M and the tests' tiny model on CPU (within +0 to +16 % 
 total, never below), and against the context memory NVML measured for an 8B q8_0 model on an H100
 (docs/benchmarks.md's prefill sweep: within +2 %).
 
-A CPU worker's estimate adds the **process** itself (``CPU_PROCESS``: Python, llamapool's worker
-modules, llama.cpp's threads; a worker of the tests' tiny model, whose buffers are 26 MiB, held 71 MiB
-of RSS once ready and 89 MiB after a request). Its whole RSS stays below the estimate: the compute
-buffer is touched only as far as a step's rows reach. A GPU worker's CUDA context (device memory that
-NVML shows as used once the worker runs) is not counted: not measured yet.
+Each estimate adds the worker **process** itself. On a CPU worker (``CPU_PROCESS``): Python,
+llamapool's worker modules, llama.cpp's threads; a worker of the tests' tiny model, whose buffers are
+26 MiB, held 71 MiB of RSS once ready and 89 MiB after a request. Its whole RSS stays below the
+estimate: the compute buffer is touched only as far as a step's rows reach. On a GPU
+(``GPU_PROCESS``): the CUDA context, which a bare one took 529 MiB of an H200 (CUDA 13, driver 580)
+and 607 MiB once cuBLAS had run; llama.cpp's kernels and its CUDA memory pool come on top (not yet
+measured with llama.cpp's CUDA build).
 
 ``n_ubatch`` is the micro-batch the worker really uses, :func:`worker_ubatch`.
 """
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 CPU_PROCESS = 96 << 20  # a CPU worker's RSS beside llama.cpp's buffers (see above)
+GPU_PROCESS = 768 << 20  # a GPU worker's device memory beside llama.cpp's buffers: the CUDA context (see above)
 KV_BYTES = 2  # f16 cache (llama.cpp's default type_k / type_v)
 CTX_PAD = 256  # llama.cpp pads each sequence's context (one KV stream per sequence) to a multiple of this
 ATT_EXTRA = 2  # rows of attention scores beyond one a head: the mask and what the allocator keeps beside
@@ -71,15 +74,14 @@ class MemoryNeed:
     compute: int
     slots: int
     ctx_per_slot: int
-    process: int = 0  # the worker process beside llama.cpp's buffers (CPU workers)
+    process: int = 0  # the worker process beside llama.cpp's buffers (CUDA context, or RAM of a CPU worker)
 
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute + self.process
 
     def text(self) -> str:
-        """``253 MiB weights + 36 MiB KV (8 x 2048 tokens) + 70 MiB compute = 359 MiB`` (and ``+ 96 MiB
-        process`` before the total on a CPU worker)."""
+        """``253 MiB weights + 36 MiB KV (8 x 2048 tokens) + 70 MiB compute + 96 MiB process = 455 MiB``."""
         process = f" + {fmt_bytes(self.process)} process" if self.process else ""
         return (f"{fmt_bytes(self.weights)} weights + {fmt_bytes(self.kv)} KV ({self.slots} x {self.ctx_per_slot} "
                 f"tokens) + {fmt_bytes(self.compute)} compute{process} = {fmt_bytes(self.total)}")
@@ -286,7 +288,7 @@ def need_of(shape: Shape, slots: int, ctx_per_slot: int, n_ubatch: int, gpu: boo
     compute = peak + (shape.n_embd + shape.n_ff) * n_ubatch * f32
     if not gpu:
         compute += shape.n_vocab * slots * f32  # the host's output buffer: in the same RAM on a CPU worker
-    return MemoryNeed(shape.weights, kv, compute, slots, ctx_per_slot, 0 if gpu else CPU_PROCESS)
+    return MemoryNeed(shape.weights, kv, compute, slots, ctx_per_slot, GPU_PROCESS if gpu else CPU_PROCESS)
 
 
 def estimate(path: str | os.PathLike[str], slots: int, ctx_per_slot: int, n_ubatch: int, gpu: bool,
