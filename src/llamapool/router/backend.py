@@ -223,6 +223,8 @@ class Backend(JobTable):
             if w is None:
                 return
             queue.popleft()
+            if not queue:  # the placement policy hears soon that nothing waits (no load for a stale queue)
+                self._demand_soon = True
             remember(w, job.keys)
             self._start_on(w, job)
             for sib in job.siblings:  # the prompt's other choices: on the same worker, after the first

@@ -56,6 +56,7 @@ from llamapool.router.tables import Job, RequestStatus, RouterConfig, WorkerStat
 
 TICK = 0.1  # seconds between housekeeping passes
 DEMAND_EVERY = 1.0  # the placement policy hears the demand at least this often (and at once when it changes)
+DEMAND_SOON = 0.05  # ... and within this when a queue empties (not on every dispatch: the GIL is shared)
 
 __all__ = ["Router", "RouterConfig"]
 
@@ -105,6 +106,7 @@ class Router(Intake, Backend):
         self._demand: Demand | None = None  # the last demand sent to the supervisor, and when
         self._demand_at = 0.0
         self._demand_now = False  # a request waits for a model with no worker: tell the supervisor now
+        self._demand_soon = False  # a model's queue emptied: tell the supervisor within DEMAND_SOON
         self.gpus: list[dict[str, Any]] = []
         self.draining = False
         self.running = True
@@ -143,7 +145,7 @@ class Router(Intake, Backend):
                 next_tick = now + TICK
             self._dispatch()
             self._report_ready()
-            if self._demand_now:
+            if self._demand_now or (self._demand_soon and now - self._demand_at >= DEMAND_SOON):
                 self._report_demand(now)
         self._close()
 
@@ -263,8 +265,9 @@ class Router(Intake, Backend):
             models[model] = ModelDemand(len(queue), round(oldest, 1), self.last_used.get(model, float("-inf")))
         demand = Demand(models, {w.name: len(w.jobs) for w in self.workers.values()})
         if self._demand_now or demand != self._demand or now - self._demand_at >= DEMAND_EVERY:
-            self._demand, self._demand_at, self._demand_now = demand, now, False
             self.on_event(demand)
+            self._demand_at = now
+        self._demand, self._demand_now, self._demand_soon = demand, False, False
 
     def _report_ready(self) -> None:
         n = sum(1 for w in self.workers.values() if w.routable)

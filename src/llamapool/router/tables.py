@@ -194,6 +194,7 @@ class JobTable:
     next_rid: int
     metrics: RouterMetrics
     _demand_now: bool  # a request waits for a model with no worker: tell the supervisor now
+    _demand_soon: bool  # a model's queue emptied: tell the supervisor within DEMAND_SOON
     _back_keys: bool  # peers' keys (User-Id) readable on the backend
     _peer: Any  # the last backend frame
     _refused_at: dict[tuple[str, str], float]

@@ -14,10 +14,10 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from llamapool import log as logmod
-from llamapool.config import Config, ModelConfig, ram_budget
+from llamapool.config import Config, ModelConfig, ram_budget, step_budget
 from llamapool.protocol.control import Demand, ModelDemand
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor import memory, placement
@@ -27,30 +27,24 @@ from llamapool.supervisor.lifecycle import State
 LOG = logmod.Logger("supervisor")
 CPU = "cpu"  # the device id of the CPU workers' RAM budget
 MAX_BACKOFF = 600.0  # a failed model's back-off doubles up to this
-# What a worker process takes besides its model (memory.estimate): on a CPU worker, Python, llama.cpp,
-# numpy and llguidance (a worker of the tiny test model, a 4 MiB estimate, holds 67 MB resident); on a GPU,
-# the process's own CUDA context (several hundred MB of device memory, one per process)
-PROCESS_BYTES = {False: 96 << 20, True: 512 << 20}
-
-
-def worker_need(m: ModelConfig, gpu: bool) -> tuple[int, str]:
-    """What one worker of ``m`` takes (bytes, and the sum in words); (0, why) when the GGUF cannot be
-    read (a Hugging Face file not downloaded yet, or not a GGUF: its load will say)."""
-    if m.engine != "llama" or not m.path:
-        return PROCESS_BYTES[gpu], f"{memory.fmt_bytes(PROCESS_BYTES[gpu])} for the process"
-    try:
-        need = memory.estimate(m.path, m.slots, m.ctx_per_slot, m.n_ubatch, gpu=gpu, flash_attn=m.flash_attn)
-    except (OSError, ValueError, KeyError) as e:
-        LOG.warning(f"{m.name}: cannot estimate its memory from {m.path}: {e}", model=m.name)
-        return 0, f"unknown ({e})"
-    total = need.total + PROCESS_BYTES[gpu]
-    return total, (f"{need.text().rsplit(' = ', 1)[0]} + {memory.fmt_bytes(PROCESS_BYTES[gpu])} for the process "
-                   f"= {memory.fmt_bytes(total)}")
-
-
 def machine_ram() -> int:
     """The machine's RAM in bytes (the CPU budget's base)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def worker_need(m: ModelConfig, gpu: bool) -> tuple[int, str]:
+    """What one worker of ``m`` takes, its process included (bytes, and the sum in words); (0, why) when
+    the GGUF cannot be read (a Hugging Face file not downloaded yet, or not a GGUF: its load will say)."""
+    if m.engine != "llama" or not m.path:
+        process = memory.GPU_PROCESS if gpu else memory.CPU_PROCESS
+        return process, f"{memory.fmt_bytes(process)} process"
+    ubatch = memory.worker_ubatch(m.n_ubatch, step_budget(m.max_batch_tokens, m.slots, gpu), m.slots)
+    try:
+        need = memory.estimate(m.path, m.slots, m.ctx_per_slot, ubatch, gpu=gpu, flash_attn=m.flash_attn)
+    except (OSError, ValueError, KeyError) as e:
+        LOG.warning(f"{m.name}: cannot estimate its memory from {m.path}: {e}", model=m.name)
+        return 0, f"unknown ({e})"
+    return need.total, need.text()
 
 
 @dataclass
@@ -127,13 +121,19 @@ class Pool:
             lo, hi = rec.cfg.replica_bounds
             idle = rec.cfg.idle_unload if rec.cfg.idle_unload >= 0 else self.cfg.pool.idle_unload
             d = rec.demand
+            # idle since its last request, or since it was loaded: a model loaded by an operator (or whose
+            # load took longer than its idle_unload) is not unloaded before it could serve
+            loaded_at = max((s.ready_at for s in slots if s.model is not None and s.model.name == name
+                             and s.state == State.READY), default=float("-inf"))
             models.append(placement.ModelView(
-                name, rec.need, rec.cfg.load, lo, hi, idle, rec.pinned, d.queued + (1 if rec.want else 0),
-                d.oldest_wait, d.last_used, rec.retry_at, rec.allowed))
+                name, rec.need, cast(placement.Load, rec.cfg.load), lo, hi, idle, rec.pinned,
+                d.queued + (1 if rec.want else 0), d.oldest_wait, max(d.last_used, loaded_at), rec.retry_at,
+                rec.allowed))
         for s in slots:
             if s.model is None or s.model.name not in self.models or s.state not in _HELD:
                 continue
-            state = "ready" if s.state == State.READY else "loading" if s.state == State.STARTING else "draining"
+            state: placement.ReplicaState = "ready" if s.state == State.READY else \
+                "loading" if s.state == State.STARTING else "draining"
             replicas.append(placement.ReplicaView(
                 s.name, s.model.name, _device(s), state, self.active.get(s.name, 0), s.started_at,
                 self.idle_since.get(s.name) if state == "ready" else None))
