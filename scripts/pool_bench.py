@@ -117,10 +117,17 @@ async def streams(endpoint: str, model: str, n: int, seconds: float, max_tokens:
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
-async def light(endpoint: str, names: list[str], every: float, seconds: float, stats: dict[str, Any]) -> None:
+async def light(endpoint: str, names: list[str], every: float, seconds: float, stats: dict[str, Any],
+                skew: float = 0.0, seed: int = 0) -> None:
+    """A light request every ``every`` seconds: to ``names`` in turn (``skew`` 0), or to one drawn with
+    Zipf weights 1/rank**skew (the first name likeliest)."""
+    import random
+
     from llamapool import AsyncClient, LlamapoolError
 
     end, k = time.monotonic() + seconds, 0
+    rng = random.Random(seed)
+    weights = [1 / (r + 1) ** skew for r in range(len(names))]
     tasks = []
     async with AsyncClient(endpoint, timeout=600) as c:
         async def one(model: str) -> None:
@@ -131,7 +138,8 @@ async def light(endpoint: str, names: list[str], every: float, seconds: float, s
                 stats["errors"].append(f"{model}: {e}")
 
         while time.monotonic() < end:
-            tasks.append(asyncio.ensure_future(one(names[k % len(names)])))
+            pick = names[k % len(names)] if not skew else rng.choices(names, weights)[0]
+            tasks.append(asyncio.ensure_future(one(pick)))
             k += 1
             await asyncio.sleep(every)
         await asyncio.gather(*tasks)
@@ -178,6 +186,8 @@ async def main() -> None:
     ap.add_argument("--phases", type=int, default=3)
     ap.add_argument("--light-every", type=float, default=2.0)
     ap.add_argument("--min-residency", type=float, default=10.0)
+    ap.add_argument("--skew", type=float, default=0.0, help="light traffic: 0 cycles through the other models "
+                    "(least-recently-used eviction's worst case); s > 0 draws them with Zipf weights 1/rank**s")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,7 +245,8 @@ async def main() -> None:
             t0 = time.monotonic()
             watcher = asyncio.ensure_future(watch_loaded(endpoint, busy, loaded, a.seconds))
             await asyncio.gather(streams(endpoint, busy, a.streams, a.seconds, a.max_tokens, stats, loaded),
-                                 light(endpoint, others[phase:] + others[:phase], a.light_every, a.seconds, lstats))
+                                 light(endpoint, others[phase:] + others[:phase], a.light_every, a.seconds, lstats,
+                                       a.skew, phase))
             ready_after = await watcher
             served = time.monotonic() - t0 - max(ready_after, 0)
             rate = stats["tokens"] / served if served > 0 else 0.0
