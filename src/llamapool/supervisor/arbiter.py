@@ -63,6 +63,7 @@ from llamapool.supervisor.curve import Curve
 from llamapool.supervisor.env import cpu_threads, worker_env
 from llamapool.supervisor.gpuwatch import GpuWatch
 from llamapool.supervisor.lifecycle import State
+from llamapool.supervisor.listener import Listener
 from llamapool.supervisor.runlock import RunLock
 from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
@@ -88,6 +89,8 @@ class Supervisor:
         self.notify = Notifier.from_env()
         self.slots: list[WorkerSlot] = []  # the workers
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
+        self.listener: Listener | None = None  # the socket that [http] listen names; new gateways accept on it
+        self.listeners: list[Listener] = []  # it, and an old one that gateways a reload retires still accept on
         self.zctx = zmq.Context()
         self.stopping = False
         self.draining = False  # a SIGTERM/SIGINT drain is under way (a second signal stops at once)
@@ -169,7 +172,14 @@ class Supervisor:
         os.chmod(d, 0o700)
 
     def _start_router(self) -> bool:
-        """CURVE, the ``[metrics]`` listener and the router thread (``llamapool node`` has none of them)."""
+        """The ``[http]`` listening socket, CURVE, the ``[metrics]`` listener and the router thread
+        (``llamapool node`` has none of them)."""
+        if self.cfg.http is not None:
+            try:
+                self._listen(self.cfg.http.listen)
+            except OSError as e:
+                self._log(f"FATAL: http.listen: cannot listen on {self.cfg.http.listen}: {e}", "error")
+                return False
         self.curve.start(self.zctx, self.cfg)
         if self.cfg.metrics is not None and self.cfg.metrics.listen:
             from llamapool.supervisor.metrics_http import serve_metrics
@@ -206,11 +216,29 @@ class Supervisor:
             step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
         )
 
-    def _start_gateways(self) -> None:
-        if self.cfg.http is None:
+    def _listen(self, listen: str) -> None:
+        """Make the socket ``listen`` names the one new gateways accept on: the current one when it
+        names its address, else a new one bound now (OSError if that fails: nothing changes)."""
+        if self.listener is not None and self.listener.serves(listen):
             return
-        self._log(f"HTTP gateway: http://{self.cfg.http.listen} ({self.cfg.http.processes} process(es))")
-        self.gateways = [WorkerSlot(f"http{i}") for i in range(self.cfg.http.processes)]
+        self.listener = Listener.bind(listen)
+        self.listeners.append(self.listener)
+
+    def _release_listeners(self) -> list[Listener]:
+        """Close the supervisor's copy of each socket that [http] no longer names and that no gateway
+        is to accept on any more (the socket itself closes with the last gateway that holds it)."""
+        keep = {id(gw.listener) for gw in self.gateways if gw.state != State.STOPPED} | {id(self.listener)}
+        closed = [s for s in self.listeners if id(s) not in keep]
+        for old in closed:
+            self.listeners.remove(old)
+            old.close()
+        return closed
+
+    def _start_gateways(self) -> None:
+        if self.cfg.http is None or self.listener is None:
+            return
+        self._log(f"HTTP gateway: http://{self.listener.listen} ({self.cfg.http.processes} process(es))")
+        self.gateways = [WorkerSlot(f"http{i}", listener=self.listener) for i in range(self.cfg.http.processes)]
         for gw in self.gateways:
             self._start(gw)
 
@@ -248,10 +276,10 @@ class Supervisor:
             return Launch("llamapool.worker", spec.to_json(), {**env, **log_env, **lifeline.parent_env()})
         from llamapool.gateway import GatewaySpec
 
-        http = self.cfg.http
-        assert http is not None
-        host, port = http.host_port
-        spec_gw = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
+        http, listener = self.cfg.http, slot.listener
+        assert http is not None and listener is not None
+        spec_gw = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=listener.host, port=listener.port,
+                              listen_fd=listener.fd,
                               model=self.cfg.model_name, api_keys_file=http.api_keys_file,
                               drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
                               max_message_bytes=self.cfg.server.max_message_bytes,
@@ -266,7 +294,7 @@ class Supervisor:
                               send_buffer_bytes=http.send_buffer_bytes,
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
-                      {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})
+                      {**scrub_env(os.environ), **log_env, **lifeline.parent_env()}, pass_fds=(listener.fd,))
 
     def _spec(self, slot: WorkerSlot) -> WorkerSpec:
         m, w = slot.model or self.cfg.model, self.cfg.workers
@@ -609,12 +637,25 @@ class Supervisor:
             await asyncio.wait_for(slot.ready_event.wait(), self.cfg.workers.start_timeout)
 
     async def _reload_gateways(self) -> None:
-        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones (they share the
-        port), then let the old ones drain. If the new ones do not listen, the old ones keep serving."""
-        old = self.gateways
+        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones, accepting on
+        the same listening socket (a new one if ``[http] listen`` names another address), then let the
+        old ones stop accepting and finish what they have: a connection the kernel has queued is
+        accepted by a new one, never reset. If the new ones do not start, the old ones keep serving."""
+        before = self.gateways
+        old = [gw for gw in before if gw.state != State.STOPPED]  # not those an earlier reload stops
+        was = self.listener
+        if self.cfg.http is None:  # [http] removed: the old gateways stop, and the socket with them
+            self.listener = None
+        else:
+            try:
+                self._listen(self.cfg.http.listen)
+            except OSError as e:
+                self._log(f"reload: http.listen: cannot listen on {self.cfg.http.listen}: {e}; the HTTP gateways "
+                          f"keep serving on http://{was.listen if was else '-'} as they are", "error")
+                return
         self._start_gateways()
-        new = [gw for gw in self.gateways if gw not in old]
-        self.gateways = new + old  # a stop during the switch reaches them all
+        new = [gw for gw in self.gateways if gw not in before]
+        self.gateways = new + before  # a stop during the switch reaches them all
         end = time.monotonic() + 15
         while time.monotonic() < end and not self.stopping and any(gw.state != State.READY for gw in new) \
                 and not any(gw.state == State.FAILED for gw in new):
@@ -624,14 +665,25 @@ class Supervisor:
         ok = all(gw.state == State.READY for gw in new)
         if not ok:
             self._log("reload: the new HTTP gateway processes did not start listening; the old ones keep serving")
+            self.listener = was
         retired = old if ok else new
+        for gw in retired:
+            gw.state = State.STOPPED
+        for closed in self._release_listeners():  # an old address: it closes as its last gateway stops accepting
+            self._log(f"HTTP gateway: {closed.listen} closes as its old gateways stop accepting (they finish "
+                      f"their requests)")
         await stop(retired, self.cfg.server.drain_timeout + 5)
         self.gateways = [gw for gw in self.gateways if gw not in retired]
 
     # ------------------------------------------------------------ stopping
 
     async def _stop_gateways(self, grace: float) -> None:
-        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL."""
+        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL.
+        The listening socket closes as the last gateway stops accepting: new connections are refused."""
+        self.listener = None
+        for gw in self.gateways:
+            gw.state = State.STOPPED
+        self._release_listeners()
         await stop(self.gateways, grace)
 
     async def _shutdown_workers(self) -> None:

@@ -1,0 +1,262 @@
+"""A reload resets nothing: SIGHUP ten times while 200 streams run and new connections keep coming.
+
+The daemon runs as a process tree (two gateway processes, on loopback); the client is raw HTTP/1.1
+over asyncio streams, one request per connection, so that nothing retries or hides a reset: every
+connection must get its whole answer. The supervisor binds the listening socket and each gateway
+inherits it (supervisor/listener.py); with gateways that bound their own SO_REUSEPORT sockets, the
+connections queued on an old gateway's socket when it closed were reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import Daemon, launch, write_config
+from tests.test_gateway import free_port, wait_http
+from tests.test_gateway_lifecycle import gateway_pids
+
+STREAMS = 200  # concurrent streams, each a new connection when the last one ends
+PROBES = 8  # connections opened back to back, each for one GET /health
+RELOADS = 10
+MAX_TOKENS = 12  # a stream's length: short, so that each reload's old processes drain at once
+DEADLINE = 30.0  # seconds one request may take (it waits for a slot while the worker is replaced)
+
+
+@dataclass
+class Tally:
+    """What the clients saw: answers, resets, and every other failure by kind (with one example)."""
+
+    streams: int = 0
+    probes: int = 0
+    resets: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    example: dict[str, str] = field(default_factory=dict)
+
+    def fail(self, kind: str, what: str, reset: bool = False) -> None:
+        (self.resets if reset else self.failed)[kind] += 1
+        self.example.setdefault(kind, what)
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One HTTP/1.1 response: its status and its body (Content-Length or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        body = bytearray()
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                return status, bytes(body)
+            body += chunk[:-2]
+    return status, await reader.readexactly(int(headers.get("content-length", "0")))
+
+
+async def exchange(port: int, request: bytes, tally: Tally) -> bytes | None:
+    """Send ``request`` on a new connection, read its response, close: the body of a 200, else None
+    (and the failure counted: a reset, or any other)."""
+    writer = None
+    try:
+        async with asyncio.timeout(DEADLINE):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            await writer.drain()
+            status, body = await read_response(reader)
+    except (ConnectionResetError, BrokenPipeError) as e:
+        tally.fail(type(e).__name__, repr(e), reset=True)
+        return None
+    except asyncio.IncompleteReadError as e:  # the connection closed before the whole response
+        tally.fail("closed before the response ended", f"{len(e.partial)} bytes: {e.partial[-200:]!r}", reset=True)
+        return None
+    except (OSError, TimeoutError, ValueError) as e:
+        tally.fail(type(e).__name__, repr(e))
+        return None
+    finally:
+        if writer is not None:
+            writer.close()
+    if status != 200:
+        tally.fail(f"HTTP {status}", body[:300].decode(errors="replace"))
+        return None
+    return body
+
+
+def stream_ok(body: bytes) -> str | None:
+    """Why a completion's event stream is not whole (None: it is)."""
+    events = [ln[6:] for ln in body.decode().split("\n") if ln.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return f"no [DONE] at the end: {body[-300:]!r}"
+    chunks = [json.loads(e) for e in events[:-1]]
+    if any("error" in c for c in chunks):
+        return f"an error event: {body[-300:]!r}"
+    finishes = [ch.get("finish_reason") for c in chunks for ch in c.get("choices", [])]
+    return None if "length" in finishes else f"no finish_reason 'length': {body[-300:]!r}"
+
+
+async def streamer(port: int, model: str, stop: asyncio.Event, tally: Tally) -> None:
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": MAX_TOKENS, "stream": True,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+    while not stop.is_set():
+        answer = await exchange(port, request, tally)
+        if answer is not None:
+            why = stream_ok(answer)
+            if why is None:
+                tally.streams += 1
+            else:
+                tally.fail("stream not whole", why)
+
+
+async def prober(port: int, stop: asyncio.Event, tally: Tally) -> None:
+    request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    while not stop.is_set():
+        if await exchange(port, request, tally) is not None:
+            tally.probes += 1
+
+
+def log_count(d: Daemon, text: str) -> int:
+    return d.log.read_text(errors="replace").count(text)
+
+
+async def reload_under_load(d: Daemon, port: int, model: str) -> tuple[Tally, list[float]]:
+    """Run the load, SIGHUP ``RELOADS`` times (each once the last one's new gateways listen and its
+    worker is replaced), stop the load once the last one is done; what the clients saw, and how long
+    each reload took until its new gateways listened."""
+    tally, stop = Tally(), asyncio.Event()
+    tasks = [asyncio.create_task(streamer(port, model, stop, tally)) for _ in range(STREAMS)]
+    tasks += [asyncio.create_task(prober(port, stop, tally)) for _ in range(PROBES)]
+    took = []
+    try:
+        while tally.streams < STREAMS and not tally.failed and not tally.resets:  # every stream under way
+            await asyncio.sleep(0.05)
+        listening, done = log_count(d, "listening on http"), log_count(d, "reload done")
+        for _ in range(RELOADS):
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGHUP)
+            end = t0 + 60
+            while log_count(d, "listening on http") < listening + 2 or log_count(d, "reload done") < done + 1:
+                assert time.monotonic() < end and d.proc.poll() is None, f"a reload did not end:\n{d.log_text()}"
+                await asyncio.sleep(0.05)
+            took.append(time.monotonic() - t0)
+            listening, done = listening + 2, done + 1
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    return tally, took
+
+
+def test_ten_reloads_under_200_streams_reset_nothing(tmp_path: Path, model_path: str) -> None:
+    port = free_port()
+    d = launch(tmp_path / "d", model_path, http={"listen": f"127.0.0.1:{port}", "processes": 2},
+               model={"ctx_per_slot": 64}, workers={"cpu_workers": 1, "slots": 64},
+               server={"drain_timeout": 20.0, "queue_timeout": DEADLINE})
+    try:
+        d.wait_ready(1)
+        wait_http(f"http://127.0.0.1:{port}", d)
+        model = Path(model_path).stem
+        t0 = time.monotonic()
+        tally, took = asyncio.run(reload_under_load(d, port, model))
+        seconds = time.monotonic() - t0
+        print(f"{RELOADS} reloads in {seconds:.1f} s (until new gateways listened: "
+              f"{', '.join(f'{t:.1f}' for t in took)} s); {tally.streams} streams and {tally.probes} probes "
+              f"answered whole; resets {dict(tally.resets)}; failed {dict(tally.failed)}")
+        assert not tally.resets and not tally.failed, (tally, d.log_text())
+        assert tally.streams >= 2 * STREAMS and tally.probes >= RELOADS, tally
+        assert log_count(d, "reload done") == RELOADS
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
+
+
+# ---------------------------------------------------------------- [http] listen changed by a reload
+
+
+def test_a_reload_moves_to_a_new_listen_address_or_refuses_a_taken_one(tmp_path: Path, model_path: str) -> None:
+    """A new ``listen`` is bound and served by the new gateways; the old address closes with the old
+    ones. One that cannot be bound is refused with a log line, and the gateways keep the old one."""
+    first, second = free_port(), free_port()
+    sections: dict[str, Any] = {"workers": {"cpu_workers": 1}, "http": {"listen": f"127.0.0.1:{first}"}}
+    d = launch(tmp_path / "d", model_path, **sections)
+    try:
+        d.wait_ready(1)
+        wait_http(f"http://127.0.0.1:{first}", d)
+        with socket.socket() as taken:  # no SO_REUSEPORT on it: the daemon's bind fails
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            write_config(d.config, model_path, d.config.parent / "run",
+                         **{**sections, "http": {"listen": f"127.0.0.1:{port}"}})
+            d.proc.send_signal(signal.SIGHUP)
+            d.wait_log(f"reload: http.listen: cannot listen on 127.0.0.1:{port}")
+            d.wait_log("reload done")
+        assert httpx.get(f"http://127.0.0.1:{first}/health", timeout=5).status_code == 200
+        write_config(d.config, model_path, d.config.parent / "run",
+                     **{**sections, "http": {"listen": f"127.0.0.1:{second}"}})
+        d.proc.send_signal(signal.SIGHUP)
+        wait_http(f"http://127.0.0.1:{second}", d)
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            try:
+                httpx.get(f"http://127.0.0.1:{first}/health", timeout=2)
+            except httpx.ConnectError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the old address still answers:\n{d.log_text()}")
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
+
+
+def test_a_taken_http_port_is_a_start_up_error(tmp_path: Path, model_path: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        d = launch(tmp_path / "d", model_path, http={"listen": f"127.0.0.1:{port}"})
+        try:
+            assert d.proc.wait(30) == 1
+        except Exception:
+            d.stop(signal.SIGQUIT)
+            raise
+    assert f"http.listen: cannot listen on 127.0.0.1:{port}" in d.log_text()
+
+
+def test_a_stopping_gateway_serves_the_connections_it_has_accepted(tmp_path: Path, model_path: str) -> None:
+    """A connection accepted before the gateway stopped accepting is served, then closed, though its
+    request had not come (or not all of it) when the stop began; uvicorn alone would close it."""
+    port = free_port()
+    d = launch(tmp_path / "d", model_path, workers={"cpu_workers": 1}, http={"listen": f"127.0.0.1:{port}"})
+    try:
+        d.wait_ready(1)
+        wait_http(f"http://127.0.0.1:{port}", d)
+        head = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+        fresh, half = socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port))
+        half.sendall(head[:10])
+        time.sleep(0.3)  # both accepted by the one gateway
+        (pid,) = gateway_pids(f"http://127.0.0.1:{port}")
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(1.0)  # it has stopped accepting (uvicorn looks every 0.1 s) and asked each connection to end
+        for conn, rest in ((fresh, head), (half, head[10:])):
+            conn.settimeout(10)
+            conn.sendall(rest)
+            answer = b""
+            while chunk := conn.recv(65536):  # to the end: the gateway closes once it has answered
+                answer += chunk
+            conn.close()
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            assert b"\r\n\r\n" in answer and answer.endswith(b"}"), answer
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
