@@ -26,10 +26,10 @@ from tests.test_gateway import free_port, wait_http
 from tests.test_gateway_lifecycle import gateway_pids
 
 STREAMS = 200  # concurrent streams, each a new connection when the last one ends
-PROBES = 4  # connections opened back to back, each for one GET /health
+PROBES = 2  # connections opened back to back, each for one GET /health
 RELOADS = 10
-GATEWAYS = 1  # gateway processes
-MAX_TOKENS = 8  # a stream's length: short, so that each reload's old processes drain at once
+GATEWAYS = 1  # gateway processes, all accepting on the one socket
+MAX_TOKENS = 8  # a stream's length: short, so that each reload's old gateways finish soon
 DEADLINE = 30.0  # seconds one request may take (it waits for a slot while the worker is replaced)
 
 
@@ -39,6 +39,7 @@ class Tally:
 
     streams: int = 0
     probes: int = 0
+    streaming: int = 0  # stream requests under way now (their connection opened, their answer not all read)
     resets: Counter[str] = field(default_factory=Counter)
     failed: Counter[str] = field(default_factory=Counter)
     example: dict[str, str] = field(default_factory=dict)
@@ -111,7 +112,9 @@ async def streamer(port: int, model: str, stop: asyncio.Event, tally: Tally) -> 
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\n\r\n").encode() + body
     while not stop.is_set():
+        tally.streaming += 1
         answer = await exchange(port, request, tally)
+        tally.streaming -= 1
         if answer is not None:
             why = stream_ok(answer)
             if why is None:
@@ -133,32 +136,25 @@ def log_count(d: Daemon, text: str) -> int:
 
 async def reload_under_load(d: Daemon, port: int, model: str) -> tuple[Tally, list[float]]:
     """Run the load, SIGHUP ``RELOADS`` times (each once the last one's new gateways listen and its
-    worker is replaced), stop the load once the last one is done; what the clients saw, and how long
-    each reload took until its new gateways listened."""
+    worker is replaced), stop the load once the last one is done: what the clients saw, and how long
+    each reload took."""
     tally, stop = Tally(), asyncio.Event()
     tasks = [asyncio.create_task(streamer(port, model, stop, tally)) for _ in range(STREAMS)]
     tasks += [asyncio.create_task(prober(port, stop, tally)) for _ in range(PROBES)]
     took = []
     try:
-        while tally.streams < STREAMS and not tally.failed and not tally.resets:  # every stream under way
+        while not tally.streams and not tally.failed and not tally.resets:  # the streams flow
             await asyncio.sleep(0.05)
         listening, done = log_count(d, "listening on http"), log_count(d, "reload done")
         for _ in range(RELOADS):
+            assert tally.streaming == STREAMS  # each streamer is in a request whenever this task runs
             t0 = time.monotonic()
             d.proc.send_signal(signal.SIGHUP)
-            end = t0 + 60
-            marks = {}
-            while log_count(d, "listening on http") < listening + GATEWAYS or log_count(d, "reload done") < done + 1:
-                assert time.monotonic() < end and d.proc.poll() is None, f"a reload did not end:\n{d.log_text()}"
-                for k in ("cpu0: started pid", "ready: 1 of 1"):
-                    if k not in marks and log_count(d, k) > done + (1 if k.startswith("cpu") else 0):
-                        marks[k] = round(time.monotonic() - t0, 2)
-                if "gw" not in marks and log_count(d, "listening on http") >= listening + GATEWAYS:
-                    marks["gw"] = round(time.monotonic() - t0, 2)
-                await asyncio.sleep(0.05)
-            print(marks)
-            took.append(time.monotonic() - t0)
             listening, done = listening + GATEWAYS, done + 1
+            while log_count(d, "listening on http") < listening or log_count(d, "reload done") < done:
+                assert time.monotonic() < t0 + 60 and d.proc.poll() is None, f"a reload did not end:\n{d.log_text()}"
+                await asyncio.sleep(0.05)
+            took.append(time.monotonic() - t0)
             await asyncio.sleep(0.2)
     finally:
         stop.set()
@@ -170,19 +166,17 @@ def test_ten_reloads_under_200_streams_reset_nothing(tmp_path: Path, model_path:
     port = free_port()
     d = launch(tmp_path / "d", model_path, http={"listen": f"127.0.0.1:{port}", "processes": GATEWAYS},
                model={"ctx_per_slot": 64}, workers={"cpu_workers": 1, "slots": 64},
-               server={"drain_timeout": 20.0, "queue_timeout": DEADLINE})
+               server={"drain_timeout": 60.0, "queue_timeout": DEADLINE})
     try:
         d.wait_ready(1)
         wait_http(f"http://127.0.0.1:{port}", d)
-        model = Path(model_path).stem
         t0 = time.monotonic()
-        tally, took = asyncio.run(reload_under_load(d, port, model))
-        seconds = time.monotonic() - t0
-        print(f"{RELOADS} reloads in {seconds:.1f} s (until new gateways listened: "
-              f"{', '.join(f'{t:.1f}' for t in took)} s); {tally.streams} streams and {tally.probes} probes "
-              f"answered whole; resets {dict(tally.resets)}; failed {dict(tally.failed)}")
+        tally, took = asyncio.run(reload_under_load(d, port, Path(model_path).stem))
+        print(f"{RELOADS} reloads under {STREAMS} streams in {time.monotonic() - t0:.1f} s (each "
+              f"{min(took):.1f}-{max(took):.1f} s); {tally.streams} streams and {tally.probes} probes answered "
+              f"whole; resets {dict(tally.resets)}; failed {dict(tally.failed)}")
         assert not tally.resets and not tally.failed, (tally, d.log_text())
-        assert tally.streams >= 2 * STREAMS and tally.probes >= RELOADS, tally
+        assert tally.streams >= STREAMS and tally.probes >= RELOADS, tally
         assert log_count(d, "reload done") == RELOADS
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
