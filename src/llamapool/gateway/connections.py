@@ -45,7 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 RESERVED_FDS = 64  # for the router connection, the listening socket, stdio, uvloop's own
 AUTO_MAX_CONNECTIONS = 4096  # per gateway process when the fd limit allows more
 LOG_QUIET = 10.0  # seconds between two lines of one kind
-SHUTDOWN_GRACE = 2.0  # seconds a connection accepted just before a graceful stop has to send its request
+SHUTDOWN_GRACE = 5.0  # seconds a connection accepted just before a graceful stop has to send its request
 # Linux's struct tcp_info: the offsets of tcpi_bytes_acked (u64, since 4.1) and tcpi_notsent_bytes (u32, 4.6)
 TCPI_BYTES_ACKED, TCPI_NOTSENT_BYTES = 120, 144
 

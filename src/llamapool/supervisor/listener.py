@@ -16,11 +16,6 @@ import socket
 from dataclasses import dataclass
 
 BACKLOG = 2048  # connections the kernel queues before any gateway accepts them (uvicorn's default)
-# TCP_DEFER_ACCEPT (nginx's ``deferred``): a connection is queued for accept() once its first bytes have
-# come, or once it has been silent this many seconds. A gateway that stops (a reload) has then never
-# accepted a connection whose request is still on its way from a slow client: the kernel holds it, and
-# a gateway that still accepts takes it when its request comes.
-DEFER_ACCEPT_S = 10
 
 
 def split(listen: str) -> tuple[str, int]:
@@ -47,8 +42,6 @@ class Listener:
             # old socket, and a daemon restarted after a kill -9 binds while the killed one's gateways
             # still hold theirs (for a second, until they notice)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if hasattr(socket, "TCP_DEFER_ACCEPT"):  # Linux
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT_S)
             sock.bind((host, port))
             sock.listen(BACKLOG)
         except OSError:
