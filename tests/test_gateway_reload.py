@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llamapool.supervisor.listener import Listener
 from tests.conftest import Daemon, launch, write_config
 from tests.test_gateway import free_port, wait_http
 from tests.test_gateway_lifecycle import gateway_pids
@@ -274,3 +275,23 @@ def test_a_connection_opened_before_a_reload_is_served_whatever_it_had_sent(tmp_
             assert status.startswith(b"HTTP/1.1 200") and body["status"] == "ok", (status, body)
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
+
+
+def test_the_socket_is_kept_when_listen_names_its_address_otherwise() -> None:
+    """A reload keeps the socket when ``listen`` names its address, however written (a second socket
+    bound next to it with SO_REUSEPORT would take half the connections, and reset those queued on it
+    when it closed); another address gets a socket of its own."""
+    listener = Listener.bind("127.0.0.1:0")
+    try:
+        port = listener.port
+        assert listener.serves("127.0.0.1:0") and listener.serves(f"127.0.0.1:{port}")
+        assert listener.serves(f"localhost:{port}")
+        assert not listener.serves(f"127.0.0.1:{free_port()}") and not listener.serves(f"[::1]:{port}")
+        assert not listener.serves(f"no-such-host.invalid:{port}")
+        with socket.socket() as taken:  # without SO_REUSEPORT: a bind next to it fails
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError):
+                Listener.bind(f"127.0.0.1:{taken.getsockname()[1]}")
+    finally:
+        listener.close()

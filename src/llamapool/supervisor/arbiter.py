@@ -176,7 +176,7 @@ class Supervisor:
         (``llamapool node`` has none of them)."""
         if self.cfg.http is not None:
             try:
-                self._listen(self.cfg.http.listen)
+                self._listen(self._listener_for(self.cfg.http.listen))
             except OSError as e:
                 self._log(f"FATAL: http.listen: cannot listen on {self.cfg.http.listen}: {e}", "error")
                 return False
@@ -216,13 +216,18 @@ class Supervisor:
             step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
         )
 
-    def _listen(self, listen: str) -> None:
-        """Make the socket ``listen`` names the one new gateways accept on: the current one when it
-        names its address, else a new one bound now (OSError if that fails: nothing changes)."""
+    def _listener_for(self, listen: str) -> Listener:
+        """The socket that ``listen`` names: the current one when it names its address, else one bound
+        now (OSError if that fails). It may resolve a host name: a reload calls it in a thread."""
         if self.listener is not None and self.listener.serves(listen):
-            return
-        self.listener = Listener.bind(listen)
-        self.listeners.append(self.listener)
+            return self.listener
+        return Listener.bind(listen)
+
+    def _listen(self, listener: Listener) -> None:
+        """Make ``listener`` the socket new gateways accept on."""
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+        self.listener = listener
 
     def _release_listeners(self) -> list[Listener]:
         """Close the supervisor's copy of each socket that [http] no longer names and that no gateway
@@ -641,18 +646,24 @@ class Supervisor:
         the same listening socket (a new one if ``[http] listen`` names another address), then let the
         old ones stop accepting and finish what they have: a connection the kernel has queued is
         accepted by a new one, never reset. If the new ones do not start, the old ones keep serving."""
-        before = self.gateways
-        old = [gw for gw in before if gw.state != State.STOPPED]  # not those an earlier reload stops
         was = self.listener
         if self.cfg.http is None:  # [http] removed: the old gateways stop, and the socket with them
             self.listener = None
         else:
             try:
-                self._listen(self.cfg.http.listen)
+                listener = await asyncio.to_thread(self._listener_for, self.cfg.http.listen)
             except OSError as e:
-                self._log(f"reload: http.listen: cannot listen on {self.cfg.http.listen}: {e}; the HTTP gateways "
-                          f"keep serving on http://{was.listen if was else '-'} as they are", "error")
+                kept = f"the HTTP gateways keep serving on http://{was.listen} as they are" if was else \
+                    "no HTTP gateway starts"
+                self._log(f"reload: http.listen: cannot listen on {self.cfg.http.listen}: {e}; {kept}", "error")
                 return
+            if self.stopping:  # a stop came meanwhile: it stops the gateways there are
+                if listener is not was:
+                    listener.close()
+                return
+            self._listen(listener)
+        before = self.gateways
+        old = [gw for gw in before if gw.state != State.STOPPED]  # not those an earlier reload stops
         self._start_gateways()
         new = [gw for gw in self.gateways if gw not in before]
         self.gateways = new + before  # a stop during the switch reaches them all
