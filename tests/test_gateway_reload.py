@@ -29,6 +29,7 @@ from tests.test_gateway_lifecycle import gateway_pids
 
 STREAMS = 200  # concurrent streams, each a new connection when the last one ends
 PROBES = 2  # connections opened back to back, each for one GET /health
+SURGE, SURGE_S = 32, 1.0  # as many more once a reload's new gateways listen, for this long: the old ones stop
 RELOADS = 10
 GATEWAYS = 1  # gateway processes (test_a_reload_moves_... runs two)
 MAX_TOKENS = 8  # a stream's length: short, so that each reload's old gateways finish soon
@@ -136,10 +137,20 @@ def log_count(d: Daemon, text: str) -> int:
     return d.log.read_text(errors="replace").count(text)
 
 
+async def surge(port: int, tally: Tally) -> None:
+    """``SURGE`` more probers for ``SURGE_S`` seconds: the old gateways stop accepting meanwhile, and
+    connections are queued on the socket as they do."""
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(prober(port, stop, tally)) for _ in range(SURGE)]
+    await asyncio.sleep(SURGE_S)
+    stop.set()
+    await asyncio.gather(*tasks)
+
+
 async def reload_under_load(d: Daemon, port: int, model: str) -> tuple[Tally, list[float]]:
     """Run the load, SIGHUP ``RELOADS`` times (each once the last one's new gateways listen and its
-    worker is replaced), stop the load once the last one is done: what the clients saw, and how long
-    each reload took."""
+    worker is replaced; a surge of new connections as the old gateways stop), stop the load once the
+    last one is done: what the clients saw, and how long each reload took."""
     tally, stop = Tally(), asyncio.Event()
     tasks = [asyncio.create_task(streamer(port, model, stop, tally)) for _ in range(STREAMS)]
     tasks += [asyncio.create_task(prober(port, stop, tally)) for _ in range(PROBES)]
@@ -153,7 +164,11 @@ async def reload_under_load(d: Daemon, port: int, model: str) -> tuple[Tally, li
             t0 = time.monotonic()
             d.proc.send_signal(signal.SIGHUP)
             listening, done = listening + GATEWAYS, done + 1
-            while log_count(d, "listening on http") < listening or log_count(d, "reload done") < done:
+            while log_count(d, "listening on http") < listening:
+                assert time.monotonic() < t0 + 60 and d.proc.poll() is None, f"no new gateway:\n{d.log_text()}"
+                await asyncio.sleep(0.02)
+            await surge(port, tally)  # the supervisor tells the old gateways to stop as the new ones listen
+            while log_count(d, "reload done") < done:
                 assert time.monotonic() < t0 + 60 and d.proc.poll() is None, f"a reload did not end:\n{d.log_text()}"
                 await asyncio.sleep(0.05)
             took.append(time.monotonic() - t0)
