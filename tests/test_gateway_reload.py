@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import time
@@ -244,6 +245,38 @@ def test_a_reload_moves_to_a_new_listen_address_or_refuses_a_taken_one(tmp_path:
         assert f"HTTP gateway: {first.removeprefix('http://')} closes as its old gateways stop accepting" \
             in d.log_text()
         assert httpx.get(second + "/health", timeout=5).status_code == 200
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
+
+
+def test_once_every_gateway_has_failed_connections_are_refused_until_a_reload(tmp_path: Path,
+                                                                              model_path: str) -> None:
+    """The supervisor's socket would queue connections that no gateway will ever accept: once every
+    gateway has failed for good it is closed (a client is refused at once), and a reload binds it again."""
+    url = f"http://127.0.0.1:{free_port()}"
+    d = launch(tmp_path / "d", model_path, workers={"cpu_workers": 1, "flap_limit": 1, "restart_backoff": 0.1},
+               http={"listen": url.removeprefix("http://")})
+    try:
+        d.wait_ready(1)
+        wait_http(url, d)
+        for listened in (1, 2):  # the second death within flap_window is one too many
+            end = time.monotonic() + 30
+            while log_count(d, "listening on http") < listened:
+                assert time.monotonic() < end, d.log_text()
+                time.sleep(0.05)
+            (pid,) = gateway_pids(url)
+            os.kill(pid, signal.SIGKILL)
+        d.wait_log("http0: FAILED, not restarting")
+        end = time.monotonic() + 5
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=1)
+            except httpx.ConnectError:  # refused
+                break
+            except httpx.TimeoutException:
+                assert time.monotonic() < end, "connections wait on a socket that no gateway accepts from"
+        d.proc.send_signal(signal.SIGHUP)
+        wait_http(url, d)
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
 

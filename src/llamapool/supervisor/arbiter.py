@@ -232,7 +232,8 @@ class Supervisor:
     def _release_listeners(self) -> list[Listener]:
         """Close the supervisor's copy of each socket that [http] no longer names and that no gateway
         is to accept on any more (the socket itself closes with the last gateway that holds it)."""
-        keep = {id(gw.listener) for gw in self.gateways if gw.state != State.STOPPED} | {id(self.listener)}
+        keep = {id(gw.listener) for gw in self.gateways if gw.state not in (State.STOPPED, State.FAILED)} | \
+            {id(self.listener)}
         closed = [s for s in self.listeners if id(s) not in keep]
         for old in closed:
             self.listeners.remove(old)
@@ -379,6 +380,14 @@ class Supervisor:
             self._spawn_task(self._restart_later(slot, delay))
             return
         self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
+        serving = [gw for gw in self.gateways if gw.listener is self.listener and gw.state != State.STOPPED]
+        if not slot.is_worker and self.listener is not None and all(gw.state == State.FAILED for gw in serving):
+            # nothing accepts on the socket any more: close it, so that a client is refused at once
+            # rather than wait in its queue for ever (a reload binds it again)
+            self._log(f"HTTP gateway: every gateway process failed: no longer listening on {self.listener.listen} "
+                      f"until a reload", "error")
+            self.listener = None
+            self._release_listeners()
 
     async def _restart_later(self, slot: WorkerSlot, delay: float) -> None:
         await asyncio.sleep(delay)
