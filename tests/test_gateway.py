@@ -438,7 +438,7 @@ def test_the_gateway_is_restarted_when_it_dies(gateway: tuple[Daemon, str], clie
 
 
 def test_sigterm_lets_streams_in_flight_finish(tmp_path: Path, model_path: str) -> None:
-    """Two gateway processes share the port (SO_REUSEPORT); SIGTERM drains both."""
+    """Two gateway processes accept on the supervisor's listening socket; SIGTERM drains both."""
     d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1}, http={"processes": 2})
     port = url.rsplit(":", 1)[1]
     pids = subprocess.run(["pgrep", "-f", f"llamapool.gateway .*{port}"], capture_output=True, text=True).stdout

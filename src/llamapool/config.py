@@ -129,7 +129,7 @@ class HttpConfig:
     """The OpenAI-compatible HTTP gateway; no ``[http]`` table, no gateway."""
 
     listen: str = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
-    processes: int = 1  # gateway processes sharing the port (SO_REUSEPORT)
+    processes: int = 1  # gateway processes accepting on the supervisor's one listening socket
     api_keys_file: str = ""  # one key per line; "" -> no authentication
     request_timeout: float = 600.0  # seconds a request may take in all -> 504
     # cross-site protection (gateway/origins.py, docs/security.md)

@@ -2,7 +2,8 @@
 
 Each gateway process is an ordinary client of the router (one :class:`llamapool.AsyncClient`), so a
 request travels HTTP -> gateway -> router -> worker and back. The supervisor starts, restarts and
-drains the gateway processes like workers; several share the port with SO_REUSEPORT.
+drains the gateway processes like workers; it binds the listening socket and every gateway process
+inherits it, so they all accept from one kernel queue (``supervisor/listener.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ class GatewaySpec:
 
     name: str
     frontend: str  # the router's frontend endpoint
-    host: str
+    host: str  # the address the socket is bound to, as [http] listen names it (the Host check: origins.py)
     port: int
+    listen_fd: int  # the supervisor's listening socket, inherited at this descriptor number
     model: str  # the pool's first model: a request without ``model`` gets it (/v1/models asks the router)
     api_keys_file: str = ""  # "" -> no authentication
     drain_timeout: float = 60.0

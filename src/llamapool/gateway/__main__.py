@@ -1,7 +1,8 @@
 """A gateway process: ``python -m llamapool.gateway SPEC_JSON`` (started by the supervisor).
 
-It binds its own listening socket with SO_REUSEPORT, so several gateway processes share the port
-and the kernel spreads connections between them. SIGTERM stops accepting connections and lets the
+It accepts on the listening socket it inherits from the supervisor (descriptor ``listen_fd``), which
+every gateway process shares (``supervisor/listener.py``): it never binds one. SIGTERM stops accepting
+(the others, and a reload's new ones, go on taking connections from the socket's queue) and lets the
 requests in flight finish (up to ``drain_timeout``), then exits 0.
 """
 
@@ -22,14 +23,12 @@ from llamapool.gateway import GatewaySpec
 QUEUED_REPLIES = 2048
 
 
-def listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.set_inheritable(True)
+def inherited(fd: int) -> socket.socket:
+    """The supervisor's listening socket at descriptor ``fd``; OSError when it is not one."""
+    sock = socket.socket(fileno=fd)
+    if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()
+        raise OSError(f"descriptor {fd} is not a listening TCP socket")
     return sock
 
 
@@ -49,9 +48,9 @@ async def serve(spec: GatewaySpec) -> int:
     if warning:
         log.warning(warning)
     try:
-        sock = listen(spec.host, spec.port)
+        sock = inherited(spec.listen_fd)
     except OSError as e:
-        log.error(f"FATAL: cannot listen on {spec.host}:{spec.port}: {e}")
+        log.error(f"FATAL: no listening socket from the supervisor: {e}")
         return 78
     curve = bool(spec.server_key)  # a tcp:// frontend with CURVE: the supervisor's internal key
     # one client for the process, closed on the way out whatever happens (a request still running on the
@@ -81,7 +80,7 @@ async def serve(spec: GatewaySpec) -> int:
 
 async def _exit_with_supervisor(name: str) -> None:
     """The gateway runs in its own session, so it would outlive a supervisor killed with SIGKILL,
-    holding the port (which a new daemon's gateway would then share) in front of a dead router.
+    holding the listening socket (and accepting connections) in front of a dead router.
     Like a worker, it exits when its parent changes."""
     parent = os.getppid()
     while True:

@@ -17,7 +17,12 @@ subclasses that protocol (uvicorn takes the class as ``Config(http=...)``) and a
   are not held back meanwhile (so a stream's replies never queue up in the gateway), and past it
   the client is disconnected, which cancels its request on the worker;
 - ``send_timeout``: a client that has taken none of its waiting reply for this long (checked every
-  second from TCP_INFO: bytes acked, bytes not yet sent) is disconnected too.
+  second from TCP_INFO: bytes acked, bytes not yet sent) is disconnected too;
+- a graceful stop (SIGTERM: the daemon stops, or a reload retires this process) closes a connection
+  only between two requests: one accepted whose request has not arrived, or not all of it (it may be
+  in the kernel's buffer still), is served, then closed (uvicorn would close it at once, which a
+  request already sent sees as a reset); one accepted that sends nothing is closed after
+  ``SHUTDOWN_GRACE`` seconds.
 
 Sheds, refusals and disconnects are logged, at most one line per reason every 10 s (with the count).
 """
@@ -40,6 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 RESERVED_FDS = 64  # for the router connection, the listening socket, stdio, uvloop's own
 AUTO_MAX_CONNECTIONS = 4096  # per gateway process when the fd limit allows more
 LOG_QUIET = 10.0  # seconds between two lines of one kind
+SHUTDOWN_GRACE = 5.0  # seconds a connection accepted just before a graceful stop has to send its request
 # Linux's struct tcp_info: the offsets of tcpi_bytes_acked (u64, since 4.1) and tcpi_notsent_bytes (u32, 4.6)
 TCPI_BYTES_ACKED, TCPI_NOTSENT_BYTES = 120, 144
 
@@ -195,6 +201,7 @@ class GuardedProtocol(HttpToolsProtocol):
     tracker: ClassVar[Tracker]
     phase: Phase = Phase.IDLE
     peer = "?"
+    stopping = False  # the server stops: the request in progress, or the first one, is the last
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -261,6 +268,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self.head_done = True
         super().on_headers_complete()
         self.what = f"{self.scope.get('method', '?')} {self.scope.get('path', '?')}"
+        if self.stopping and self.cycle is not None:  # closed once answered
+            self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -273,6 +282,21 @@ class GuardedProtocol(HttpToolsProtocol):
         self._update()
 
     # ---------------------------------------------------------------- closing
+
+    def shutdown(self) -> None:
+        """A graceful stop (uvicorn calls it on each connection once it has stopped accepting): a
+        request in progress, or one still arriving, is answered, and the connection then closes; a
+        keep-alive connection between two requests closes now; one accepted that has not sent its
+        first request yet (it may be in the kernel's buffer) gets ``SHUTDOWN_GRACE`` seconds to."""
+        self.stopping = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        if self.phase is Phase.READING:
+            return
+        if self.phase is Phase.IDLE and not self.begun:
+            self._arm(min(SHUTDOWN_GRACE, self.tracker.limits.idle_timeout), self._idle_expired)
+            return
+        super().shutdown()
 
     def _idle_expired(self) -> None:
         if self.transport.get_write_buffer_size():  # the end of a reply the client does not read

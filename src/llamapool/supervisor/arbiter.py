@@ -68,6 +68,7 @@ from llamapool.supervisor.curve import Curve
 from llamapool.supervisor.env import cpu_threads, worker_env
 from llamapool.supervisor.gpuwatch import GpuWatch
 from llamapool.supervisor.lifecycle import State
+from llamapool.supervisor.listener import Listener
 from llamapool.supervisor.memory import fmt_bytes
 from llamapool.supervisor.pool import CPU, Pool
 from llamapool.supervisor.runlock import RunLock
@@ -97,6 +98,8 @@ class Supervisor:
         self.gateways: list[WorkerSlot] = []  # the HTTP gateway processes ([http])
         self.pool: Pool | None = None  # the models the placement policy loads and unloads (supervisor/pool.py)
         self._model_rows: dict[str, dict[str, Any]] = {}  # the last ModelRows sent to the router
+        self.listener: Listener | None = None  # the socket that [http] listen names; new gateways accept on it
+        self.listeners: list[Listener] = []  # it, and an old one that gateways a reload retires still accept on
         self.zctx = zmq.Context()
         self.stopping = False
         self.draining = False  # a SIGTERM/SIGINT drain is under way (a second signal stops at once)
@@ -203,7 +206,14 @@ class Supervisor:
         os.chmod(d, 0o700)
 
     def _start_router(self) -> bool:
-        """CURVE, the ``[metrics]`` listener and the router thread (``llamapool node`` has none of them)."""
+        """The ``[http]`` listening socket, CURVE, the ``[metrics]`` listener and the router thread
+        (``llamapool node`` has none of them)."""
+        if self.cfg.http is not None:
+            try:
+                self._listen(self._listener_for(self.cfg.http.listen))
+            except OSError as e:
+                self._log(f"FATAL: http.listen: cannot listen on {self.cfg.http.listen}: {e}", "error")
+                return False
         self.curve.start(self.zctx, self.cfg)
         if self.cfg.metrics is not None and self.cfg.metrics.listen:
             from llamapool.supervisor.metrics_http import serve_metrics
@@ -240,11 +250,35 @@ class Supervisor:
             step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
         )
 
+    def _listener_for(self, listen: str) -> Listener:
+        """The socket that ``listen`` names: the current one when it names its address, else one bound
+        now (OSError if that fails). It may resolve a host name: a reload calls it in a thread."""
+        if self.listener is not None and self.listener.serves(listen):
+            return self.listener
+        return Listener.bind(listen)
+
+    def _listen(self, listener: Listener) -> None:
+        """Make ``listener`` the socket new gateways accept on."""
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+        self.listener = listener
+
+    def _release_listeners(self) -> list[Listener]:
+        """Close the supervisor's copy of each socket that [http] no longer names and that no gateway
+        is to accept on any more (the socket itself closes with the last gateway that holds it)."""
+        keep = {id(gw.listener) for gw in self.gateways if gw.state not in (State.STOPPED, State.FAILED)} | \
+            {id(self.listener)}
+        closed = [s for s in self.listeners if id(s) not in keep]
+        for old in closed:
+            self.listeners.remove(old)
+            old.close()
+        return closed
+
     def _start_gateways(self) -> None:
-        if self.cfg.http is None:
+        if self.cfg.http is None or self.listener is None:
             return
-        self._log(f"HTTP gateway: http://{self.cfg.http.listen} ({self.cfg.http.processes} process(es))")
-        self.gateways = [WorkerSlot(f"http{i}") for i in range(self.cfg.http.processes)]
+        self._log(f"HTTP gateway: http://{self.listener.listen} ({self.cfg.http.processes} process(es))")
+        self.gateways = [WorkerSlot(f"http{i}", listener=self.listener) for i in range(self.cfg.http.processes)]
         for gw in self.gateways:
             self._start(gw)
 
@@ -282,10 +316,10 @@ class Supervisor:
             return Launch("llamapool.worker", spec.to_json(), {**env, **log_env, **lifeline.parent_env()})
         from llamapool.gateway import GatewaySpec
 
-        http = self.cfg.http
-        assert http is not None
-        host, port = http.host_port
-        spec_gw = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=host, port=port,
+        http, listener = self.cfg.http, slot.listener
+        assert http is not None and listener is not None
+        spec_gw = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=listener.host, port=listener.port,
+                              listen_fd=listener.fd,
                               model=self.cfg.model_name, api_keys_file=http.api_keys_file,
                               drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
                               max_message_bytes=self.cfg.server.max_message_bytes,
@@ -300,7 +334,7 @@ class Supervisor:
                               send_buffer_bytes=http.send_buffer_bytes,
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
-                      {**scrub_env(os.environ), **log_env, **lifeline.parent_env()})
+                      {**scrub_env(os.environ), **log_env, **lifeline.parent_env()}, pass_fds=(listener.fd,))
 
     def _spec(self, slot: WorkerSlot) -> WorkerSpec:
         m, w = slot.model or self.cfg.model, self.cfg.workers
@@ -378,6 +412,14 @@ class Supervisor:
             self._spawn_task(self._restart_later(slot, delay))
             return
         self._log(f"{slot.name}: FAILED, not restarting: {slot.reason}", "error")
+        serving = [gw for gw in self.gateways if gw.listener is self.listener and gw.state != State.STOPPED]
+        if not slot.is_worker and self.listener is not None and all(gw.state == State.FAILED for gw in serving):
+            # nothing accepts on the socket any more: close it, so that a client is refused at once
+            # rather than wait in its queue for ever (a reload binds it again)
+            self._log(f"HTTP gateway: every gateway process failed: no longer listening on {self.listener.listen} "
+                      f"until a reload", "error")
+            self.listener = None
+            self._release_listeners()
 
     def _replica_died(self, slot: WorkerSlot, pid: int, code: int, how: str) -> None:
         """A worker of a managed model died. While loading, its model has failed: the requests waiting for
@@ -749,12 +791,31 @@ class Supervisor:
             await asyncio.wait_for(slot.ready_event.wait(), self.cfg.workers.start_timeout)
 
     async def _reload_gateways(self) -> None:
-        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones (they share the
-        port), then let the old ones drain. If the new ones do not listen, the old ones keep serving."""
-        old = self.gateways
+        """SIGHUP: start gateway processes with the new ``[http]`` next to the old ones, accepting on
+        the same listening socket (a new one if ``[http] listen`` names another address), then let the
+        old ones stop accepting and finish what they have: a connection the kernel has queued is
+        accepted by a new one, never reset. If the new ones do not start, the old ones keep serving."""
+        was = self.listener
+        if self.cfg.http is None:  # [http] removed: the old gateways stop, and the socket with them
+            self.listener = None
+        else:
+            try:
+                listener = await asyncio.to_thread(self._listener_for, self.cfg.http.listen)
+            except OSError as e:
+                kept = f"the HTTP gateways keep serving on http://{was.listen} as they are" if was else \
+                    "no HTTP gateway starts"
+                self._log(f"reload: http.listen: cannot listen on {self.cfg.http.listen}: {e}; {kept}", "error")
+                return
+            if self.stopping:  # a stop came meanwhile: it stops the gateways there are
+                if listener is not was:
+                    listener.close()
+                return
+            self._listen(listener)
+        before = self.gateways
+        old = [gw for gw in before if gw.state != State.STOPPED]  # not those an earlier reload stops
         self._start_gateways()
-        new = [gw for gw in self.gateways if gw not in old]
-        self.gateways = new + old  # a stop during the switch reaches them all
+        new = [gw for gw in self.gateways if gw not in before]
+        self.gateways = new + before  # a stop during the switch reaches them all
         end = time.monotonic() + 15
         while time.monotonic() < end and not self.stopping and any(gw.state != State.READY for gw in new) \
                 and not any(gw.state == State.FAILED for gw in new):
@@ -764,14 +825,25 @@ class Supervisor:
         ok = all(gw.state == State.READY for gw in new)
         if not ok:
             self._log("reload: the new HTTP gateway processes did not start listening; the old ones keep serving")
+            self.listener = was
         retired = old if ok else new
+        for gw in retired:
+            gw.state = State.STOPPED
+        for closed in self._release_listeners():  # an old address: it closes as its last gateway stops accepting
+            self._log(f"HTTP gateway: {closed.listen} closes as its old gateways stop accepting (they finish "
+                      f"their requests)")
         await stop(retired, self.cfg.server.drain_timeout + 5)
         self.gateways = [gw for gw in self.gateways if gw not in retired]
 
     # ------------------------------------------------------------ stopping
 
     async def _stop_gateways(self, grace: float) -> None:
-        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL."""
+        """SIGTERM: stop accepting, finish what is in flight (within ``grace`` seconds); then SIGKILL.
+        The listening socket closes as the last gateway stops accepting: new connections are refused."""
+        self.listener = None
+        for gw in self.gateways:
+            gw.state = State.STOPPED
+        self._release_listeners()
         await stop(self.gateways, grace)
 
     async def _shutdown_workers(self) -> None:

@@ -22,6 +22,7 @@ from llamapool.protocol import codec, control
 from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor import lifecycle
 from llamapool.supervisor.lifecycle import State
+from llamapool.supervisor.listener import Listener
 
 LOG_LINES = 40
 KILL_GRACE = 2.0  # seconds between SIGABRT and SIGKILL for a hung child
@@ -51,6 +52,7 @@ class WorkerSlot:
     exits: dict[str, int] = field(default_factory=dict)  # unexpected exits by reason (metrics)
     live_at: float = 0.0  # a node's worker: when its last liveness report came (llamapool node)
     busy_for: float = 0.0  # ... and how long its running engine step had taken then
+    listener: Listener | None = None  # a gateway: the supervisor's listening socket it accepts from
 
     def __setattr__(self, key: str, value: object) -> None:
         if key == "state":  # the one transition check (supervisor/lifecycle.py)
@@ -83,11 +85,12 @@ class WorkerSlot:
 
 @dataclass(frozen=True, slots=True)
 class Launch:
-    """What one child process runs: ``python -m module spec`` in ``env``."""
+    """What one child process runs: ``python -m module spec`` in ``env``, with ``pass_fds`` open."""
 
     module: str  # llamapool.worker | llamapool.gateway
     spec: str  # its spec, as JSON
     env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()  # a gateway: the listening socket, at the same number (its spec names it)
 
 
 async def spawn(launch: Launch) -> asyncio.subprocess.Process:
@@ -95,6 +98,7 @@ async def spawn(launch: Launch) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", launch.module, launch.spec, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+        pass_fds=launch.pass_fds,
     )
 
 
