@@ -222,7 +222,7 @@ class Backend(JobTable):
             if queue:
                 self._dispatch_model(model, queue, [w for w in self.workers.values() if w.model == model])
 
-    def _dispatch_model(self, model: str, queue: FairQueue, pool: list[WorkerState]) -> None:
+    def _dispatch_model(self, model: str, queue: FairQueue[Job], pool: list[WorkerState]) -> None:
         """The queue's next prompts (by class, then the tenants' turns; a tenant holding its share of
         the model's slots waits: router/tenants.py) to the workers while they have free slots."""
         if not any(w.routable and w.free > 0 for w in pool):

@@ -95,7 +95,7 @@ class Router(Intake, Backend):
                     self.monitors.append(sock.get_monitor_socket(security.HANDSHAKE_EVENTS))
         self.models: list[str] = list(cfg.models) or [""]  # the first is the default model
         self.tenancy = Tenancy(cfg.tenants, cfg.rate_window, cfg.tenant_idle)
-        self.queues: dict[str, FairQueue] = {m: FairQueue(self.tenancy.weight) for m in self.models}
+        self.queues: dict[str, FairQueue[Job]] = {m: FairQueue(self.tenancy.weight) for m in self.models}
         self.jobs: dict[int, Job] = {}
         self.light: deque[Job] = deque()  # tokenize/detokenize jobs waiting for a worker (any model's)
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}

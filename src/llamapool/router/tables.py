@@ -192,7 +192,7 @@ class JobTable:
     back: zmq.Socket[Any]  # workers (ROUTER)
     on_event: Callable[[control.Event], None]  # to the supervisor (thread-safe)
     models: list[str]  # the pool's model names; the first is the default
-    queues: dict[str, FairQueue]  # waiting prompts per model, by class and fair share (router/tenants.py)
+    queues: dict[str, FairQueue[Job]]  # waiting prompts per model, by class and fair share (router/tenants.py)
     tenancy: Tenancy  # each tenant's settings and counts
     jobs: dict[int, Job]  # every prompt not answered yet, by rid
     light: deque[Job]  # tokenize/detokenize jobs waiting for a worker (any model's)
@@ -224,7 +224,7 @@ class JobTable:
         """Prompts waiting, all models together."""
         return sum(len(q) for q in self.queues.values())
 
-    def _queue(self, model: str) -> FairQueue:
+    def _queue(self, model: str) -> FairQueue[Job]:
         q = self.queues.get(model)
         if q is None:
             q = self.queues[model] = FairQueue(self.tenancy.weight)

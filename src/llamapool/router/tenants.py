@@ -15,15 +15,28 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llamapool.keys import CLASSES, DEFAULT_TENANT, KeysFile, TenantSettings
 from llamapool.protocol.messages import ErrorCode, Prompt
 
-if TYPE_CHECKING:
-    from llamapool.router.tables import Job
+
+class Job(Protocol):
+    """What this module reads and writes of a job (router/tables.py's ``Job``)."""
+
+    tenant: str
+    rank: int
+    model: str
+    prompt: Prompt
+    queued_at: float
+    counted: bool
+    on_slot: bool
+    reserved: int
+
+
+J = TypeVar("J", bound=Job)
 
 DEFAULT_RANK = CLASSES.index("default")
 FLEX_RANK = CLASSES.index("flex")
@@ -32,14 +45,14 @@ FLEX_QUEUE_SHARE = 0.5  # flex prompts are refused once a model's queue holds th
 Refusal = tuple[str, str, str | None, str]  # error code, message, field, reason (the metrics' label)
 
 
-class FairQueue:
+class FairQueue(Generic[J]):
     """One model's waiting prompts: by class first, then deficit round robin over the class's tenants
     (``weight(tenant)`` prompts a turn). :meth:`peek` and :meth:`take` hand out the next one; a tenant
     that ``eligible`` refuses (it holds its share of slots) is passed over while it does."""
 
     def __init__(self, weight: Callable[[str], float]):
         self.weight = weight
-        self.subs: list[dict[str, deque[Job]]] = [{} for _ in CLASSES]  # per class: tenant -> its prompts
+        self.subs: list[dict[str, deque[J]]] = [{} for _ in CLASSES]  # per class: tenant -> its prompts
         self.rings: list[deque[str]] = [deque() for _ in CLASSES]  # per class: tenants with prompts, in turn
         self.deficit: list[dict[str, float]] = [{} for _ in CLASSES]
         self.n = 0
@@ -50,16 +63,16 @@ class FairQueue:
     def __bool__(self) -> bool:
         return self.n > 0
 
-    def __iter__(self) -> Iterator[Job]:
+    def __iter__(self) -> Iterator[J]:
         for subs in self.subs:
             for q in subs.values():
                 yield from q
 
-    def __contains__(self, job: Job) -> bool:
+    def __contains__(self, job: J) -> bool:
         q = self.subs[job.rank].get(job.tenant)
         return q is not None and job in q
 
-    def _sub(self, job: Job) -> deque[Job]:
+    def _sub(self, job: J) -> deque[J]:
         subs = self.subs[job.rank]
         q = subs.get(job.tenant)
         if q is None:
@@ -68,16 +81,16 @@ class FairQueue:
             self.deficit[job.rank][job.tenant] = 0.0
         return q
 
-    def append(self, job: Job) -> None:
+    def append(self, job: J) -> None:
         self._sub(job).append(job)
         self.n += 1
 
-    def appendleft(self, job: Job) -> None:
+    def appendleft(self, job: J) -> None:
         """Back at the head of its tenant's line (a retry after its worker was lost)."""
         self._sub(job).appendleft(job)
         self.n += 1
 
-    def remove(self, job: Job) -> None:
+    def remove(self, job: J) -> None:
         q = self.subs[job.rank][job.tenant]
         q.remove(job)
         self.n -= 1
@@ -104,7 +117,7 @@ class FairQueue:
         """``tenant``'s prompts in this queue, every class."""
         return sum(len(subs.get(tenant, ())) for subs in self.subs)
 
-    def peek(self, eligible: Callable[[str], bool] = lambda t: True) -> Job | None:
+    def peek(self, eligible: Callable[[str], bool] = lambda t: True) -> J | None:
         """The next prompt to run (None: none, or every tenant with one is ineligible). Asking again
         without a :meth:`take` gives the same one while the tenants' eligibility stays."""
         for rank, ring in enumerate(self.rings):
@@ -120,7 +133,7 @@ class FairQueue:
                     deficit[ring[0]] += self.weight(ring[0])  # its turn: its quantum
         return None
 
-    def take(self, job: Job) -> None:
+    def take(self, job: J) -> None:
         """Remove ``job``, which :meth:`peek` gave, charging its tenant's turn."""
         rank, q = job.rank, self.subs[job.rank][job.tenant]
         q.popleft()
@@ -202,7 +215,7 @@ class Tenancy:
     # ---------------------------------------------------------------- admission
 
     def refusal(self, name: str, rank: int, model: str, prompts: list[Prompt], jobs: int, max_tokens: int,
-                queue: FairQueue, max_queue: int, now: float) -> Refusal | None:
+                queue: FairQueue[Any], max_queue: int, now: float) -> Refusal | None:
         """Why tenant ``name`` may not queue this request now (code, message, field, reason), or None.
         Nothing is counted: :meth:`admitted` does that once the request is queued."""
         st = self.state(name)
@@ -243,7 +256,7 @@ class Tenancy:
     def refused(self, name: str, reason: str) -> None:
         self.state(name).refused[reason] += 1
 
-    def admitted(self, name: str, model: str, jobs: list[Job], max_tokens: int, now: float) -> None:
+    def admitted(self, name: str, model: str, jobs: list[Any], max_tokens: int, now: float) -> None:
         """Count a queued request: one request, its prompts in flight, their tokens reserved."""
         st = self.state(name)
         st.requests += 1
@@ -283,7 +296,7 @@ class Tenancy:
 
     # ---------------------------------------------------------------- fair share of slots
 
-    def eligible(self, model: str, slots: int, now: float, queue: FairQueue) -> Callable[[str], bool]:
+    def eligible(self, model: str, slots: int, now: float, queue: FairQueue[Any]) -> Callable[[str], bool]:
         """Whether each tenant may start one more prompt of ``model`` now: it holds fewer of the model's
         ``slots`` than its share, its weight over the weights of the tenants active on the model (with
         prompts waiting or running, or a request within ``idle`` seconds), rounded up."""
@@ -326,7 +339,7 @@ class Tenancy:
 
     # ---------------------------------------------------------------- metrics
 
-    def collect(self, queues: dict[str, FairQueue]) -> Iterator[Metric]:
+    def collect(self, queues: dict[str, FairQueue[Any]]) -> Iterator[Metric]:
         """The per-tenant series, labelled with the tenant's name (never a key)."""
         req = CounterMetricFamily("llamapool_tenant_requests", "Prompts answered per tenant, by outcome",
                                   labels=["tenant", "outcome"])
