@@ -173,3 +173,36 @@ def test_headers_in_openai_and_anthropic_names() -> None:
     assert a["anthropic-ratelimit-requests-remaining"] == "59" and a["anthropic-ratelimit-tokens-limit"] == "1000"
     assert a["anthropic-ratelimit-tokens-reset"].endswith("Z")
     assert ratelimit_headers(None, "/v1/completions") == {}
+
+
+def test_concurrency_queue_share_and_flex_refusals() -> None:
+    ten = Tenancy(keys.parse("sk name=c concurrency=3\nsk2 name=q queue_share=0.25\n"))
+    q = FairQueue(ten.weight)
+    held = [job(i, "c") for i in range(3)]
+    ten.admitted("c", "m", held, 4, now=0.0)
+    why = ten.refusal("c", 1, "m", ["x"], 1, 4, q, 100, now=0.0)
+    assert why is not None and why[3] == "concurrency" and "3 at once" in why[1]
+    ten.ended(held[0], "ok", 1, 1)
+    assert ten.refusal("c", 1, "m", ["x"], 1, 4, q, 100, now=0.0) is None
+    for i in range(25):  # q's share: a quarter of max_queue = 25 waiting prompts
+        q.append(job(100 + i, "q"))
+    why = ten.refusal("q", 1, "m", ["x"], 1, 4, q, 100, now=0.0)
+    assert why is not None and why[3] == "queue_share"
+    flex = ten.refusal("free", 2, "m", ["x"], 26, 4, q, 100, now=0.0)  # 25 + 26 waiting > half of 100
+    assert flex is not None and flex[0] == ErrorCode.OVERLOADED and flex[3] == "flex"
+    assert ten.refusal("free", 1, "m", ["x"], 26, 4, q, 100, now=0.0) is None  # a default one still waits
+
+
+def test_a_tenant_holds_its_weight_of_the_slots_while_another_is_active() -> None:
+    ten = Tenancy(keys.parse("sk name=a weight=1\nsk2 name=b weight=3\n"), idle=5.0)
+    q = FairQueue(ten.weight)
+    a_jobs = [job(i, "a") for i in range(8)]
+    ten.admitted("a", "m", a_jobs, 4, now=0.0)
+    for j in a_jobs[:2]:
+        j.model = "m"
+        ten.started(j)
+    assert ten.eligible("m", 8, 1.0, q)("a")  # alone: every slot
+    ten.admitted("b", "m", [job(50, "b")], 4, now=1.0)  # b asks: a's share is 8 * 1/4 = 2
+    ok = ten.eligible("m", 8, 2.0, q)
+    assert not ok("a") and ok("b")
+    assert ten.eligible("m", 8, 7.0, q)("a")  # b idle for tenant_idle: a may take them all again
