@@ -180,7 +180,7 @@ class Intake(JobTable):
         self._reply(client, Error(msg.id, code, message, field=fld, ratelimit=limits))
         if LOG.enabled("info"):
             LOG.info("access", id=msg.id, model=model or (msg.model if isinstance(msg.model, str) else None),
-                     tenant=tenant, outcome=code, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
+                     outcome=code, tenant=tenant, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
 
     def _used(self, model: str, now: float) -> None:
         """A request for ``model`` arrived: a model with no worker to take it makes the supervisor hear

@@ -304,8 +304,8 @@ class JobTable:
         else:
             outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         LOG.info("access", id=job.log_id, model=job.model or None, worker=job.last_worker or None,
-                 tenant=job.tenant, outcome=outcome, finish=finish, prompt_tokens=n_prompt, generated_tokens=n_gen,
-                 stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
+                 outcome=outcome, finish=finish, tenant=job.tenant, prompt_tokens=n_prompt,
+                 generated_tokens=n_gen, stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
                  duration_ms=ms(now))
 
     def _error(self, job: Job, code: str, message: str) -> Error:
