@@ -199,16 +199,17 @@ def test_a_reload_with_a_bad_keys_file_keeps_the_old_keys(tmp_path: Path, model_
 
 def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp_path: Path,
                                                                               model_path: str) -> None:
-    """One worker of 2 slots, 12 default streams (2 run, 10 wait): a ``service_tier="priority"`` stream
-    starts before the waiting ones (at most the other slot freed in the same step starts one); a flex
-    request is refused (429) while the queue is over half of max_queue, a default one still waits; every
-    accepted stream gets its one final reply."""
-    d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1, "slots": 2},
+    """One worker of one slot: a long default stream runs, 10 short default streams wait; a
+    ``service_tier="priority"`` stream sent then takes the slot as soon as it frees, before every one
+    of them; a flex request is refused (429) while the queue is over half of max_queue, a default one
+    still waits; every accepted stream gets its one final reply."""
+    d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1, "slots": 1},
                            server={"max_queue": 16})
 
     async def main() -> tuple[int, list[str]]:
         c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         first: dict[str, float] = {}
+        ended: dict[str, float] = {}
 
         async def one(name: str, max_tokens: int, **kw: Any) -> str:
             s = await c.completions.create(model="tiny", prompt="Hello there", max_tokens=max_tokens, stream=True,
@@ -217,29 +218,30 @@ def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp
             reason = ""
             async for chunk in s:
                 reason = chunk.choices[0].finish_reason or reason
+            ended[name] = time.monotonic()
             return reason
 
-        defaults = [asyncio.create_task(one(f"d{i}", 160)) for i in range(12)]
-        while len(first) < 2:
+        long = asyncio.create_task(one("long", 400))
+        while "long" not in first:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        defaults = [asyncio.create_task(one(f"d{i}", 8)) for i in range(10)]
+        await asyncio.sleep(0.2)
         with pytest.raises(openai.RateLimitError) as e:
             await c.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"service_tier": "flex"})
         assert "flex" in e.value.message
-        arrived = time.monotonic()
-        started = set(first)
+        sent = time.monotonic()
         high = asyncio.create_task(one("high", 4, service_tier="priority"))
-        reasons = await asyncio.gather(*defaults, high)
-        ahead = sum(1 for n, t in first.items() if n not in started and n != "high" and t < first["high"])
-        assert arrived < first["high"]
+        reasons = await asyncio.gather(long, *defaults, high)
+        assert sent < ended["long"], "the long stream ended before the priority request came: no queue to pass"
+        ahead = sum(1 for n, t in first.items() if n.startswith("d") and t < first["high"])
         await c.close()
         return ahead, reasons
 
     try:
         ahead, reasons = asyncio.run(main())
         print(f"waiting default requests started ahead of the priority one: {ahead}")
-        assert ahead <= 1, ahead
-        assert reasons == ["length"] * 13
+        assert ahead == 0, ahead
+        assert reasons == ["length"] * 12
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
 
