@@ -116,6 +116,7 @@ def test_the_token_window_reserves_counts_and_carries_over() -> None:
         jobs.append(j)
     why = ten.refusal("t", 1, "m", [prompt], 1, 10, q, 100, now=1.0)
     assert why is not None and why[0] == ErrorCode.RATE_LIMITED and why[3] == "tokens"
+    ten.refused("t", why[3], now=2.0)
     state = ten.limits("t", now=2.0, retry=True)
     assert state == {"limit_requests": 20, "remaining_requests": 14, "reset_requests": 9.0, "limit_tokens": 100,
                      "remaining_tokens": 10, "reset_tokens": 9.0, "retry_after": 9}
@@ -182,6 +183,8 @@ def test_concurrency_queue_share_and_flex_refusals() -> None:
     ten.admitted("c", "m", held, 4, now=0.0)
     why = ten.refusal("c", 1, "m", ["x"], 1, 4, q, 100, now=0.0)
     assert why is not None and why[3] == "concurrency" and "3 at once" in why[1]
+    ten.refused("c", why[3], now=0.0)
+    assert ten.limits("c", now=0.0, retry=True) == {"retry_after": 1}  # a prompt in flight may end any moment
     ten.ended(held[0], "ok", 1, 1)
     assert ten.refusal("c", 1, "m", ["x"], 1, 4, q, 100, now=0.0) is None
     for i in range(25):  # q's share: a quarter of max_queue = 25 waiting prompts

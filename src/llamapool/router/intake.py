@@ -158,16 +158,17 @@ class Intake(JobTable):
         if unservable:
             return ErrorCode.UNAVAILABLE, unservable, None
         queue = self._queue(model)
+        now = time.monotonic()
         if queued and len(queue) + queued > self.cfg.max_queue:
             if ask is not None:
-                self.tenancy.refused(ask.tenant, "queue_full")
+                self.tenancy.refused(ask.tenant, "queue_full", now)
             return (ErrorCode.OVERLOADED, f"queue of model {model!r} is full ({len(queue)} waiting, "
                     f"server.max_queue={self.cfg.max_queue})", None)
         if ask is not None:
             limited = self.tenancy.refusal(ask.tenant, ask.rank, model, ask.prompts, queued, ask.max_tokens, queue,
-                                           self.cfg.max_queue, time.monotonic())
+                                           self.cfg.max_queue, now)
             if limited:
-                self.tenancy.refused(ask.tenant, limited[3])
+                self.tenancy.refused(ask.tenant, limited[3], now)
                 return limited[:3]
         return None
 

@@ -168,6 +168,7 @@ class TenantState:
     # for the metrics
     outcomes: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
+    retry_after: int = 1  # what its last refusal told the client to wait, seconds
     prompt_tokens: int = 0
     generated_tokens: int = 0
 
@@ -253,8 +254,14 @@ class Tenancy:
         choices = n // max(1, len(prompts))
         return min(limit, choices * sum(estimate_tokens(p) + max_tokens for p in prompts))
 
-    def refused(self, name: str, reason: str) -> None:
-        self.state(name).refused[reason] += 1
+    def refused(self, name: str, reason: str, now: float) -> None:
+        """Count a refusal; the seconds its client is told to wait: the window's end for ``requests`` and
+        ``tokens``, 1 for the others (a prompt in flight may end any moment)."""
+        st = self.state(name)
+        st.refused[reason] += 1
+        st.retry_after = 1
+        if reason in ("requests", "tokens") and st.window_start is not None:
+            st.retry_after = max(1, math.ceil(st.window_start + self.window - now))
 
     def admitted(self, name: str, model: str, jobs: list[Any], max_tokens: int, now: float) -> None:
         """Count a queued request: one request, its prompts in flight, their tokens reserved."""
@@ -334,7 +341,7 @@ class Tenancy:
             out.update(limit_tokens=limit, remaining_tokens=max(0, limit - st.tokens - st.reserved),
                        reset_tokens=reset)
         if retry:
-            out["retry_after"] = max(1, math.ceil(reset)) if (s.rpm or s.tpm) else 1
+            out["retry_after"] = st.retry_after
         return out
 
     # ---------------------------------------------------------------- metrics
