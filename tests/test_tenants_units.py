@@ -20,6 +20,7 @@ from llamapool.router.tenants import FairQueue, Tenancy
 
 
 def test_plain_keys_stay_valid_and_settings_follow_the_key() -> None:
+    assert keys.parse("c2VjcmV0LWtleQ==\n").keys == {b"c2VjcmV0LWtleQ==": keys.key_name(b"c2VjcmV0LWtleQ==")}
     kf = keys.parse("# comment\nplain-key\n\nsk-a name=batch weight=2 priority=flex concurrency=4 rpm=60 tpm=900 "
                     "queue_share=0.5\nsk-b name=batch\n*  rpm=10\n")
     plain = keys.key_name(b"plain-key")

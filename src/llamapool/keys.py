@@ -24,6 +24,7 @@ from pathlib import Path
 CLASSES = ("priority", "default", "flex")  # priority classes, the first served first (docs/http.md)
 DEFAULT_TENANT = "default"  # the tenant of a request without a key or a name
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+SETTINGS = ("name", "weight", "priority", "concurrency", "rpm", "tpm", "queue_share")
 
 
 class KeysFileError(ValueError):
@@ -109,8 +110,7 @@ def _setting(where: str, s: TenantSettings, item: str) -> TenantSettings:
     except ValueError as e:
         why = str(e) if " " in str(e) and "invalid literal" not in str(e) else "a number"
         raise KeysFileError(f"{where}: {name} must be {why}, got {value!r}") from None
-    raise KeysFileError(f"{where}: unknown setting {name!r} (known: name, weight, priority, concurrency, rpm, tpm, "
-                        f"queue_share)")
+    raise KeysFileError(f"{where}: unknown setting {name!r} (known: {', '.join(SETTINGS)})")
 
 
 def parse(text: str, source: str = "the keys file") -> KeysFile:
@@ -134,7 +134,7 @@ def parse(text: str, source: str = "the keys file") -> KeysFile:
                 raise KeysFileError(f"{where}: the '*' line sets defaults; it takes no name=")
             defaults = s
             continue
-        if "=" in key:
+        if key.partition("=")[0] in SETTINGS:  # a key may hold '=' (base64), not a setting's name before it
             raise KeysFileError(f"{where}: the line starts with a setting; it must start with the key")
         s = TenantSettings(name=key_name(key.encode()))
         for item in items:
