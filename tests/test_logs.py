@@ -54,7 +54,7 @@ def test_json_logs_follow_a_request_id_from_router_to_worker(start_daemon) -> No
     assert {(reply.worker, "started"), (reply.worker, "finished")} <= by, mine
     access = next(r for r in mine if r["msg"] == "access")
     assert access["level"] == "info" and access["outcome"] == "ok" and access["finish"] == "length"
-    assert access["model"] == "tiny" and access["worker"] == reply.worker
+    assert access["model"] == "tiny" and access["worker"] == reply.worker and access["tenant"] == "default"
     assert access["prompt_tokens"] == reply.prompt_tokens and access["generated_tokens"] == 4
     assert 0 < access["ttft_ms"] <= access["duration_ms"] and access["queue_ms"] <= access["ttft_ms"]
     assert any(r["component"] == "supervisor" and r["msg"].startswith("ready") for r in rows)
@@ -91,8 +91,8 @@ def test_text_logs_carry_journald_priorities_and_an_access_line(start_daemon, tm
     assert any(ln.startswith("<4>[cpu") and "request failed: prompt has 600 tokens" in ln
                and "id=req-text-2" in ln for ln in lines), text
     assert any(ln.startswith("<6>llamapool: ready") for ln in lines), text
-    assert any(ln.startswith("<6>llamapool: router: access id=") and "model=nope outcome=unknown_model" in ln
-               for ln in lines), text
+    assert any(ln.startswith("<6>llamapool: router: access id=")
+               and "model=nope outcome=unknown_model tenant=default" in ln for ln in lines), text
 
 
 def test_log_helpers() -> None:

@@ -102,9 +102,9 @@ def test_metrics_from_listen_and_gateway(start_daemon) -> None:  # type: ignore[
         assert fams[name].documentation, f"{name} has no HELP"
     for fam in fams.values():
         assert fam.name.startswith(("llamapool_", "llamapool:"))  # ":" the pod's gauges (docs/metrics.md)
-        for s in fam.samples:  # bounded labels only
+        for s in fam.samples:  # bounded labels only (tenants: the keys file's names, or trusted clients')
             assert set(s.labels) <= {"model", "worker", "device", "node", "outcome", "state", "reason", "gpu", "le",
-                                      "target", "term", "block_size", "num_gpu_blocks"}, s
+                                      "target", "term", "block_size", "num_gpu_blocks", "tenant", "kind"}, s
     model = Path(d.config.read_text().split('path = "')[1].split('"')[0]).stem
     assert value(fams, "llamapool_generated_tokens", "llamapool_generated_tokens_total", model=model) == counted
     assert value(fams, "llamapool_requests", "llamapool_requests_total", outcome="ok") == 6

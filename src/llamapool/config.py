@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llamapool import keys as keysfile
 from llamapool.errors import ConfigError as ConfigError
 from llamapool.protocol.endpoints import default_frontend as default_frontend
 from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
@@ -31,6 +32,12 @@ class ServerConfig:
     min_ready_workers: int = 1  # systemd READY=1 once this many workers are ready
     affinity_slack: int = 4  # prefer a worker holding the prompt's prefix unless it has this many
     # fewer free slots than the least-loaded worker
+    # tenants (http.api_keys_file, docs/http.md): the seconds of a rate-limit window (rpm and tpm are
+    # scaled to it), the flex class's queue_timeout, and how long a tenant keeps its share of a model's
+    # slots after its last request
+    rate_window: float = 60.0
+    flex_queue_timeout: float = 240.0
+    tenant_idle: float = 5.0
 
 
 Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
@@ -130,7 +137,8 @@ class HttpConfig:
 
     listen: str = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
     processes: int = 1  # gateway processes accepting on the supervisor's one listening socket
-    api_keys_file: str = ""  # one key per line; "" -> no authentication
+    api_keys_file: str = ""  # one key per line, with its tenant's settings (keys.py); "" -> no authentication
+    tenant_header: str = ""  # a header a proxy in front sets to name the tenant (trusted: docs/security.md)
     request_timeout: float = 600.0  # seconds a request may take in all -> 504
     # cross-site protection (gateway/origins.py, docs/security.md)
     allowed_hosts: tuple[str, ...] = ()  # Host names besides localhost and the listen address; ["*"]: any
@@ -247,7 +255,8 @@ class Config:
 
 
 _POSITIVE = {
-    "server.max_queue", "server.queue_timeout", "server.drain_timeout", "server.max_message_bytes",
+    "server.max_queue", "server.queue_timeout", "server.rate_window", "server.flex_queue_timeout",
+    "server.tenant_idle", "server.drain_timeout", "server.max_message_bytes",
     "model.ctx_per_slot", "model.n_ubatch", "model.cpu_workers", "model.slots",
     "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
@@ -257,7 +266,8 @@ _POSITIVE = {
 }
 
 
-_DURATIONS = {"model.idle_unload", "pool.idle_unload", "pool.scale_up_wait", "pool.scale_down_idle",
+_DURATIONS = {"server.rate_window", "server.flex_queue_timeout", "server.tenant_idle",
+              "model.idle_unload", "pool.idle_unload", "pool.scale_up_wait", "pool.scale_down_idle",
               "pool.min_residency", "pool.load_backoff"}
 
 
@@ -617,9 +627,21 @@ def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:
             keys = str((base_dir / keys).resolve())
         if not Path(keys).is_file():
             raise ConfigError(f"http.api_keys_file: {keys} does not exist")
-        if not any(ln.strip() and not ln.strip().startswith("#") for ln in Path(keys).read_text().splitlines()):
-            raise ConfigError(f"http.api_keys_file: {keys} holds no key (one per line)")
-    return dataclasses.replace(http, api_keys_file=keys)
+        try:
+            keysfile.load(keys)
+        except keysfile.KeysFileError as e:
+            raise ConfigError(f"http.api_keys_file: {e}") from None
+    if http.tenant_header and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", http.tenant_header):
+        raise ConfigError(f"http.tenant_header: must be a header name (letters, digits, '-'), got "
+                          f"{http.tenant_header!r}")
+    return dataclasses.replace(http, api_keys_file=keys, tenant_header=http.tenant_header.lower())
+
+
+def tenants_of(cfg: Config) -> keysfile.KeysFile | None:
+    """The keys file's tenants, for the router (None: no keys file)."""
+    if cfg.http is None or not cfg.http.api_keys_file:
+        return None
+    return keysfile.load(cfg.http.api_keys_file)
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

@@ -3,9 +3,11 @@
 from llamapool.client.aio import AsyncClient, AsyncStream
 from llamapool.client.errors import (
     BadRequestError,
+    ForbiddenError,
     InternalError,
     LlamapoolError,
     OverloadedError,
+    RateLimitedError,
     RequestTimeoutError,
     UnavailableError,
     UnknownModelError,
@@ -16,7 +18,8 @@ from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall
 from llamapool.protocol.messages import TokenLogprob, TopLogprob
 
 __all__ = [
-    "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "Embeddings", "InternalError",
-    "LlamapoolError", "OverloadedError", "RequestTimeoutError", "Stream", "StreamChunk", "TokenLogprob", "ToolCall",
-    "TopLogprob", "UnavailableError", "UnknownModelError", "Usage", "WorkerLostError",
+    "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "Embeddings", "ForbiddenError",
+    "InternalError", "LlamapoolError", "OverloadedError", "RateLimitedError", "RequestTimeoutError", "Stream",
+    "StreamChunk", "TokenLogprob", "ToolCall", "TopLogprob", "UnavailableError", "UnknownModelError", "Usage",
+    "WorkerLostError",
 ]

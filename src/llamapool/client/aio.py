@@ -335,10 +335,10 @@ class AsyncClient:
         return msg
 
     async def _run(self, prompts: list[Prompt], batch: bool, timeout: float | None,
-                   params: Params, model: str | None) -> Pending:
+                   params: Params, model: str | None, who: tuple[str | None, str | None] = (None, None)) -> Pending:
         rid = new_id()
         t, wait = self._budget(timeout)
-        frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model)
+        frame = generate_frame(rid, prompts, batch, False, t, params, self.model if model is None else model, *who)
         q = await self._open(frame, rid, t, generate=True)
         return await self._collect(q, rid, Pending(len(prompts) * choices(params)), wait)
 
@@ -363,45 +363,53 @@ class AsyncClient:
         self._link.cancel(rid)
 
     async def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-                       sampling: SamplingParams | None = None, **params: Any) -> Completion:
+                       sampling: SamplingParams | None = None, tenant: str | None = None, priority: str | None = None,
+                       **params: Any) -> Completion:
         p = given(params, sampling)
         choices(p, one=True)
-        return (await self._run([prompt], False, timeout, p, model)).completions()[0]
+        return (await self._run([prompt], False, timeout, p, model, (tenant, priority))).completions()[0]
 
     async def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                             return_exceptions: bool = False, model: str | None = None,
-                            sampling: SamplingParams | None = None, **params: Any
+                            sampling: SamplingParams | None = None, tenant: str | None = None,
+                            priority: str | None = None, **params: Any
                             ) -> list[Completion] | list[Completion | LlamapoolError]:
-        pending = await self._run(list(prompts), True, timeout, given(params, sampling), model)
+        pending = await self._run(list(prompts), True, timeout, given(params, sampling), model, (tenant, priority))
         if return_exceptions:
             return [r for r in pending.results if r is not None]
         return pending.completions()
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                   model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> Completion:
+                   model: str | None = None, sampling: SamplingParams | None = None, tenant: str | None = None,
+                   priority: str | None = None, **params: Any) -> Completion:
         """The model's reply to a chat (see :meth:`llamapool.Client.chat`)."""
-        return await self.generate(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
+        return await self.generate(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling,
+                                   tenant=tenant, priority=priority, **params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                    model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> AsyncStream:
+                    model: str | None = None, sampling: SamplingParams | None = None, tenant: str | None = None,
+                    priority: str | None = None, **params: Any) -> AsyncStream:
         """:meth:`chat`, streamed: ``async for chunk in client.chat_stream(...)``."""
-        return self.stream(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
+        return self.stream(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, tenant=tenant,
+                           priority=priority, **params)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-               sampling: SamplingParams | None = None, **params: Any) -> AsyncStream:
+               sampling: SamplingParams | None = None, tenant: str | None = None, priority: str | None = None,
+               **params: Any) -> AsyncStream:
         """Async iterator of chunks (``completion`` is set at the end); leaving it early cancels the request.
 
         The request is sent when the iteration starts.
         """
         done: list[Completion] = []
         return AsyncStream(self._stream(prompt, timeout, given(params, sampling), done,
-                                        self.model if model is None else model), done)
+                                        self.model if model is None else model, (tenant, priority)), done)
 
-    async def _stream(self, prompt: Prompt, timeout: float | None, params: Params,
-                      done: list[Completion], model: str | None) -> AsyncGenerator[StreamChunk, None]:
+    async def _stream(self, prompt: Prompt, timeout: float | None, params: Params, done: list[Completion],
+                      model: str | None, who: tuple[str | None, str | None]) -> AsyncGenerator[StreamChunk, None]:
         rid = new_id()
         t, wait = self._budget(timeout)
-        q = await self._open(generate_frame(rid, [prompt], False, True, t, params, model), rid, t, generate=True)
+        q = await self._open(generate_frame(rid, [prompt], False, True, t, params, model, *who), rid, t,
+                             generate=True)
         pending = Pending(choices(params))
         loop = asyncio.get_running_loop()
         end = None if wait is None else loop.time() + wait

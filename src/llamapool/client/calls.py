@@ -134,11 +134,16 @@ def new_id() -> str:
 
 
 def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
-                   timeout: float | None, given: Params, model: str | None = None) -> bytes:
+                   timeout: float | None, given: Params, model: str | None = None, tenant: str | None = None,
+                   priority: str | None = None) -> bytes:
     """Encode a generate request. Unknown parameter names are rejected here, early. ``model``: the
-    pool's model to run it (None: the pool's first model)."""
+    pool's model to run it (None: the pool's first model); ``tenant`` and ``priority``: who asks and
+    the class asked for (the router checks both and trusts ``tenant``: docs/security.md)."""
     if model is not None and not isinstance(model, str):
         raise TypeError(f"model must be a string, got {type(model).__name__}")
+    for name, v in (("tenant", tenant), ("priority", priority)):
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"{name} must be a string, got {type(v).__name__}")
     if isinstance(given, params.SamplingParams):
         sent = params.to_wire(given)
     else:
@@ -150,7 +155,7 @@ def generate_frame(rid: str, prompts: list[Prompt], batch: bool, stream: bool,
     if not prompts:
         raise ValueError("no prompts given")
     try:
-        frame = codec.encode_generate(rid, prompts, batch, stream, timeout, sent, model)
+        frame = codec.encode_generate(rid, prompts, batch, stream, timeout, sent, model, tenant, priority)
     except (OverflowError, TypeError, ValueError) as e:  # ValueError: a lone surrogate in a string
         where = codec.unencodable(prompts if batch else prompts[0], "prompts" if batch else "prompt") or \
             codec.unencodable(sent, "params") or codec.unencodable(model, "model")
@@ -215,13 +220,14 @@ class Pending(Replies[Completion]):
 
     def feed(self, msg: Message) -> StreamChunk | None:
         if isinstance(msg, Chunk):
-            return StreamChunk(msg.text, msg.tokens, msg.index, msg.logprobs, msg.prompt_tokens, msg.cached_tokens)
+            return StreamChunk(msg.text, msg.tokens, msg.index, msg.logprobs, msg.prompt_tokens, msg.cached_tokens,
+                               msg.ratelimit)
         if isinstance(msg, Result):
             self._set(msg.index, Completion(msg.text, msg.finish_reason,
                                             Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens),
                                             msg.worker, msg.index, msg.model,
                                             [ToolCall(**c) for c in msg.tool_calls or ()], msg.stop,
-                                            msg.logprobs))
+                                            msg.logprobs, msg.ratelimit))
         elif isinstance(msg, Error):
             self._fail(msg)
         return None

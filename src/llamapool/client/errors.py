@@ -16,6 +16,8 @@ class LlamapoolError(Exception):
         self.field = field
         self.tokens_delivered = tokens_delivered
         self.index = index
+        self.ratelimit: dict[str, object] | None = None  # the tenant's rate-limit state (a rate_limited error's
+        # has ``retry_after``, seconds)
 
     def __reduce__(self) -> tuple[type[LlamapoolError], tuple[str, str, str | None, int | None, int | None]]:
         """Picklable, so an error raised in a worker process of the caller's own pool reaches its parent."""
@@ -33,6 +35,15 @@ class UnknownModelError(BadRequestError):
 
 class OverloadedError(LlamapoolError):
     """The daemon's queue is full; retry later."""
+
+
+class RateLimitedError(OverloadedError):
+    """The tenant's limits (its API key's: concurrency, requests or tokens a minute, share of the queue)
+    refuse the request now; ``.ratelimit["retry_after"]`` says when to try again."""
+
+
+class ForbiddenError(BadRequestError):
+    """The tenant may not ask for this: a priority class above its key's cap (``.field == "priority"``)."""
 
 
 class RequestTimeoutError(LlamapoolError, TimeoutError):
@@ -65,9 +76,13 @@ _BY_CODE: dict[str, type[LlamapoolError]] = {
     ErrorCode.NO_CHAT_TEMPLATE: BadRequestError,
     ErrorCode.UNKNOWN_MODEL: UnknownModelError,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: BadRequestError,
+    ErrorCode.RATE_LIMITED: RateLimitedError,
+    ErrorCode.FORBIDDEN: ForbiddenError,
 }
 
 
 def from_reply(err: Error) -> LlamapoolError:
     cls = _BY_CODE.get(err.code, InternalError)
-    return cls(err.code, err.message, err.field, err.tokens_delivered, err.index)
+    e = cls(err.code, err.message, err.field, err.tokens_delivered, err.index)
+    e.ratelimit = err.ratelimit
+    return e

@@ -362,10 +362,11 @@ class Client:
         return t, (None if t is None else time.monotonic() + t + 1.0)
 
     def _submit(self, prompts: list[Prompt], batch: bool, stream: bool, timeout: float | None,
-                params: Params, model: str | None) -> tuple[_Conn, str, float | None]:
+                params: Params, model: str | None, who: tuple[str | None, str | None] = (None, None)
+                ) -> tuple[_Conn, str, float | None]:
         rid = new_id()
         t, deadline = self._deadline(timeout)
-        frame = generate_frame(rid, prompts, batch, stream, t, params, self.model if model is None else model)
+        frame = generate_frame(rid, prompts, batch, stream, t, params, self.model if model is None else model, *who)
         check_endpoint(self.endpoint)
         conn = self._conns.mine()
         with conn.use(deadline):
@@ -391,43 +392,51 @@ class Client:
             conn.inflight.discard(rid)
 
     def generate(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-                 sampling: SamplingParams | None = None, **params: Any) -> Completion:
+                 sampling: SamplingParams | None = None, tenant: str | None = None, priority: str | None = None,
+                 **params: Any) -> Completion:
         """Generate a completion for one prompt (text or token ids) with ``model`` (a name in the pool;
         None: the client's ``model``, else the pool's first). The parameters are keywords, or
-        ``sampling``: a :class:`~llamapool.protocol.params.SamplingParams` built once, sent as it is."""
+        ``sampling``: a :class:`~llamapool.protocol.params.SamplingParams` built once, sent as it is.
+        ``tenant``: the tenant it is counted under (its limits and share: docs/http.md); ``priority``:
+        its class, ``"priority"``, ``"default"`` or ``"flex"``."""
         p = given(params, sampling)
         choices(p, one=True)
-        conn, rid, deadline = self._submit([prompt], False, False, timeout, p, model)
+        conn, rid, deadline = self._submit([prompt], False, False, timeout, p, model, (tenant, priority))
         pending = Pending(1)
         self._collect(conn, rid, pending, deadline)
         return pending.completions()[0]
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, model: str | None = None,
-               sampling: SamplingParams | None = None, **params: Any) -> Stream:
+               sampling: SamplingParams | None = None, tenant: str | None = None, priority: str | None = None,
+               **params: Any) -> Stream:
         """Stream a completion as text deltas."""
         p = given(params, sampling)
-        conn, rid, deadline = self._submit([prompt], False, True, timeout, p, model)
+        conn, rid, deadline = self._submit([prompt], False, True, timeout, p, model, (tenant, priority))
         return Stream(conn, rid, deadline, choices(p))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-             model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> Completion:
+             model: str | None = None, sampling: SamplingParams | None = None, tenant: str | None = None,
+             priority: str | None = None, **params: Any) -> Completion:
         """The model's reply to a chat: ``messages`` are ``{"role": ..., "content": ...}`` maps, rendered
         on the worker with the model's chat template (the reply is the assistant's next turn)."""
-        return self.generate(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
+        return self.generate(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, tenant=tenant,
+                             priority=priority, **params)
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, timeout: float | None = None,
-                    model: str | None = None, sampling: SamplingParams | None = None, **params: Any) -> Stream:
+                    model: str | None = None, sampling: SamplingParams | None = None, tenant: str | None = None,
+                    priority: str | None = None, **params: Any) -> Stream:
         """:meth:`chat`, streamed as text deltas (like :meth:`stream`)."""
-        return self.stream(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, **params)
+        return self.stream(chat_prompt(messages), timeout=timeout, model=model, sampling=sampling, tenant=tenant,
+                           priority=priority, **params)
 
     def generate_many(self, prompts: Sequence[Prompt], *, timeout: float | None = None,
                       return_exceptions: bool = False, model: str | None = None,
-                      sampling: SamplingParams | None = None, **params: Any
-                      ) -> list[Completion] | list[Completion | LlamapoolError]:
+                      sampling: SamplingParams | None = None, tenant: str | None = None, priority: str | None = None,
+                      **params: Any) -> list[Completion] | list[Completion | LlamapoolError]:
         """One micro-batch message; one result per prompt, in order (with ``n``: ``n`` per prompt, the
         choices of prompt ``i`` at ``i * n`` to ``i * n + n - 1``)."""
         p = given(params, sampling)
-        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, p, model)
+        conn, rid, deadline = self._submit(list(prompts), True, False, timeout, p, model, (tenant, priority))
         pending = Pending(len(prompts) * choices(p))
         self._collect(conn, rid, pending, deadline)
         if return_exceptions:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llamapool.protocol.messages import TokenLogprob
 
@@ -35,6 +36,7 @@ class Completion:
     stop: str = ""  # the stop string that ended it ("" for any other end)
     logprobs: list[TokenLogprob] | None = None  # with logprobs=True: one record per generated token (with
     # echo, per prompt token first); a stream's are in its chunks
+    ratelimit: dict[str, Any] | None = None  # its tenant's rate-limit state (docs/protocol.md), when it has limits
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class StreamChunk:
     logprobs: list[TokenLogprob] | None = None  # with logprobs=True: the records of the tokens since the last chunk
     prompt_tokens: int | None = None  # on a prompt's first chunk: its prompt tokens (None on the others)
     cached_tokens: int | None = None  # on a prompt's first chunk: of those, served from the prefix cache
+    ratelimit: dict[str, Any] | None = None  # on a prompt's first chunk: its tenant's rate-limit state
 
 
 class Embeddings(list[list[float]]):

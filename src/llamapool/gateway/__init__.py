@@ -23,7 +23,8 @@ class GatewaySpec:
     port: int
     listen_fd: int  # the supervisor's listening socket, inherited at this descriptor number
     model: str  # the pool's first model: a request without ``model`` gets it (/v1/models asks the router)
-    api_keys_file: str = ""  # "" -> no authentication
+    api_keys_file: str = ""  # "" -> no authentication (llamapool/keys.py)
+    tenant_header: str = ""  # a trusted header naming the tenant (a proxy in front sets it); "" -> none
     drain_timeout: float = 60.0
     request_timeout: float = 600.0  # a request's deadline at the router (-> 504)
     server_key: str = ""  # the router's public key (Z85) when the frontend uses CURVE

@@ -98,13 +98,16 @@ _STATUS = {
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     "no_chat_template": (400, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.RATE_LIMITED: (429, "rate_limit_error"),
+    ErrorCode.FORBIDDEN: (403, "permission_error"),
     ErrorCode.UNAVAILABLE: (503, "service_unavailable"),
     ErrorCode.TIMEOUT: (504, "timeout"),
     ErrorCode.WORKER_LOST: (502, "server_error"),
     ErrorCode.UNKNOWN_MODEL: (404, "invalid_request_error"),
 }
 # llamapool's code -> OpenAI's, where they differ
-_CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found", ErrorCode.TOO_LARGE: "request_too_large"}
+_CODE = {ErrorCode.UNKNOWN_MODEL: "model_not_found", ErrorCode.TOO_LARGE: "request_too_large",
+         ErrorCode.RATE_LIMITED: "rate_limit_exceeded"}
 
 
 _PROMPT_FIELD = re.compile(r"(?:prompts(\[\d+\])|prompt)(.*)", re.DOTALL)
@@ -142,7 +145,9 @@ def from_llamapool(e: LlamapoolError, chat: bool = False, n_prompts: int = 1,
     delivered (also the error's ``tokens_delivered`` field)."""
     status, kind = _STATUS.get(e.code, (500, "server_error"))
     param = param_name(e, chat, n_prompts, messages)
-    headers = {"Retry-After": "1"} if e.code == ErrorCode.OVERLOADED else None
+    headers = None
+    if e.code in (ErrorCode.OVERLOADED, ErrorCode.RATE_LIMITED):  # the router says when (a rate limit's reset)
+        headers = {"Retry-After": str((e.ratelimit or {}).get("retry_after", 1))}
     message = e.message
     if param and e.field and message.startswith(f"'{e.field}'"):  # the field as this API names it
         message = f"'{param}'" + message[len(e.field) + 2:]

@@ -13,7 +13,6 @@ import contextlib
 import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -21,13 +20,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from llamapool import keys as keysfile
 from llamapool.client.aio import AsyncClient, AsyncStream
 from llamapool.client.calls import generate_frame, new_id
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
-from llamapool.gateway.errors import ApiError, Messages, from_llamapool, openai_error
-from llamapool.gateway.parsing import Generation, json_body, renamed
+from llamapool.gateway.errors import ApiError, Messages, from_llamapool, is_anthropic, openai_error
+from llamapool.gateway.parsing import Generation, json_body, priority_class, ratelimit_headers, renamed
 from llamapool.log import Logger
 
 T = TypeVar("T")
@@ -58,6 +58,8 @@ class Call:
     renames: dict[str, str] = field(default_factory=dict)
     # the disconnect watch of the streams open_streams opened: their event stream's response takes it over
     watch: Watch | None = None
+    tenant: str | None = None  # who asks: the API key's tenant, or the trusted header's (None: the default)
+    ratelimit: dict[str, Any] | None = None  # the tenant's rate-limit state the router sent (the headers)
 
     def api_error(self, e: LlamapoolError) -> ApiError:
         return renamed(self.renames, from_llamapool(e, self.chat, self.n_prompts, self.messages))
@@ -74,14 +76,9 @@ class Door:
     error_response: Callable[[ApiError], Response] = openai_error
 
 
-def load_keys(path: str) -> list[bytes]:
-    """API keys, one per line; blank lines and ``#`` comments are skipped."""
-    keys = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            keys.append(line.encode())
-    return keys
+def load_keys(path: str) -> keysfile.KeysFile:
+    """The keys file (llamapool/keys.py): each key's tenant; a bad line raises naming it."""
+    return keysfile.load(path)
 
 
 def too_large(what: str, limit: int) -> ApiError:
@@ -108,7 +105,7 @@ class Serving:
 
     def __init__(self, spec: GatewaySpec, client: AsyncClient):
         self.spec, self.client = spec, client
-        self.keys = load_keys(spec.api_keys_file) if spec.api_keys_file else []
+        self.keys = load_keys(spec.api_keys_file).keys if spec.api_keys_file else {}
         self.log = Logger(spec.name, prefix=f"llamapool gateway {spec.name}")
 
     def endpoint(self, door: Door) -> Callable[[Request], Awaitable[Response]]:
@@ -117,8 +114,9 @@ class Serving:
             call = Call(request)
             response: Response | None = None
             try:
-                self.authorise(request)
+                call.tenant = self.authorise(request)
                 response = await door.handle(self, call)
+                response.headers.update(ratelimit_headers(call.ratelimit, request.url.path))
                 return response
             except (ClientGone, ClientDisconnect):
                 return Response(status_code=499)  # nobody reads it; the request was cancelled on the daemon
@@ -126,7 +124,9 @@ class Serving:
                 return door.error_response(e)
             except LlamapoolError as e:  # before the reply's first byte (a stream's too): nothing delivered
                 e.tokens_delivered = None
-                return door.error_response(call.api_error(e))
+                err = call.api_error(e)
+                err.headers.update(ratelimit_headers(e.ratelimit, request.url.path))
+                return door.error_response(err)
             except TypeError as e:  # a parameter the SDK refuses
                 return door.error_response(ApiError(400, str(e)))
             finally:
@@ -134,19 +134,29 @@ class Serving:
                     call.watch.stop()  # no event stream takes it over
         return serve
 
-    def authorise(self, request: Request) -> None:
-        if not self.keys:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
-        if not given:  # Anthropic's clients send theirs as x-api-key
-            given = request.headers.get("x-api-key", "").strip().encode()
-        ok = False
-        for key in self.keys:  # constant time for each key, and every key is compared
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
-                                "(or 'x-api-key: KEY')", code="invalid_api_key")
+    def authorise(self, request: Request) -> str | None:
+        """The request's tenant: the trusted header's name (``http.tenant_header``), else its API key's
+        (None: no keys, no header: the default tenant); a missing or wrong key is a 401."""
+        tenant = None
+        if self.keys:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
+            if not given:  # Anthropic's clients send theirs as x-api-key
+                given = request.headers.get("x-api-key", "").strip().encode()
+            for key, name in self.keys.items():  # constant time for each key, and every key is compared
+                if hmac.compare_digest(given, key):
+                    tenant = name
+            if tenant is None:
+                raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
+                                    "(or 'x-api-key: KEY')", code="invalid_api_key")
+        header = self.spec.tenant_header
+        named = request.headers.get(header) if header else None
+        if named is not None:
+            if not keysfile.NAME.fullmatch(named):
+                raise ApiError(400, f"header {header!r} must name a tenant (1 to 64 of A-Z a-z 0-9 _ . : -), got "
+                                    f"{named!r:.80}", param=header, code="invalid_value")
+            tenant = named
+        return tenant
 
     async def body(self, call: Call) -> Any:
         """The request's JSON body."""
@@ -156,8 +166,12 @@ class Serving:
         """The body parsed by ``parse``; one near the size limit is refused (413) when its message to
         the router would pass it."""
         raw = await read_body(call.request, self.spec.max_message_bytes)
-        req = parse(json_body(raw))
+        body = json_body(raw)
+        req = parse(body)
+        req.priority, asked = priority_class(body, is_anthropic(call.request.url.path))
         call.n_prompts, call.renames = len(req.prompts), req.renames
+        if asked not in (None, "priority"):  # the router's 'priority' errors name the field the body used
+            call.renames = {**req.renames, "priority": asked}
         if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
             self._check_encoded(req)
         return req
@@ -173,19 +187,24 @@ class Serving:
 
     async def generate(self, call: Call, req: Generation) -> list[Completion]:
         """Every prompt's completions (``n`` each), unless the client goes away first."""
-        return cast(list[Completion], await unless_gone(call.request, self.client.generate_many(
-            req.prompts, timeout=self.spec.request_timeout, model=req.model, sampling=req.params)))
+        done = cast(list[Completion], await unless_gone(call.request, self.client.generate_many(
+            req.prompts, timeout=self.spec.request_timeout, model=req.model, sampling=req.params, tenant=call.tenant,
+            priority=req.priority)))
+        call.ratelimit = next((c.ratelimit for c in reversed(done) if c.ratelimit is not None), None)
+        return done
 
     async def open_streams(self, call: Call, req: Generation) -> tuple[list[AsyncStream], list[Any]]:
         """A stream per prompt and each one's first item: an error before the first token is raised
         here, so it can still become the HTTP status. The requests are sent in this loop round (no task
         between the HTTP request and the router); the client's disconnect is watched from here to the
         end of the event stream (:func:`sse`, which takes ``call.watch`` over)."""
-        streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, sampling=req.params)
-                   for p in req.prompts]
+        streams = [self.client.stream(p, timeout=self.spec.request_timeout, model=req.model, sampling=req.params,
+                                      tenant=call.tenant, priority=req.priority) for p in req.prompts]
         call.watch = watch = Watch(call.request)
         try:
-            return streams, await _start(streams)
+            firsts = await _start(streams)
+            call.ratelimit = next((f.ratelimit for f in reversed(firsts) if getattr(f, "ratelimit", None)), None)
+            return streams, firsts
         except asyncio.CancelledError:
             if watch.gone():
                 raise ClientGone from None

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from llamapool import keys
 from llamapool.protocol import control, params
 from llamapool.protocol.messages import (
     MODEL_ACTIONS,
@@ -103,8 +104,14 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         d["input"] = d.pop("inputs")
     if isinstance(msg, (Generate, Embed, Tokenize, Detokenize)) and msg.model is None:
         del d["model"]
+    if isinstance(msg, Generate):
+        for key in ("tenant", "priority"):
+            if d[key] is None:
+                del d[key]
     if isinstance(msg, Chunk) and msg.prompt_tokens is None:  # only a prompt's first chunk has them
         del d["prompt_tokens"], d["cached_tokens"]
+    if isinstance(msg, (Chunk, Result, Error)) and msg.ratelimit is None:
+        del d["ratelimit"]
     return d
 
 
@@ -143,7 +150,8 @@ def unencodable(value: Any, path: str) -> tuple[str, str] | None:
 
 
 def encode_generate(rid: str, prompts: list[Any], batch: bool, stream: bool, timeout: float | None,
-                    params: dict[str, Any], model: str | None) -> bytes:
+                    params: dict[str, Any], model: str | None, tenant: str | None = None,
+                    priority: str | None = None) -> bytes:
     """A client's ``generate`` request, with ``params`` as the caller gave them (the router checks them
     and names a bad one), so that a client sends exactly what it was asked to."""
     bias = params.get("logit_bias")
@@ -159,6 +167,10 @@ def encode_generate(rid: str, prompts: list[Any], batch: bool, stream: bool, tim
         d["timeout"] = timeout
     if model is not None:
         d["model"] = model
+    if tenant is not None:
+        d["tenant"] = tenant
+    if priority is not None:
+        d["priority"] = priority
     return msgpack.packb(d, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -295,7 +307,8 @@ def parse_params(raw: Any) -> SamplingParams:
 
 
 def _generate(d: dict[str, Any]) -> Generate:
-    _check_keys(d, frozenset({"v", "type", "id", "prompt", "prompts", "params", "stream", "timeout", "model"}))
+    _check_keys(d, frozenset({"v", "type", "id", "prompt", "prompts", "params", "stream", "timeout", "model",
+                              "tenant", "priority"}))
     rid = _str(d, "id")
     try:
         if "prompt" in d and "prompts" in d:
@@ -318,10 +331,17 @@ def _generate(d: dict[str, Any]) -> Generate:
             raise _invalid("timeout", "must be a positive number of seconds")
         params = parse_params(d.get("params"))
         model = None if d.get("model") is None else _str(d, "model")
+        tenant = d.get("tenant")
+        if tenant is not None and not (isinstance(tenant, str) and keys.NAME.fullmatch(tenant)):
+            raise _invalid("tenant", f"must be a tenant's name (1 to 64 of A-Z a-z 0-9 _ . : -), got {tenant!r:.80}")
+        priority = d.get("priority")
+        if priority is not None and priority not in keys.CLASSES:
+            raise _invalid("priority", f"must be one of {', '.join(keys.CLASSES)}, got {priority!r:.80}")
     except ProtocolError as e:
         e.id = rid
         raise
-    return Generate(rid, prompts, params, stream, None if timeout is None else float(timeout), batch, model)
+    return Generate(rid, prompts, params, stream, None if timeout is None else float(timeout), batch, model,
+                    tenant, priority)
 
 
 def _timeout_model(d: dict[str, Any]) -> tuple[float | None, str | None]:

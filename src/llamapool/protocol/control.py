@@ -118,10 +118,20 @@ class ModelReply:
     message: str
 
 
+@dataclass(slots=True)
+class TenantTable:
+    """The keys file's tenants after a reload (``keys.TenantSettings`` rows; ``defaults``: the ``*``
+    line's): the router's limits and weights from now on."""
+
+    TYPE: ClassVar[str] = "tenant_table"
+    tenants: list[dict[str, Any]] = field(default_factory=list)
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
 Command = (WorkerInfo | ForgetWorker | GpuRows | WorkerExited | RetireWorker | PoolModels | StartDrain
-           | CancelAll | StopRouter | ModelRows | ModelLoaded | ModelReply)
+           | CancelAll | StopRouter | ModelRows | ModelLoaded | ModelReply | TenantTable)
 COMMANDS: tuple[type, ...] = (WorkerInfo, ForgetWorker, GpuRows, WorkerExited, RetireWorker, PoolModels,
-                              StartDrain, CancelAll, StopRouter, ModelRows, ModelLoaded, ModelReply)
+                              StartDrain, CancelAll, StopRouter, ModelRows, ModelLoaded, ModelReply, TenantTable)
 
 # ---------------------------------------------------------------- child process -> supervisor
 

@@ -35,6 +35,8 @@ class ErrorCode:
     NO_CHAT_TEMPLATE = "no_chat_template"  # chat messages sent to a model without a chat template
     UNKNOWN_MODEL = "unknown_model"  # the request's ``model`` is not in the pool
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt has more tokens than a slot's context
+    RATE_LIMITED = "rate_limited"  # the tenant's limits (keys file): concurrency, rpm, tpm, queue_share
+    FORBIDDEN = "forbidden"  # the tenant may not ask for this (a priority class above its key's cap)
 
 
 class TopLogprob(NamedTuple):
@@ -70,6 +72,8 @@ class Generate:
     timeout: float | None = None
     batch: bool = False  # True when the client sent ``prompts`` rather than ``prompt``
     model: str | None = None  # the pool's model to run it; None -> the first model
+    tenant: str | None = None  # who asks (the gateway: the API key's name); None -> the default tenant
+    priority: str | None = None  # its class: "priority", "default" (None) or "flex" (docs/protocol.md)
 
 
 EmbedInput = str | list[int]  # a text, or token ids used as given
@@ -162,6 +166,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None  # per token of ``text`` (docs/protocol.md)
     prompt_tokens: int | None = None  # on a prompt's first chunk: its prompt tokens (else not sent)
     cached_tokens: int | None = None  # on a prompt's first chunk: of those, served from the prefix cache
+    ratelimit: dict[str, Any] | None = None  # on a prompt's first chunk: its tenant's limit state (Result's)
 
 
 @dataclass(slots=True)
@@ -182,6 +187,9 @@ class Result:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None = None  # as Chunk's, for the whole text
     stop: str = ""  # the stop string that ended it ("" for any other end)
+    # its tenant's rate-limit state (a tenant with rpm or tpm): limit_requests, remaining_requests,
+    # reset_requests (seconds), the same for tokens; an Error's also retry_after (docs/protocol.md)
+    ratelimit: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -230,6 +238,7 @@ class Error:
     index: int | None = None
     field: str | None = None
     tokens_delivered: int | None = None
+    ratelimit: dict[str, Any] | None = None  # as Result's (a rate_limited error: with retry_after)
 
 
 @dataclass(slots=True)

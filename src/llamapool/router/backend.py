@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 
 import zmq
 
@@ -30,6 +29,7 @@ from llamapool.protocol.messages import (
 from llamapool.router.fleet import SPECULATION
 from llamapool.router.policy import pick_worker, remember
 from llamapool.router.tables import ENDINGS, LOG, Job, JobTable, RequestStatus, WorkerState
+from llamapool.router.tenants import FairQueue
 
 # A request whose worker was lost before it streamed a token is sent to another worker this many times
 # at most: a request that kills every worker it runs on (a poison pill) must not take its model down.
@@ -117,8 +117,13 @@ class Backend(JobTable):
                 job.delivered, job.last_token = ntok, now
                 if not job.first_at:
                     job.first_at = now
-                self._reply(job.client, Chunk(job.id, job.index, text, ntok, d.logprobs,
-                                              *((d.prompt_tokens, d.cached_tokens) if first else (None, None))))
+                if first:
+                    job.prompt_tokens = d.prompt_tokens
+                    limits = self.tenancy.limits(job.tenant, now) if job.counted else None
+                    chunk = Chunk(job.id, job.index, text, ntok, d.logprobs, d.prompt_tokens, d.cached_tokens, limits)
+                else:
+                    chunk = Chunk(job.id, job.index, text, ntok, d.logprobs)
+                self._reply(job.client, chunk)
         for entry in step.done:
             done = Done(*entry)  # a named tuple from the codec (a plain list from a test)
             self.metrics.tokens(w.name, done.prompt_tokens, done.completion_tokens, w.model)
@@ -160,6 +165,7 @@ class Backend(JobTable):
                 self._end(job, RequestStatus.WORKER_LOST, message=message)
             elif job.delivered == 0:
                 job.worker, job.status = None, RequestStatus.WAITING
+                self.tenancy.requeued(job)
                 # invisible retry on another worker
                 (self.light if job.task in LIGHT_TASKS else self._queue(job.model)).appendleft(job)
             else:
@@ -214,15 +220,23 @@ class Backend(JobTable):
             self._dispatch_light()
         for model, queue in list(self.queues.items()):  # a lost worker may requeue (and add a queue)
             if queue:
-                self._dispatch_model(queue, [w for w in self.workers.values() if w.model == model])
+                self._dispatch_model(model, queue, [w for w in self.workers.values() if w.model == model])
 
-    def _dispatch_model(self, queue: deque[Job], pool: list[WorkerState]) -> None:
+    def _dispatch_model(self, model: str, queue: FairQueue[Job], pool: list[WorkerState]) -> None:
+        """The queue's next prompts (by class, then the tenants' turns; a tenant holding its share of
+        the model's slots waits: router/tenants.py) to the workers while they have free slots."""
+        if not any(w.routable and w.free > 0 for w in pool):
+            return
+        eligible = self.tenancy.eligible(model, sum(w.hello.slots for w in pool if w.routable), time.monotonic(),
+                                         queue)
         while queue:
-            job = queue[0]
+            job = queue.peek(eligible)
+            if job is None:
+                return
             w = pick_worker(pool, job.keys, self.cfg.affinity_slack)
             if w is None:
                 return
-            queue.popleft()
+            queue.take(job)
             if not queue:  # the placement policy hears soon that nothing waits (no load for a stale queue)
                 self._demand_soon = True
             remember(w, job.keys)
@@ -241,6 +255,7 @@ class Backend(JobTable):
         job.worker = job.last_worker = w.name
         job.status, job.dispatched_at = RequestStatus.RUNNING, time.monotonic()
         w.jobs[job.rid] = job
+        self.tenancy.started(job)
         if LOG.enabled("debug"):
             LOG.debug("dispatch", id=job.log_id, worker=w.name, rid=job.rid)
         self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id, task=job.task,

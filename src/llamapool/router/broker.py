@@ -1,11 +1,12 @@
 """The router: a ZeroMQ broker between clients (frontend) and workers (backend).
 
 One thread, one poll loop (:meth:`Router.run`). Clients send requests; each prompt becomes a job
-(``tables.py``) that waits in its model's FIFO queue until the worker of that model with the most free
-slots takes it (``backend.py``). Workers stream step reports back; the router forwards chunks and
-exactly one final reply per prompt. The client side is ``intake.py``. The supervisor talks to the
-router over an inproc PAIR socket (``control``) with the typed commands of ``protocol/control.py``,
-and hears its events (workers joined or to kill, readiness, demand for the placement policy).
+(``tables.py``) that waits in its model's queue (by priority class, then the tenants' fair share:
+``tenants.py``) until the worker of that model with the most free slots takes it (``backend.py``).
+Workers stream step reports back; the router forwards chunks and exactly one final reply per prompt.
+The client side is ``intake.py``. The supervisor talks to the router over an inproc PAIR socket
+(``control``) with the typed commands of ``protocol/control.py``, and hears its events (workers
+joined or to kill, readiness, demand for the placement policy).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from llamapool import security
 from llamapool.config import ipc_path, needs_curve
+from llamapool.keys import KeysFile
 from llamapool.protocol import codec, control
 from llamapool.protocol.control import (
     CancelAll,
@@ -39,6 +41,7 @@ from llamapool.protocol.control import (
     RetireWorker,
     StartDrain,
     StopRouter,
+    TenantTable,
     WorkerExited,
     WorkerInfo,
 )
@@ -53,6 +56,7 @@ from llamapool.router.backend import Backend
 from llamapool.router.intake import Intake
 from llamapool.router.metrics import RouterMetrics
 from llamapool.router.tables import Job, RequestStatus, RouterConfig, WorkerState
+from llamapool.router.tenants import FLEX_RANK, FairQueue, Tenancy
 
 TICK = 0.1  # seconds between housekeeping passes
 DEMAND_EVERY = 1.0  # the placement policy hears the demand at least this often (and at once when it changes)
@@ -91,7 +95,8 @@ class Router(Intake, Backend):
                     security.set_server_keys(sock, cfg.curve)
                     self.monitors.append(sock.get_monitor_socket(security.HANDSHAKE_EVENTS))
         self.models: list[str] = list(cfg.models) or [""]  # the first is the default model
-        self.queues: dict[str, deque[Job]] = {m: deque() for m in self.models}  # FIFO per model
+        self.tenancy = Tenancy(cfg.tenants, cfg.rate_window, cfg.tenant_idle)
+        self.queues: dict[str, FairQueue[Job]] = {m: FairQueue(self.tenancy.weight) for m in self.models}
         self.jobs: dict[int, Job] = {}
         self.light: deque[Job] = deque()  # tokenize/detokenize jobs waiting for a worker (any model's)
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}
@@ -116,6 +121,7 @@ class Router(Intake, Backend):
         self.loop_progress = time.monotonic()  # read by the supervisor's watchdog
         self._last_ready = -1
         self.metrics = RouterMetrics(self.models[0])
+        self.metrics.extra = lambda: self.tenancy.collect(self.queues)
 
     def bind(self) -> None:
         self.front.bind(self.cfg.frontend)
@@ -189,7 +195,7 @@ class Router(Intake, Backend):
             waiting = job.status is RequestStatus.WAITING
             if waiting and unservable.get(job.model):
                 self._end(job, RequestStatus.UNAVAILABLE, message=unservable[job.model])
-            elif waiting and now - job.queued_at > self.cfg.queue_timeout:
+            elif waiting and now - job.queued_at > self._queue_timeout(job):
                 ready = sum(1 for w in self.workers.values() if w.model == job.model and w.routable)
                 local = any(i.get("model", self.models[0]) == job.model for i in self.supervisor_view.values())
                 row = self.model_rows.get(job.model, {})
@@ -202,9 +208,10 @@ class Router(Intake, Backend):
                     why = (f": model {job.model!r} has no local worker and no node's worker has joined "
                            f"(devices = \"remote\": is a `llamapool node` running and is its key in "
                            f"authorized_keys?)")
+                setting = "server.flex_queue_timeout" if job.rank == FLEX_RANK else "server.queue_timeout"
                 self._end(job, RequestStatus.UNAVAILABLE, message=(
-                    f"no worker slot of model {job.model!r} became free within server.queue_timeout="
-                    f"{self.cfg.queue_timeout:g}s ({ready} workers ready){why}"))
+                    f"no worker slot of model {job.model!r} became free within {setting}="
+                    f"{self._queue_timeout(job):g}s ({ready} workers ready){why}"))
             elif job.deadline is not None and now > job.deadline:
                 self._cancel_job(job, RequestStatus.TIMED_OUT)
         for w in list(self.workers.values()):
@@ -247,6 +254,8 @@ class Router(Intake, Backend):
                 self._cancel_job(job, RequestStatus.ABORTED)
         elif isinstance(cmd, StopRouter):
             self.running = False
+        elif isinstance(cmd, TenantTable):
+            self.tenancy.replace(KeysFile.from_rows(cmd.tenants, cmd.defaults))
         elif isinstance(cmd, ModelRows):
             self.model_rows = cmd.rows
         elif isinstance(cmd, ModelLoaded):
@@ -260,9 +269,10 @@ class Router(Intake, Backend):
         prompts, to the supervisor's placement policy: when they change, and every DEMAND_EVERY seconds."""
         models = {}
         for model in self.models:
-            queue = self.queues.get(model) or ()
-            oldest = now - queue[0].queued_at if queue else 0.0
-            models[model] = ModelDemand(len(queue), round(oldest, 1), self.last_used.get(model, float("-inf")))
+            queue = self.queues.get(model)
+            first = queue.oldest() if queue is not None else None
+            oldest = now - first if first is not None else 0.0
+            models[model] = ModelDemand(len(queue or ()), round(oldest, 1), self.last_used.get(model, float("-inf")))
         demand = Demand(models, {w.name: len(w.jobs) for w in self.workers.values()})
         if self._demand_now or demand != self._demand or now - self._demand_at >= DEMAND_EVERY:
             self.on_event(demand)

@@ -4,9 +4,11 @@ reason (:meth:`Intake._refusal`, one place); status, metrics and an operator's m
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import zmq
 
+from llamapool.keys import CLASSES, DEFAULT_TENANT
 from llamapool.protocol import codec, params
 from llamapool.protocol.control import (
     ModelCommand,
@@ -23,12 +25,23 @@ from llamapool.protocol.messages import (
     MetricsReply,
     MetricsRequest,
     ModelAction,
+    Prompt,
     SamplingParams,
     StatusRequest,
     Tokenize,
 )
 from llamapool.router.policy import prefix_keys
 from llamapool.router.tables import LOG, Job, JobTable, RequestStatus
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a generation asks for, beyond its model: its tenant's limits and class cap are checked."""
+
+    tenant: str
+    rank: int  # its class's place in keys.CLASSES
+    prompts: list[Prompt]
+    max_tokens: int  # per prompt, within a slot's context (its tokens reservation)
 
 
 class Intake(JobTable):
@@ -65,10 +78,12 @@ class Intake(JobTable):
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         model = self.models[0] if msg.model is None else msg.model
         n = msg.params.n
-        why = self._refusal(client, msg.id, model, len(msg.prompts) * n)
+        tenant, rank = msg.tenant or DEFAULT_TENANT, CLASSES.index(msg.priority or "default")
+        max_tokens = self._max_tokens(model, msg.params.max_tokens)
+        why = self._refusal(client, msg.id, model, len(msg.prompts) * n, Ask(tenant, rank, msg.prompts, max_tokens))
         if why:
             code, message, fld = why
-            self._refuse_request(client, msg, model if model in self.models else None, code, message, fld)
+            self._refuse_request(client, msg, model if model in self.models else None, code, message, fld, tenant)
             return
         queue = self._queue(model)
         now = time.monotonic()
@@ -79,7 +94,7 @@ class Intake(JobTable):
             for j in range(n):  # choice j of prompt i is the reply with index i * n + j
                 job = Job(self.next_rid, client, msg.id, i * n + j, prompt, params.choice(msg.params, j), msg.stream,
                           now, deadline, keys=keys, log_id=f"{msg.id}/{i * n + j}" if msg.batch or n > 1 else msg.id,
-                          model=model)
+                          model=model, tenant=tenant, rank=rank)
                 self.next_rid += 1
                 self.jobs[job.rid] = job
                 if j == 0:
@@ -89,7 +104,13 @@ class Intake(JobTable):
                     first.siblings.append(job)
                 jobs.append(job)
         self.by_request[(client, msg.id)] = jobs
+        self.tenancy.admitted(tenant, model, jobs, max_tokens, now)
         self._used(model, now)
+
+    def _max_tokens(self, model: str, asked: int) -> int:
+        """The most tokens a prompt of ``model`` can generate: ``asked``, within a slot's context."""
+        ctx = max((w.hello.ctx_per_slot for w in self.workers.values() if w.model == model), default=0)
+        return min(asked, ctx) if ctx else asked
 
     def _on_task(self, client: bytes, msg: Embed | Tokenize | Detokenize) -> None:
         """An embed (a job per input, each taking a slot of an embedding model's worker), or a tokenize
@@ -122,8 +143,10 @@ class Intake(JobTable):
         self.by_request[(client, msg.id)] = jobs
         self._used(model, now)
 
-    def _refusal(self, client: bytes, rid: str, model: str, queued: int) -> tuple[str, str, str | None] | None:
-        """Why a request cannot be queued (code, message, field), or None: the one place that says it."""
+    def _refusal(self, client: bytes, rid: str, model: str, queued: int,
+                 ask: Ask | None = None) -> tuple[str, str, str | None] | None:
+        """Why a request cannot be queued (code, message, field), or None: the one place that says it.
+        ``ask``: a generation's tenant and class, whose limits and cap are checked (router/tenants.py)."""
         if (client, rid) in self.by_request:
             return ErrorCode.DUPLICATE_ID, f"request id {rid!r} is already in flight", "id"
         if model not in self.models:
@@ -135,20 +158,30 @@ class Intake(JobTable):
         if unservable:
             return ErrorCode.UNAVAILABLE, unservable, None
         queue = self._queue(model)
+        now = time.monotonic()
         if queued and len(queue) + queued > self.cfg.max_queue:
+            if ask is not None:
+                self.tenancy.refused(ask.tenant, "queue_full", now)
             return (ErrorCode.OVERLOADED, f"queue of model {model!r} is full ({len(queue)} waiting, "
                     f"server.max_queue={self.cfg.max_queue})", None)
+        if ask is not None:
+            limited = self.tenancy.refusal(ask.tenant, ask.rank, model, ask.prompts, queued, ask.max_tokens, queue,
+                                           self.cfg.max_queue, now)
+            if limited:
+                self.tenancy.refused(ask.tenant, limited[3], now)
+                return limited[:3]
         return None
 
     def _refuse_request(self, client: bytes, msg: Generate, model: str | None, code: str, message: str,
-                        fld: str | None = None) -> None:
+                        fld: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
         """Answer a request refused before it was queued: count it (under the pool's first model when
-        its own is unknown), reply, and write its access line."""
+        its own is unknown), reply (with its tenant's limit state), and write its access line."""
         self.metrics.outcome(code, len(msg.prompts), model or self.models[0])
-        self._reply(client, Error(msg.id, code, message, field=fld))
+        limits = self.tenancy.limits(tenant, time.monotonic(), retry=code == ErrorCode.RATE_LIMITED)
+        self._reply(client, Error(msg.id, code, message, field=fld, ratelimit=limits))
         if LOG.enabled("info"):
             LOG.info("access", id=msg.id, model=model or (msg.model if isinstance(msg.model, str) else None),
-                     outcome=code, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
+                     outcome=code, tenant=tenant, prompts=len(msg.prompts), stream=msg.stream, duration_ms=0.0)
 
     def _used(self, model: str, now: float) -> None:
         """A request for ``model`` arrived: a model with no worker to take it makes the supervisor hear

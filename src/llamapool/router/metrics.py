@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import (
@@ -88,6 +88,7 @@ class RouterMetrics:
         self.engine_base: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.latencies: dict[str, Latencies] = {}
         self.load_seconds: dict[str, Histogram] = {}  # by model: spawn to ready of its workers
+        self.extra: Callable[[], Iterator[Metric]] = lambda: iter(())  # the per-tenant series (router/tenants.py)
 
     def model_loaded(self, model: str, seconds: float) -> None:
         self.load_seconds.setdefault(model, Histogram(LOAD_BUCKETS)).observe(seconds)
@@ -141,6 +142,7 @@ class _Snapshot(Collector):
         yield from self._workers()
         yield from self._models()
         yield from _gpu_families(fleet.gpus, fleet.gpu_workers())
+        yield from self.m.extra()
 
     def _model_of(self, worker: str) -> str:
         row = self.rows[worker]

@@ -14,6 +14,7 @@ import zmq
 
 from llamapool import log as logmod
 from llamapool import security
+from llamapool.keys import DEFAULT_TENANT, KeysFile
 from llamapool.protocol import codec, control
 from llamapool.protocol.messages import (
     LIGHT_TASKS,
@@ -34,6 +35,7 @@ from llamapool.protocol.messages import (
 )
 from llamapool.router.fleet import Fleet, LiveWorker
 from llamapool.router.metrics import RouterMetrics
+from llamapool.router.tenants import DEFAULT_RANK, FLEX_RANK, FairQueue, Tenancy
 
 LOG = logmod.Logger("router", prefix="llamapool: router")
 
@@ -98,6 +100,10 @@ class RouterConfig:
     curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
     local_key: bytes = b""  # the supervisor's internal public key (Z85): its own workers use it
     boot_id: str = ""  # this daemon's incarnation: its own workers' hellos carry it ("" = not checked)
+    tenants: KeysFile | None = None  # the keys file's tenants (None: every request is the default tenant's)
+    rate_window: float = 60.0  # seconds of a rate-limit window (rpm and tpm are scaled to it)
+    flex_queue_timeout: float = 240.0  # queue_timeout of the flex class
+    tenant_idle: float = 5.0  # seconds a tenant keeps its share of a model's slots after its last request
 
 
 @dataclass(eq=False)
@@ -128,6 +134,12 @@ class Job:
     options: dict[str, Any] | None = None  # a tokenize's flags
     siblings: list[Job] = field(default_factory=list)  # the other choices of its prompt (``n``): they go with it
     losses: int = 0  # workers lost (not shut down) while it ran on them
+    tenant: str = DEFAULT_TENANT  # who asked (router/tenants.py)
+    counted: bool = False  # its tenant counts it (in flight, slot, tokens) until it ends
+    rank: int = DEFAULT_RANK  # its priority class's place in keys.CLASSES
+    reserved: int = 0  # tokens it reserved of its tenant's tpm until it ends
+    on_slot: bool = False  # it holds a slot (its tenant's share counts it)
+    prompt_tokens: int = 0  # its prompt's tokens, once its first chunk told them
 
 
 @dataclass(eq=False)
@@ -180,7 +192,8 @@ class JobTable:
     back: zmq.Socket[Any]  # workers (ROUTER)
     on_event: Callable[[control.Event], None]  # to the supervisor (thread-safe)
     models: list[str]  # the pool's model names; the first is the default
-    queues: dict[str, deque[Job]]  # waiting prompts, FIFO per model
+    queues: dict[str, FairQueue[Job]]  # waiting prompts per model, by class and fair share (router/tenants.py)
+    tenancy: Tenancy  # each tenant's settings and counts
     jobs: dict[int, Job]  # every prompt not answered yet, by rid
     light: deque[Job]  # tokenize/detokenize jobs waiting for a worker (any model's)
     by_request: dict[tuple[bytes, str], list[Job]]  # a client request's prompts
@@ -212,8 +225,14 @@ class JobTable:
         """Prompts waiting, all models together."""
         return sum(len(q) for q in self.queues.values())
 
-    def _queue(self, model: str) -> deque[Job]:
-        return self.queues.setdefault(model, deque())
+    def _queue(self, model: str) -> FairQueue[Job]:
+        q = self.queues.get(model)
+        if q is None:
+            q = self.queues[model] = FairQueue(self.tenancy.weight)
+        return q
+
+    def _queue_timeout(self, job: Job) -> float:
+        return self.cfg.flex_queue_timeout if job.rank == FLEX_RANK else self.cfg.queue_timeout
 
     def _end(self, job: Job, status: RequestStatus, reply: Result | Reply_ | Error | None = None,
              message: str = "") -> None:
@@ -228,6 +247,13 @@ class JobTable:
                 queue.remove(job)
         job.status = status
         self._forget(job)
+        counted = job.counted
+        if isinstance(reply, (Result, Embedding)):
+            self.tenancy.ended(job, outcome, reply.prompt_tokens,
+                               reply.completion_tokens if isinstance(reply, Result) else 0)
+        else:
+            self.tenancy.ended(job, reply.code if isinstance(reply, Error) and reply.code else outcome,
+                               job.prompt_tokens, job.delivered)
         if kind is Reply.NONE:
             self.metrics.outcome(outcome, 1, job.model)
             return
@@ -235,6 +261,8 @@ class JobTable:
             reply = Result(job.id, job.index, "", "cancelled", 0, job.delivered, job.worker or "")
         elif reply is None:
             reply = self._error(job, outcome, message or f"request {outcome}")
+        if isinstance(reply, (Result, Error)):
+            reply.ratelimit = self.tenancy.limits(job.tenant, time.monotonic()) if counted else None
         if not isinstance(reply, Error):
             reply.model = job.model
         self.metrics.outcome(reply.code if isinstance(reply, Error) else outcome, 1, job.model)
@@ -277,8 +305,8 @@ class JobTable:
         else:
             outcome, finish, n_prompt, n_gen = msg.code, None, None, job.delivered
         LOG.info("access", id=job.log_id, model=job.model or None, worker=job.last_worker or None,
-                 outcome=outcome, finish=finish, prompt_tokens=n_prompt, generated_tokens=n_gen,
-                 stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
+                 outcome=outcome, finish=finish, tenant=job.tenant, prompt_tokens=n_prompt,
+                 generated_tokens=n_gen, stream=job.stream, queue_ms=ms(job.dispatched_at), ttft_ms=ms(job.first_at),
                  duration_ms=ms(now))
 
     def _error(self, job: Job, code: str, message: str) -> Error:

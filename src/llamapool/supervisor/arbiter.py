@@ -26,7 +26,8 @@ import zmq
 
 from llamapool import lifeline
 from llamapool import log as logmod
-from llamapool.config import Config, ConfigError, load_config, step_budget
+from llamapool.config import Config, ConfigError, load_config, step_budget, tenants_of
+from llamapool.keys import KeysFile, KeysFileError
 from llamapool.protocol import codec, control
 from llamapool.protocol.control import (
     CancelAll,
@@ -44,6 +45,7 @@ from llamapool.protocol.control import (
     RetireWorker,
     StartDrain,
     StopRouter,
+    TenantTable,
     WorkerExited,
     WorkerInfo,
     WorkerJoined,
@@ -248,6 +250,8 @@ class Supervisor:
             queue_timeout=s.queue_timeout, max_message_bytes=s.max_message_bytes,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
+            tenants=tenants_of(cfg), rate_window=s.rate_window, flex_queue_timeout=s.flex_queue_timeout,
+            tenant_idle=s.tenant_idle,
         )
 
     def _listener_for(self, listen: str) -> Listener:
@@ -321,6 +325,7 @@ class Supervisor:
         spec_gw = GatewaySpec(name=slot.name, frontend=self.cfg.frontend, host=listener.host, port=listener.port,
                               listen_fd=listener.fd,
                               model=self.cfg.model_name, api_keys_file=http.api_keys_file,
+                              tenant_header=http.tenant_header,
                               drain_timeout=self.cfg.server.drain_timeout, request_timeout=http.request_timeout,
                               max_message_bytes=self.cfg.server.max_message_bytes,
                               allowed_hosts=list(http.allowed_hosts), cors_origins=list(http.cors_origins),
@@ -696,9 +701,10 @@ class Supervisor:
             return
         try:
             new = load_config(self.cfg.source)
+            tenants = tenants_of(new)
             plan = self._plan(new)
             allowed = self.curve.read_allowed(new)
-        except ConfigError as e:
+        except (ConfigError, KeysFileError) as e:
             self._log(f"reload refused, keeping the running config: {e}", "error")
             return
         self.curve.apply_allowed(new, allowed)  # the allow-list applies to new connections now
@@ -721,6 +727,8 @@ class Supervisor:
         self.cfg = new
         logmod.configure(new.log.format, new.log.level)
         self._command(PoolModels(list(new.model_names)))
+        table = tenants or KeysFile()
+        self._command(TenantTable([t.to_row() for t in table.tenants.values()], table.defaults.to_row()))
         self._spawn_task(self._reload_gateways())
         # a new worker whose GPU a leaving worker holds starts once that one has exited
         held = {g.uuid for s in removed for g in s.gpus}
