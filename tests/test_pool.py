@@ -328,7 +328,7 @@ def test_a_cold_gemma_streams_its_first_token_within_its_load_time_and_half_a_se
     gemma = str(Path(__file__).resolve().parent.parent / "models" / "gemma-3-270m-q4_k_m.gguf")
     if not Path(gemma).exists():
         pytest.skip("models/gemma-3-270m-q4_k_m.gguf is written by `make test` (llamapool fetch-model)")
-    d = start(daemons, tmp_path / "d", gemma, models=[table(gemma, "gemma", load="on_demand", threads=2)])
+    d = start(daemons, tmp_path / "d", gemma, models=[table(gemma, "gemma", load="on_demand")])
     with d.client() as c:
         t0 = time.monotonic()
         stream = c.stream("The capital of France is", model="gemma", max_tokens=4, temperature=0.0)
