@@ -31,63 +31,15 @@ from typing import Protocol
 import numpy as np
 
 from llamapool.protocol import limits
+from llamapool.worker.engine.ngram import Lookup
 
 MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step (a request may ask for fewer)
-NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
-NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
 PRIOR = 0.5  # a new sequence's acceptance estimate
 DECAY = 0.9  # a step's weight in the acceptance estimate, against the one after it: in scripts/spec_sim.py
 # (the H100's step costs) 0.7 lost 5-25 % to three drafts every step at one stream, alpha 0.7 drawn by
 # token or in spans, widening on a lucky streak and stopping on an unlucky one; 0.9 is within 2-4 %
 SHRINK = 10.0  # the worker's recent acceptance weighs as this many tokens tried in a width's chances
 DRIFT = 0.02  # a step without a draft moves the estimate this share of the way back to the prior
-
-
-class Lookup:
-    """Prompt lookup (:func:`ngram_draft`) kept up to date a token at a time: where each n-gram of the
-    sequence's tokens (``NGRAM_MIN`` to ``NGRAM_MAX`` long) last ended with a token after it, so a draft
-    is a dict lookup. Scanning every sequence's tokens each step cost ~1 ms a step at 64 streams,
-    host time between two decodes (H100, 1B: prompt lookup at 0.78x of off with nothing to draft)."""
-
-    def __init__(self) -> None:
-        self.grams: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest end
-        self.toks: list[int] = []  # the sequence's tokens seen so far
-        self.done = 0  # positions whose n-grams ending there are in ``grams``
-
-    def draft(self, hist: np.ndarray, size: int, k: int) -> list[int]:
-        """:func:`ngram_draft`'s draft: up to ``k`` tokens that followed the latest earlier occurrence of
-        the last ``n`` of ``hist[:size]``, the longest ``n`` that occurs (``hist``: this sequence's
-        tokens so far, the ones of an earlier call among them)."""
-        self.index(hist, size)
-        toks, grams = self.toks, self.grams
-        for n in range(min(NGRAM_MAX, size - 1), NGRAM_MIN - 1, -1):
-            start = grams.get(tuple(toks[size - n : size]))
-            if start is not None:
-                return toks[start : min(start + k, size)]
-        return []
-
-    def index(self, hist: np.ndarray, size: int) -> None:
-        """Index ``hist[:size]`` (this sequence's tokens so far) ahead of the next :meth:`draft`, which then
-        indexes at most the tokens that came since."""
-        toks = self.toks
-        if len(toks) < size:
-            toks += hist[len(toks) : size].tolist()
-        if self.done < size - 1:
-            self._index(size - 1)
-
-    def _index(self, end: int) -> None:
-        """Index the n-grams that end at ``done`` to ``end - 1`` (each has a token after it)."""
-        toks, grams, done = self.toks, self.grams, self.done
-        if end - done > 8:  # a prompt: each length's n-grams in one zip
-            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
-                first = max(done, n - 1)  # the first end to index
-                grams.update(zip(zip(*(toks[first - n + 1 + j : end - n + 1 + j] for j in range(n)), strict=True),
-                                 range(first + 1, end + 1), strict=True))
-        else:  # a step's tokens
-            for e in range(done, end):
-                for n in range(NGRAM_MIN, min(NGRAM_MAX, e + 1) + 1):
-                    grams[tuple(toks[e - n + 1 : e + 1])] = e + 1
-        self.done = end
 
 
 @dataclass(eq=False)
@@ -230,28 +182,40 @@ def spec_mode(setting: str, gpu: bool) -> str:
     return "graph" if setting == "auto" and gpu else "off"
 
 
-def ngram_draft(hist: np.ndarray, k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of ``hist``'s last ``n`` tokens,
-    the longest ``n`` from ``n_max`` down to ``n_min`` that occurs (prompt lookup)."""
-    size = len(hist)
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        tail = hist[size - n:]
-        at = np.flatnonzero(hist[: size - n] == tail[0])  # starts whose continuation is in hist
-        for j in range(1, n):
-            at = at[hist[at + j] == tail[j]]
-        if at.size:
-            start = int(at[-1]) + n
-            return [int(t) for t in hist[start : start + k]]
-    return []
+class Speculating(Protocol):
+    """What a proposer sees of a sequence (``engine.sequence.Sequence``)."""
+
+    rid: int
+    history: np.ndarray  # its prompt and output so far, then room
+    n_history: int  # tokens in ``history``
+    drafting: Drafting | None
 
 
 class Proposer(Protocol):
-    """Another source of drafts than prompt lookup (:func:`ngram_draft`, the engine's own when it has none):
-    benchmarks in-process only (scripts/spec_oracle.py), no setting names one."""
+    """A source of drafts (one a file: ``ngram.PromptLookup``; benchmarks and tests use :class:`Calls`)."""
 
-    def __call__(self, rid: int, hist: np.ndarray, k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``hist`` (request ``rid``'s prompt and output so far)."""
+    def propose(self, seq: Speculating, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``seq``'s tokens so far (before the launch: host time the GPU
+        waits for)."""
         ...
+
+    def prepare(self, seq: Speculating) -> None:
+        """Work that the sequence's next :meth:`propose` needs, done after the launch while the GPU
+        computes (the n-gram index's new tokens)."""
+        ...
+
+
+@dataclass
+class Calls:
+    """A proposer from a function of ``(rid, tokens so far, k)`` (an oracle: scripts/spec_oracle.py, tests)."""
+
+    fn: Callable[[int, np.ndarray, int], list[int]]
+
+    def propose(self, seq: Speculating, k: int) -> list[int]:
+        return self.fn(seq.rid, seq.history[: seq.n_history], k)
+
+    def prepare(self, seq: Speculating) -> None:
+        pass
 
 
 WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
