@@ -351,7 +351,7 @@ def measure(engine: RecordingEngine, prompts: list[list[int]], gen: int, cases: 
     short = min(gen, 32)
     run_case(engine, warm, short, Case("off", None), None)
     pre = Oracle({i: len(q) for i, q in enumerate(warm)}, dict(engine.outputs), 1.0, n_vocab, eog, seed)
-    run_case(engine, warm, short, Case("oracle", MAX_DRAFT, 1.0), pre)
+    run_case(engine, warm, short, Case("oracle", MAX_DRAFT, 1.0), Calls(pre))
     lengths = {i: len(q) for i, q in enumerate(prompts)}
     off = Case("off", None)
     runs: dict[Case, list[Outcome]] = {}

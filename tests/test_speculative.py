@@ -650,7 +650,8 @@ def test_drafts_a_step_does_not_verify_are_watched_and_learnt_from(model_path: s
         ref = done[1]
         assert ref[:2] != [5, 6] and never.rate < 0.1 and never.refused > 5
         prompt_len = len(eng.tokenize("tok1 tok2"))
-        eng.spec.proposer = Calls(lambda rid, hist, k: [int(t) for t in ref[len(hist) - prompt_len:][:k]])  # the model's own
+        own = Calls(lambda rid, hist, k: [int(t) for t in ref[len(hist) - prompt_len:][:k]])  # the model's own
+        eng.spec.proposer = own
         kept = drive(2)
         assert done[2] == ref and kept.rate > 0.9 and kept.refused == 0
         assert eng.spec.drafted_tokens == 0 and eng.spec.pool.recent > 0.5

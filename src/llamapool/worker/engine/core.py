@@ -21,7 +21,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step, TokenLogprob
-from llamapool.protocol.params import ParamError, SamplingParams
+from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine.batch import Batch, fill
@@ -33,7 +33,7 @@ from llamapool.worker.engine.sequence import Sequence, Waiting
 from llamapool.worker.engine.spec import spec_mode
 from llamapool.worker.engine.speculator import Speculator, rows_per_seq
 from llamapool.worker.faults import FaultInjector, request_failure
-from llamapool.worker.sampling import RETRY, Sampling, SeqSampling
+from llamapool.worker.sampling import RETRY, Sampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 
 
