@@ -19,10 +19,10 @@ from llamapool.worker.engine.ngram import PromptLookup
 from llamapool.worker.engine.sequence import Sequence
 from llamapool.worker.engine.spec import (
     LEAST_CHANCE,
+    MATCH_FACTOR,
     MAX_DRAFT,
     MAX_OUTPUTS,
     SETTLING,
-    SHADOWS,
     Drafting,
     Pool,
     Proposer,
@@ -34,6 +34,8 @@ from llamapool.worker.engine.spec import (
 )
 from llamapool.worker.sampling import Sampling, SeqSampling
 from llamapool.worker.scheduler import CostModel
+
+BRIDGE_RATE = 0.5  # a step without drafts keeps the last width (_bridge) while a sequence's estimate is this high
 
 
 def rows_per_seq(mode: str) -> int:
@@ -67,7 +69,7 @@ class Speculator:
         self._launched_prompt = False  # the batch launched last had prompt work
         self._settled = 0  # decode batches launched since the draft width changed or a prompt step
         self._unverified: list[Sequence] = []  # the step's speculating sequences with no draft (after_launch)
-        self._shadowing: list[Sequence] = []  # those whose drafts may be watched (after_launch)
+        self._gap = 0.0  # extra seconds of the steps that kept the width without a draft (_bridge)
 
     # ------------------------------------------------------------ a sequence starts
 
@@ -92,12 +94,20 @@ class Speculator:
 
     def propose(self, chunk: dict[int, int], active: dict[int, Sequence], steps: int) -> int:
         """Drafts for the step's decoding sequences that speculate (each sequence's ``drafting.draft``) and
-        the step's draft width (``WidthCosts.choose``: every decoding row carries as many tokens after its
-        own; returned): a width costs its measured step time, and a draft token pays its chance of
-        acceptance (the sequence's acceptance estimate to the power of its place in the draft). A step
-        with prompt work drafts nothing: llama.cpp splits it into one micro-batch a prompt after a first
-        one of every sequence's width, and on an H100 (1B, 64 streams, prompts arriving) such steps with
-        drafts of 3 cost 2.5x the time a prompt of those without."""
+        the step's draft width (returned: every decoding row carries as many tokens after its own).
+
+        Per sequence: a sequence looks up a draft when its lookup is due (one that found nothing, or
+        whose drafts were not worth making, backs off: ``Drafting.missed``, ``Drafting.declined``; while
+        it backs off it costs nothing); the draft is cut to its match's length (``MATCH_FACTOR``) and
+        weighs in the step's choice when its first token's chance of being kept (``Drafting.alpha``, by
+        its match length) pays for a draft token at the cheapest width (``spec.threshold``, from the
+        measured step costs); else it is declined, and watched for free. Per step: the width of most
+        expected tokens a second, none included (``WidthCosts.choose``: each width's measured seconds,
+        each draft token's chance), so a step carries drafts only when they are expected to deliver more
+        tokens a second than the same step without. A step with prompt work drafts nothing: llama.cpp
+        splits it into one micro-batch a prompt after a first one of every sequence's width, and on an
+        H100 (1B, 64 streams, prompts arriving) such steps with drafts of 3 cost 2.5x the time a prompt
+        of those without."""
         decoding: list[Sequence] = []
         outputs = prefilling = 0
         for sid in chunk:
@@ -110,33 +120,50 @@ class Speculator:
             outputs += 1
             if seq.drafting is not None:
                 decoding.append(seq)
-        if not decoding or prefilling:  # a step with prompt work carries no drafts (see above)
-            self.width = 0
-            self._unverified, self._shadowing = [], []
+        riding = self.width > 0 and not prefilling and bool(decoding)  # the rows are paid for: all look up
+        due = decoding if riding else [seq for seq in decoding if seq.drafting.quiet_until <= steps]  # type: ignore[union-attr]
+        made = self._drafts(due, steps) if due and not prefilling else {}
+        if not made and not riding:  # nothing drafted (or prompt work): speculation costs the step no more
+            self.width, self._gap = 0, 0.0
+            self._unverified = decoding
             return 0
-        rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
-        cost = self.width_cost(len(chunk), rows, prefilling)
-        least = threshold(cost, rows, outputs, self.least_chance)  # the sequences likely enough to weigh
-        weigh: list[Sequence] = []  # and whose lookup is due (Drafting.missed)
-        others: list[Sequence] = []
-        for seq in decoding:
-            d = seq.drafting
-            assert d is not None
-            if d.rate < least:
-                others.append(seq)
-            elif d.quiet_until <= steps:
-                weigh.append(seq)
-        drafts = self._drafts(weigh, steps)
+        rows = max(1, max(chunk) - min(chunk) + 1)  # decoding rows and padding slots (batch.fill)
+        cost = self.width_cost(len(chunk), rows, 0)
+        least = threshold(cost, rows, outputs, self.least_chance)  # a draft's first token must pay for itself
+        weigh = {sid: x for sid, x in made.items() if x[0].alpha(self.pool) >= least}
         k = 0
-        if drafts:
+        if weigh:
+            self._gap = 0.0
             most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                        min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
-            k = choose_width(drafts, outputs, rows + prefilling, most, self.width, cost, self.widths, self.pool)
-        if k:  # the others' drafts ride along (spec.ride), made only now: prompt lookup is host time
-            ride(self._drafts(others, steps), k)
+            k = choose_width(weigh, outputs, rows, most, self.width, cost, self.widths, self.pool)
+        elif riding and any(seq.drafting.rate >= BRIDGE_RATE for seq in decoding):  # type: ignore[union-attr]
+            k = self._bridge(cost, rows)
+        declined = {sid: x for sid, x in made.items() if sid not in weigh}
+        if k:  # the declined drafts ride along: the step's rows carry k tokens whatever they are
+            ride(declined, k)
+        else:
+            for d, _ in declined.values():
+                d.declined(steps)
+            ride(declined, 0)  # watched, for free
         self.width = k
-        self._unverified = [seq for seq in decoding if not seq.draft and seq.seq_id not in drafts]
-        self._shadowing = [] if k else others
+        self._unverified = [seq for seq in decoding if not seq.draft and seq.seq_id not in made]
+        return k
+
+    def _bridge(self, cost: Callable[[int], float], rows: int) -> int:
+        """No draft this step, but the last step drafted: its width stays (the rows carry fillers) until the
+        steps' extra seconds reach what a change of width there and back costs (``WidthCosts.change``,
+        measured: llama.cpp builds its graph again, CUDA captures it), then none (a ski rental: at most
+        twice what either choice alone would have cost). A copy with an edit every ten tokens finds its
+        place again within a step or two. Only while a sequence's recent drafts were mostly kept
+        (``BRIDGE_RATE``): after a draft refused where there was nothing to copy, none at once."""
+        k = self.width
+        extra = max(cost(k) - cost(0), 0.0)
+        change = self.widths.change.get(self.widths.band(rows), cost(0))
+        if self._gap + extra > 2 * SETTLING * change:
+            self._gap = 0.0
+            return 0
+        self._gap += extra
         return k
 
     def width_cost(self, n_rows: int, rows: int, prefilling: int) -> Callable[[int], float]:
@@ -145,25 +172,24 @@ class Speculator:
         return step_costs(self.cost.coef, self.widths, n_rows, rows, rows + prefilling, 0.0)
 
     def _drafts(self, seqs: list[Sequence], steps: int) -> dict[int, tuple[Drafting, list[int]]]:
-        """The sequences' drafts (by sequence id), each as long as its request allows (a sequence whose
-        lookups found nothing lately looks again later: ``Drafting.missed``)."""
+        """The sequences' drafts (by sequence id), each as long as its request, its match and its grammar
+        allow (a sequence whose lookup found nothing backs off: ``Drafting.missed``)."""
         drafts: dict[int, tuple[Drafting, list[int]]] = {}
         ctx = self.cfg.ctx_per_slot - 2
         for seq in seqs:
             d = seq.drafting
             assert d is not None
             d.draft = []
-            if d.quiet_until > steps:  # its recent lookups found nothing (Drafting.missed)
-                continue
-            draft = self.proposer.propose(seq, MAX_DRAFT)
+            draft, d.match = self.proposer.propose(seq, MAX_DRAFT)
             if not draft:
                 d.missed(steps)
-            else:
-                d.misses = 0
-                draft = draft[: min(d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)]
-                matcher = seq.sampling.matcher
-                if draft and matcher is not None:  # cut where its grammar refuses a token
-                    draft = draft[: matcher.validate_tokens(draft)]
+                continue
+            d.misses = 0
+            draft = draft[: min(d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past,
+                                max(1, int(MATCH_FACTOR * d.match)))]
+            matcher = seq.sampling.matcher
+            if draft and matcher is not None:  # cut where its grammar refuses a token
+                draft = draft[: matcher.validate_tokens(draft)]
             if draft:
                 drafts[seq.seq_id] = (d, draft)
         return drafts
@@ -184,26 +210,19 @@ class Speculator:
         self.widths.observe(k, rows, seconds, settling)
 
     def after_launch(self, active: dict[int, Sequence], steps: int) -> None:
-        """Speculation's work that the batch in flight does not wait for, done while it computes: at width
-        none some of the sequences' drafts are made and watched (``Drafting.watch``: about ``SHADOWS`` a
-        step, an estimate learns for free); the estimates of the sequences with no draft in the batch
-        drift (``Drafting.idle``); and every speculating sequence's proposer prepares (prompt lookup
-        indexes its tokens so far), so that the next step's proposals, made before its launch, are dict
-        reads. All of it before the launch cost 0.25-0.28 ms a step at 64 streams with nothing to draft (a
-        2-core VM, a model of negligible compute), 0.13 ms with this after it: the GPU waits for what
-        comes before a launch."""
-        seqs, self._unverified = [s for s in self._unverified if active.get(s.seq_id) is s], []
-        shadowing, self._shadowing = self._shadowing, []
-        if shadowing:  # of those too unlikely to weigh in the choice (the others looked up before the launch)
-            every = max(1, len(seqs) // SHADOWS)
-            due = [seq for seq in shadowing if not seq.drafting.shadow  # type: ignore[union-attr]
-                   and (seq.seq_id + steps) % every == 0 and active.get(seq.seq_id) is seq]
-            watched = self._drafts(due, steps)
-            ride(watched, 0)  # watched, and drifting
-            seqs = [seq for seq in seqs if seq.seq_id not in watched]
+        """Speculation's work that the batch in flight does not wait for, done while it computes: the
+        estimates of the sequences with no draft in the batch drift (``Drafting.idle``; not those that back
+        off after declined drafts), and the proposer
+        prepares for the sequences that the next step looks up (prompt lookup indexes their tokens so
+        far; a sequence that backs off is left alone), so that the next step's proposals, made before its
+        launch, are dict reads. All of it before the launch cost 0.25-0.28 ms a step at 64 streams with
+        nothing to draft (a 2-core VM, a model of negligible compute), 0.13 ms with this after it: the
+        GPU waits for what comes before a launch."""
+        seqs, self._unverified = self._unverified, []
         for seq in seqs:
-            assert seq.drafting is not None
-            seq.drafting.idle()
+            d = seq.drafting
+            if d is not None and not d.declines and active.get(seq.seq_id) is seq:  # backing off: untouched
+                d.idle()
         riding = self.width > 0  # those that the next step looks up: all while drafts ride, else those due
         for seq in _speculating(active.values()):
             d = seq.drafting
@@ -223,12 +242,12 @@ class Speculator:
         if d.shadow and not draft and toks:
             settled = d.saw(taken)
             if settled is not None:  # a watched draft: what it would have kept is the worker's news too
-                self.pool.verified(*settled)
+                self.pool.verified(*settled, d.shadow_match)
         if draft:
             kept = next((i for i, (t, x) in enumerate(zip(toks, draft, strict=False)) if t != x),
                         min(len(toks), len(draft)))
             d.verified(len(draft), kept)
-            self.pool.verified(len(draft), kept)
+            self.pool.verified(len(draft), kept, d.match)
             self.drafted_tokens += len(draft)
             self.accepted_tokens += kept
 
