@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--many-rounds", type=int, default=1, help="rounds of the many-stream runs")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds after which no run starts")
     ap.add_argument("--logs", default="", help="the daemons' and servers' logs (default OUT/logs)")
+    ap.add_argument("--model-8b", default="", metavar="PATH",
+                    help="the 8B model, being written by another process meanwhile (waited for; else made here)")
     args = ap.parse_args()
     from llamapool.modelgen import make_model
 
@@ -171,7 +173,12 @@ def main() -> int:
             break
         t0 = time.monotonic()
         dims = CPU_SHAPE if shape == "cpu" else GPU_SHAPE if shape == "1b" else SHAPE_8B
-        model = str(make_model(tmp / f"{shape}.gguf", peaked=True, **dims))
+        if shape == "8b" and args.model_8b:
+            while not Path(args.model_8b).exists() and not late():
+                time.sleep(1)
+            model = args.model_8b
+        else:
+            model = str(make_model(tmp / f"{shape}.gguf", peaked=True, **dims))
         n_vocab = int(dims.get("n_vocab", 512))
         record({"mode": "model", "shape": shape, "gen_s": round(time.monotonic() - t0, 1), "dims": dims})
         plans = [(1, args.gen, args.requests, args.rounds)]
