@@ -117,13 +117,16 @@ async def run(url: str, kind: str, reqs: list[list[int]], gen: int, streams: int
 
 def steps_of(lines: list[str]) -> dict[str, Any]:
     """A run's steps from the step trace (rows, prompt tokens, seconds, budget, drafts, width, settling): by
-    width, decode steps' count and mean ms, settling ones apart; prompt steps."""
+    width, decode steps' count and mean ms, settling ones apart; prompt steps (a gap over 0.5 s, the engine
+    idle between two runs, left out)."""
     by: dict[str, list[float]] = {}
     for ln in lines:
         f = ln.split()
         if len(f) < 7:
             continue
         rows, prompt, sec, k, settling = int(f[0]), int(f[1]), float(f[2]), int(f[5]), f[6] == "1"
+        if sec > 0.5:  # the engine idle in between (between two runs): no step's time
+            continue
         key = "prompt" if prompt else f"k{k}" + ("-settling" if settling else "")
         by.setdefault(key, []).append(sec)
         by.setdefault(f"rows{rows}", [])

@@ -107,7 +107,8 @@ def decide(ms: dict[int, float], rows: int, kind: str, match: int) -> tuple[int,
     return k, len(seqs[0].draft), d.quiet_until > 100
 
 
-# (step costs, rows, the sequences' record, their drafts' match length) -> (width, draft tokens, backs off)
+# (step costs, rows, the sequences' record, their drafts' match length) -> (width, draft tokens, backs off: a
+# draft declined, or worth making where no width pays, waits for its next lookup)
 POLICY = [
     # one stream of 1B: a new request's draft pays at once, cut to twice its match
     (ONE_1B, 1, "new", 2, (3, 3, False)),  # 4 tokens supported (2 x 2): width 3 (1.47x a plain step's speed)
@@ -120,14 +121,14 @@ POLICY = [
     # one stream of 8B: a draft token costs less of a step, the same decisions but one
     (ONE_8B, 1, "new", 2, (3, 3, False)),
     (ONE_8B, 1, "failing", 2, (0, 0, True)),
-    (ONE_8B, 1, "failing", 5, (0, 0, False)),  # 0.34 pays for a draft token but width 1 is 1.12x: none
+    (ONE_8B, 1, "failing", 5, (0, 0, True)),  # 0.34 pays for a draft token but width 1 is 1.12x: none
     (ONE_8B, 1, "failing", LONG_MATCH, (3, 3, False)),
     (ONE_8B, 1, "copying", 5, (8, 8, False)),
     # 64 streams of 8B: three drafts a row cost 2.3x a plain step; only likely drafts pay
-    (SIXTY_FOUR_8B, 64, "new", 2, (0, 0, False)),  # alpha 0.5: 1.03x at width 1, short of ENTER
+    (SIXTY_FOUR_8B, 64, "new", 2, (0, 0, True)),  # alpha 0.5: 1.03x at width 1, short of ENTER
     (SIXTY_FOUR_8B, 64, "new", MATCH_MAX, (3, 3, False)),
     (SIXTY_FOUR_8B, 64, "failing", 5, (0, 0, True)),  # 0.34 under the 0.42 a draft token costs here
-    (SIXTY_FOUR_8B, 64, "failing", LONG_MATCH, (0, 0, False)),  # 0.75: 1.21x at width 3, short of ENTER
+    (SIXTY_FOUR_8B, 64, "failing", LONG_MATCH, (0, 0, True)),  # 0.75: 1.21x at width 3, short of ENTER
     (SIXTY_FOUR_8B, 64, "copying", 2, (3, 3, False)),
     (SIXTY_FOUR_8B, 64, "copying", MATCH_MAX, (3, 3, False)),  # width 8: 2.9 tokens a ms against 3's 2.0
 ]

@@ -123,13 +123,13 @@ class Drafting:
         self.declines = 0
         self.learn(drafted, accepted, self.match)
 
-    def declined(self, step: int) -> None:
-        """A draft made at ``step`` was not worth making (its chance under the step's threshold): the
-        sequence backs off, its next lookup waiting 2, 4, ... up to ``DECLINE_BACKOFF`` steps, and costs
-        nothing meanwhile (no lookup, no indexing); the draft is watched (:meth:`watch`), so a text that
-        turns copyable brings it back."""
+    def declined(self, step: int, longest: int = DECLINE_BACKOFF) -> None:
+        """A draft made at ``step`` was not worth making (its chance under the step's threshold; or the
+        step's width was none: ``longest`` ``LOOKUP_BACKOFF``): the sequence backs off, its next lookup
+        waiting 2, 4, ... up to ``longest`` steps, and costs nothing meanwhile (no lookup, no indexing);
+        the draft is watched (:meth:`watch`), so a text that turns copyable brings it back."""
         self.declines += 1
-        self.quiet_until = step + min(1 << self.declines, DECLINE_BACKOFF)
+        self.quiet_until = step + min(1 << self.declines, longest)
 
     def missed(self, step: int) -> None:
         """A lookup at ``step`` found no draft: the next one waits 1, 2, then ``LOOKUP_BACKOFF`` steps (text
