@@ -300,6 +300,7 @@ STALE = 512  # decisions: a width not measured for this long in a band of rows i
 WORTH_TRYING = 0.9  # ... if its estimate promises at least this share of the best width's speed
 MIN_GAIN = 0.05  # a width is a choice when its drafts are expected to add this share of the step's tokens
 SETTLING = 2  # steps of a new width not measured: llama.cpp builds its graph, then CUDA captures it
+FIRST_STEPS = 3  # settled steps of a width whose least is its estimate before the moving average takes over
 HORIZON = 16  # steps in which a change of width must pay for its settling steps there and back (measured)
 TRIAL = 4  # steps a trial runs (its first SETTLING are not measured)
 OUTLIER = 2.5  # a step this many times a width's estimate is not measured
@@ -319,6 +320,7 @@ class _Seen:
     seconds: float
     rows: float
     at: int  # the decision count when last measured
+    n: int = 1  # settled steps measured
 
 
 class WidthCosts:
@@ -386,11 +388,22 @@ class WidthCosts:
         if s is None:
             self.seen[key] = _Seen(seconds, float(rows), self.decisions)
             return
+        if s.n < FIRST_STEPS:  # the least of the first few: a step's time is its cost plus delays
+            s.seconds, s.rows, s.at, s.n = min(s.seconds, seconds), float(rows), self.decisions, s.n + 1
+            return
         if seconds > OUTLIER * s.seconds:  # the engine waited for work in between, not computing
             return
         s.seconds = SETTLE * s.seconds + (1 - SETTLE) * seconds
         s.rows = SETTLE * s.rows + (1 - SETTLE) * rows
         s.at = self.decisions
+
+    def settled(self, k: int, rows: int) -> bool:
+        """Width ``k`` has ``FIRST_STEPS`` settled steps measured in the band of ``rows``: until then its cost
+        is estimated as an unmeasured width's (``step_costs``: a lower bound), so it is tried again. On an
+        H200 (1B and 8B, one stream) a width 8 whose first settled step was slow was never chosen again,
+        drafts always kept: 3.9 tokens a step at width 3 where 7.3 at width 8 in another round."""
+        s = self.seen.get((k, self.band(rows)))
+        return s is not None and s.n >= FIRST_STEPS
 
     def seconds(self, k: int, rows: int, per_row: float) -> float | None:
         """A decode step's measured seconds at width ``k`` over ``rows`` rows (None: not measured in their
@@ -476,7 +489,7 @@ def step_costs(coef: tuple[float, float, float, float, float] | None, widths: Wi
     costs: list[float] = []
     below: float | None = None  # the widest measured width's seconds so far
     for k in range(MAX_DRAFT + 1):
-        seen = widths.seconds(k, total, per_row)
+        seen = widths.seconds(k, total, per_row) if widths.settled(k, total) else None
         if seen is None:
             model = decode_s + max(per_draft, 1e-9) * k * rows
             costs.append((model if below is None else min(model, below)) + prompt_s)
