@@ -265,7 +265,7 @@ def main() -> int:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """The target table: tok/s (median over rounds) default / off / llama-server, and the ratios."""
+    """The target table: tok/s (the mean of the rounds) default / off / llama-server, and the ratios."""
     runs = [r for r in rows if r.get("mode") == "run"]
     lines = ["| shape | streams | workload | default tok/s | off tok/s | llama-server tok/s | default / off | "
              "default / llama-server | off / llama-server | acceptance | tokens a step | "
@@ -276,9 +276,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
     for shape, streams, wl in keys:
         def med(service: str, mode: str | None, field: str = "tok_s", k: tuple[str, int, str] = (shape, streams, wl)
                 ) -> float | None:
-            xs = sorted(r[field] for r in runs if (r["shape"], r["streams"], r["workload"]) == k
-                        and r["service"] == service and r.get("speculation") == mode and r.get(field) is not None)
-            return xs[len(xs) // 2] if xs else None
+            xs = [r[field] for r in runs if (r["shape"], r["streams"], r["workload"]) == k
+                  and r["service"] == service and r.get("speculation") == mode and r.get(field) is not None]
+            return round(sum(xs) / len(xs), 3) if xs else None  # the mean of the rounds
         d, o, s = med("llamapool", "default"), med("llamapool", "off"), med("llama-server", None)
 
         def ratio(a: float | None, b: float | None) -> str:
