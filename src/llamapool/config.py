@@ -409,8 +409,9 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
     if m.pooling and not m.embedding:
         raise ConfigError(f"{key}.pooling: applies to an embedding model only; set {key}.embedding = true")
-    if m.speculative not in ("auto", "ngram", "off"):
-        raise ConfigError(f"{key}.speculative: must be \"auto\", \"ngram\" or \"off\", got {m.speculative!r}")
+    if m.speculative not in ("auto", "ngram", "off") and not (m.speculative.startswith("draft:") and m.speculative[6:]):
+        raise ConfigError(f"{key}.speculative: must be \"auto\", \"ngram\", \"off\" or \"draft:<a GGUF path>\", "
+                          f"got {m.speculative!r}")
     from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
 
     try:

@@ -25,6 +25,7 @@ from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine.batch import Batch, fill
+from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.kvcache import KVSlots
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
 from llamapool.worker.engine.output import PENDING, Deferred, Output
@@ -84,6 +85,15 @@ class Engine:
         self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
         self.spec = Speculator(mode, cfg, self.sampling, self.cost)  # drafts, their widths, what they keep
+        if draft_path(cfg.speculative):  # a draft model's drafts, not prompt lookup's
+            try:
+                self.spec.proposer = DraftModel(cfg, self.model)
+            except EngineError:
+                self.grammars.close()
+                self.sampling.close()
+                L.llama_free(self.ctx)
+                L.llama_model_free(self.model)
+                raise
         # the last batch: (rows, prompt tokens, drafts, draft width, a new width, start)
         self._measure: tuple[int, int, int, int, bool, float] | None = None
         self._shape = (0, 0, 0)  # (rows, prompt tokens, draft and filler tokens) of the batch being built
@@ -162,6 +172,7 @@ class Engine:
         for seq in list(self.active.values()):
             self._release(seq)
         self.grammars.close()
+        self.spec.close()
         self.sampling.close()
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)

@@ -135,3 +135,6 @@ class PromptLookup:
     def prepare(self, seq: Speculating) -> None:
         assert seq.drafting is not None
         seq.drafting.lookup.index(seq.history, seq.n_history)
+
+    def close(self) -> None:
+        pass

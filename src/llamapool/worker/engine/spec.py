@@ -242,8 +242,9 @@ def spec_mode(setting: str, gpu: bool) -> str:
     for it: its logits would be copied to the host a row at a time; on an H100 at 64 streams speculating
     host-sampled JSON requests ran at 0.91x of their speed without it) or "off" (``"off"``,
     and ``"auto"`` on a CPU worker: llama.cpp's CPU kernels compute a row otherwise when a step holds
-    several of a sequence's tokens, so greedy text could change at a near-tie)."""
-    if setting == "ngram":
+    several of a sequence's tokens, so greedy text could change at a near-tie). ``"draft:<path>"`` is
+    ``"ngram"`` with a draft model's drafts (``draft.py``)."""
+    if setting == "ngram" or setting.startswith("draft:"):
         return "all"
     return "graph" if setting == "auto" and gpu else "off"
 
@@ -252,6 +253,7 @@ class Speculating(Protocol):
     """What a proposer sees of a sequence (``engine.sequence.Sequence``)."""
 
     rid: int
+    seq_id: int  # its slot
     history: np.ndarray  # its prompt and output so far, then room
     n_history: int  # tokens in ``history``
     drafting: Drafting | None
@@ -271,6 +273,10 @@ class Proposer(Protocol):
         computes (the n-gram index's new tokens)."""
         ...
 
+    def close(self) -> None:
+        """Its resources freed (a draft model's context)."""
+        ...
+
 
 @dataclass
 class Calls:
@@ -282,6 +288,9 @@ class Calls:
         return self.fn(seq.rid, seq.history[: seq.n_history], k), MATCH_MAX
 
     def prepare(self, seq: Speculating) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

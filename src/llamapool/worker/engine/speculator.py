@@ -233,6 +233,9 @@ class Speculator:
             if riding or d.quiet_until <= steps:
                 self.proposer.prepare(seq)
 
+    def close(self) -> None:
+        self.proposer.close()
+
     # ------------------------------------------------------------ update
 
     def verified(self, seq: Sequence, draft: list[int], toks: list[int], taken: list[int]) -> None:
