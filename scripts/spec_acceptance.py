@@ -22,6 +22,7 @@ from spec_tasks import TASKS
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig
 from llamapool.worker.engine.spec import WidthCosts
+from llamapool.worker.engine.speculator import Speculator
 
 # ms a step verifying n tokens of one sequence (one llama_decode, logits for each), llama.cpp alone on an
 # H100, from issue 34 (measurement (a) of this code on a GPU is still to be made)
@@ -42,7 +43,7 @@ def projected(alpha: float, verify_ms: dict[int, float]) -> tuple[float, int]:
 
 
 def one(engine: Engine, prompt: Any, p: SamplingParams) -> dict[str, Any]:
-    before = (engine.drafted_tokens, engine.accepted_tokens, engine.sampled_tokens, engine.sampling_steps)
+    before = (engine.spec.drafted_tokens, engine.spec.accepted_tokens, engine.sampled_tokens, engine.sampling_steps)
     engine.submit(Run(0, prompt, p, False), Step())
     first, done = 0.0, None
     while engine.busy:
@@ -54,7 +55,7 @@ def one(engine: Engine, prompt: Any, p: SamplingParams) -> dict[str, Any]:
         done = step.done[0] if step.done else done
     end = time.perf_counter()
     assert done is not None and done.completion_tokens > 1
-    drafted, accepted = engine.drafted_tokens - before[0], engine.accepted_tokens - before[1]
+    drafted, accepted = engine.spec.drafted_tokens - before[0], engine.spec.accepted_tokens - before[1]
     tokens, steps = engine.sampled_tokens - before[2], engine.sampling_steps - before[3]
     return {"text": done.text, "tokens": done.completion_tokens, "drafted": drafted, "accepted": accepted,
             "tokens_per_step": tokens / max(steps, 1), "tok_s": (done.completion_tokens - 1) / (end - first)}
@@ -71,13 +72,13 @@ def main() -> None:
                          "the proposer's own acceptance, not the budget's choice")
     args = ap.parse_args()
     if args.every_step:
-        Engine._width_cost = lambda self, chunk, rows, prefilling: (lambda k: 1.0)  # type: ignore[method-assign]
+        Speculator.width_cost = lambda self, n_rows, rows, prefilling: (lambda k: 1.0)  # type: ignore[method-assign]
         WidthCosts.choose = lambda self, chances, outputs, rows, most, last, cost: min(  # type: ignore[method-assign]
             max((len(c) for c in chances.values()), default=0), most)
     engine = Engine(EngineConfig(args.model, slots=1, ctx_per_slot=2048, max_batch_tokens=512, threads=args.threads,
                                  speculative="ngram", chat_template=args.template, prefix_cache=False))
     if args.every_step:
-        engine.least_chance = 0.0  # every draft made, however often refused
+        engine.spec.least_chance = 0.0  # every draft made, however often refused
     p = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     one(engine, TASKS[0][2], dataclasses.replace(p, max_tokens=24))  # warm up (and fit the cost model)
     rows = []

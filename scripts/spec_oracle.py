@@ -6,7 +6,7 @@ The engine runs in this process (no router, no sockets), on GPU 0 by default. Fo
 1. **off**: N random-token prompts (P tokens each), greedy, G tokens each (EOS ignored), B at a time,
    speculation off (the request's ``speculative: false``): every sequence's output is recorded, and
    this run is the "off" figure;
-2. **oracle**: the same requests with speculation on and drafts from an oracle (``Engine.proposer``):
+2. **oracle**: the same requests with speculation on and drafts from an oracle (``Speculator.proposer``):
    a sequence's draft at output position ``i`` is the recorded output ``i .. i+k-1``, each token
    replaced by another one with probability ``1 - alpha`` (a fixed seed; the same corruption for every
    k), so each draft token is accepted with probability ``alpha`` (given the one before it was), or,
@@ -84,7 +84,8 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, visible_gpus
 from llamapool.worker.engine.sequence import Sequence
 from llamapool.worker.engine import spec
-from llamapool.worker.engine.spec import MAX_DRAFT, Drafting, Proposer
+from llamapool.worker.engine.ngram import PromptLookup
+from llamapool.worker.engine.spec import MAX_DRAFT, Calls, Drafting, Proposer
 from llamapool.worker.scheduler import StepTarget
 
 BUDGET = "budget"  # k chosen by the engine (step budget, acceptance estimate), up to MAX_DRAFT
@@ -206,17 +207,17 @@ def every_step(engine: Engine) -> Iterator[None]:
     measured widths' costs bypassed, every draft worth making), the token budget at ``max_batch_tokens``
     (``target_step = "off"``: under "auto" a decode step's budget is its rows + 64); a draft is as long
     as the request's k allows."""
-    target, least = engine.target, engine.least_chance
+    target, least = engine.target, engine.spec.least_chance
     engine.target = StepTarget.parse("off")
-    engine.least_chance = 0.0  # every draft made, however often refused
-    setattr(engine, "_width_cost", lambda chunk, rows, prefilling: (lambda k: 1.0))  # noqa: B010 - the instance's
-    setattr(engine.widths, "choose", longest_draft)  # noqa: B010
+    engine.spec.least_chance = 0.0  # every draft made, however often refused
+    setattr(engine.spec, "width_cost", lambda n_rows, rows, prefilling: (lambda k: 1.0))  # noqa: B010 - the instance's
+    setattr(engine.spec.widths, "choose", longest_draft)  # noqa: B010
     try:
         yield
     finally:
-        engine.target, engine.least_chance = target, least
-        del engine._width_cost  # type: ignore[attr-defined]
-        del engine.widths.choose  # type: ignore[attr-defined]
+        engine.target, engine.spec.least_chance = target, least
+        del engine.spec.width_cost  # type: ignore[method-assign]
+        del engine.spec.widths.choose  # type: ignore[attr-defined]
 
 
 def longest_draft(chances: dict[int, list[float]], outputs: int, rows: int, most: int, last: int,
@@ -247,7 +248,7 @@ def drive(engine: RecordingEngine, prompts: list[list[int]], p: SamplingParams, 
     to the end. A step is a decode step when no prompt is waiting or being computed before it."""
     engine.outputs.clear()
     engine.in_graph.clear()
-    engine.proposer = proposer
+    engine.spec.proposer = PromptLookup() if proposer is None else proposer
     c0 = (engine.sampled_tokens, engine.sampling_steps, engine.steps)
     steps = decode_steps = decode_tokens = tokens = 0
     decode_s = 0.0
@@ -272,7 +273,7 @@ def drive(engine: RecordingEngine, prompts: list[list[int]], p: SamplingParams, 
                 decode_s += dt
                 decode_tokens += engine.sampled_tokens - s0
         wall = time.perf_counter() - t0
-    engine.proposer = None
+    engine.spec.proposer = PromptLookup()
     return Outcome(wall, tokens, engine.steps - c0[2], decode_steps, decode_s, decode_tokens,
                    engine.sampled_tokens - c0[0], engine.sampling_steps - c0[1], v, dict(engine.outputs),
                    sum(engine.in_graph.values()))
@@ -350,7 +351,7 @@ def measure(engine: RecordingEngine, prompts: list[list[int]], gen: int, cases: 
     short = min(gen, 32)
     run_case(engine, warm, short, Case("off", None), None)
     pre = Oracle({i: len(q) for i, q in enumerate(warm)}, dict(engine.outputs), 1.0, n_vocab, eog, seed)
-    run_case(engine, warm, short, Case("oracle", MAX_DRAFT, 1.0), pre)
+    run_case(engine, warm, short, Case("oracle", MAX_DRAFT, 1.0), Calls(pre))
     lengths = {i: len(q) for i, q in enumerate(prompts)}
     off = Case("off", None)
     runs: dict[Case, list[Outcome]] = {}
@@ -368,12 +369,12 @@ def measure(engine: RecordingEngine, prompts: list[list[int]], gen: int, cases: 
         for case in cases:
             if time.monotonic() > deadline:
                 break
-            proposer: Proposer = no_draft
+            proposer: Proposer = Calls(no_draft)
             if case.mode != "no-draft":
                 alpha = 0.0 if case.alpha is None else case.alpha
                 if alpha not in oracles:
                     oracles[alpha] = Oracle(lengths, ref, alpha, n_vocab, eog, seed, span)
-                proposer = oracles[alpha]
+                proposer = Calls(oracles[alpha])
             runs.setdefault(case, []).append(run_case(engine, prompts, gen, case, proposer))
         if emit is not None:
             emit({"mode": "progress", "round": r + 1, "of": repeats, "cases": sum(1 for c in cases if c in runs)})

@@ -1,7 +1,7 @@
 """Speculation's drafting policy (spec.py) simulated over a closed batch, with step costs measured on an H100.
 
 The engine's own policy objects make every decision (``Drafting``, ``Pool``, ``WidthCosts``,
-``threshold``, ``step_costs``, ``choose_width``, the scheduler's ``CostModel``), as ``Engine._propose``
+``threshold``, ``step_costs``, ``choose_width``, the scheduler's ``CostModel``), as ``Speculator.propose``
 and ``Engine._time_step`` call them; only the GPU is replaced: a step's seconds come from a table of
 decode-step times per width and rows, measured with ``scripts/spec_oracle.py`` (docs/results/), with
 the first ``SETTLING`` steps of a new width dearer (a graph built, then captured: ``CHANGE_MS``) and a little noise.

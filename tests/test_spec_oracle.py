@@ -14,6 +14,7 @@ import pytest
 
 from llamapool.modelgen import make_model, peaked_next
 from llamapool.worker.engine import EngineConfig
+from llamapool.worker.engine.ngram import PromptLookup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import spec_oracle as so
@@ -63,8 +64,8 @@ def test_the_oracle_is_accepted_exactly_as_set(engines: dict[str, so.RecordingEn
              so.Case("random", so.BUDGET, 0.0), so.Case("no-draft", None)]
     rows = so.measure(engine, prompts, GEN, cases, repeats=2)
     # the fixed-k patches are undone
-    assert "_width_cost" not in vars(engine) and "choose" not in vars(engine.widths)
-    assert engine.proposer is None  # prompt lookup again
+    assert "width_cost" not in vars(engine.spec) and "choose" not in vars(engine.spec.widths)
+    assert isinstance(engine.spec.proposer, PromptLookup)  # prompt lookup again
     off, full, none, budget, random, empty = rows
     assert off["tokens"] == 3 * GEN and off["drafted"] == 0 and off["tokens_per_step"] == 1.0
     for r in rows:

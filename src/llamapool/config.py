@@ -474,9 +474,9 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
     if m.pooling and not m.embedding:
         raise ConfigError(f"{key}.pooling: applies to an embedding model only; set {key}.embedding = true")
-    if m.speculative not in SPECULATIVE:
-        values = ", ".join(f'"{v}"' for v in SPECULATIVE[:-1]) + f' or "{SPECULATIVE[-1]}"'
-        raise ConfigError(f"{key}.speculative: must be {values}, got {m.speculative!r}")
+    if m.speculative not in SPECULATIVE and not (m.speculative.startswith("draft:") and m.speculative[6:]):
+        values = ", ".join(f'"{v}"' for v in SPECULATIVE)
+        raise ConfigError(f"{key}.speculative: must be {values} or \"draft:<a GGUF path>\", got {m.speculative!r}")
     from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
 
     try:

@@ -1,6 +1,7 @@
 """The llama.cpp engine, split along its step's phases: ``core`` (the step), ``model`` (llama.cpp set-up),
 ``sequence`` (a request's state), ``kvcache`` (slots and the prefix cache), ``prompt`` (tokenising),
-``batch`` (filling the ``llama_batch``) and ``output`` (text, logprobs, results)."""
+``batch`` (filling the ``llama_batch``), ``output`` (text, logprobs, results) and ``speculator``
+(speculation: its pieces in ``spec``, prompt lookup in ``ngram``)."""
 
 from llamapool.worker.engine.core import Engine
 from llamapool.worker.engine.model import (

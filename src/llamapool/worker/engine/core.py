@@ -3,8 +3,10 @@
 Only the engine thread may call into this module's :class:`Engine` (llama.cpp contexts are not
 thread-safe). Each :meth:`Engine.step` puts every decoding sequence's next token and the pending
 prompt chunks of prefilling sequences into ONE ``llama_batch`` and decodes it once. The step's
-phases: collect (the batch in flight's tokens) -> plan (``scheduler.plan_step``) -> build
-(``batch.fill``) -> launch -> sample (``worker/sampling.py``) -> emit (``output.py``).
+phases: collect (the batch in flight's tokens) -> plan (``scheduler.plan_step``; drafts:
+``Speculator.propose``) -> build (``batch.fill``) -> launch (``Speculator.launching``) -> sample
+(``worker/sampling.py``; drafts kept: ``Speculator.verified``) -> emit (``output.py``), the speculator's
+own work after the launch (``Speculator.after_launch``). Speculation is ``speculator.py``'s alone.
 """
 
 from __future__ import annotations
@@ -19,33 +21,20 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step, TokenLogprob
-from llamapool.protocol.params import ParamError, SamplingParams
+from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine.batch import Batch, fill
+from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.kvcache import KVSlots
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
 from llamapool.worker.engine.sequence import Sequence, Waiting
-from llamapool.worker.engine.spec import (
-    LEAST_CHANCE,
-    MAX_DRAFT,
-    MAX_OUTPUTS,
-    SETTLING,
-    SHADOWS,
-    Drafting,
-    Pool,
-    Proposer,
-    WidthCosts,
-    choose_width,
-    ride,
-    spec_mode,
-    step_costs,
-    threshold,
-)
+from llamapool.worker.engine.spec import spec_mode
+from llamapool.worker.engine.speculator import Speculator, rows_per_seq
 from llamapool.worker.faults import FaultInjector, request_failure
-from llamapool.worker.sampling import RETRY, Sampling, SeqSampling
+from llamapool.worker.sampling import RETRY, Sampling
 from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
 
 
@@ -62,9 +51,9 @@ class Engine:
             else cfg.backend_sampling
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.spec_mode = spec_mode(cfg.speculative, cfg.gpu and self.gpu_sampling)  # who speculates
+        mode = spec_mode(cfg.speculative, cfg.gpu and self.gpu_sampling)  # who speculates
         self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot,
-                                 rows_per_seq=1 if self.spec_mode == "off" else 1 + MAX_DRAFT)
+                                 rows_per_seq=rows_per_seq(mode))
         self.sampling.context_params(cp)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -95,11 +84,18 @@ class Engine:
         self.budget = cfg.max_batch_tokens  # the last step's token budget
         self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
+        self.spec = Speculator(mode, cfg, self.sampling, self.cost)  # drafts, their widths, what they keep
+        if draft_path(cfg.speculative):  # a draft model's drafts, not prompt lookup's
+            try:
+                self.spec.proposer = DraftModel(cfg, self.model)
+            except EngineError:
+                self.grammars.close()
+                self.sampling.close()
+                L.llama_free(self.ctx)
+                L.llama_model_free(self.model)
+                raise
         # the last batch: (rows, prompt tokens, drafts, draft width, a new width, start)
         self._measure: tuple[int, int, int, int, bool, float] | None = None
-        self._launched_width = 0  # the draft width of the batch launched last
-        self._launched_prompt = False  # the batch launched last had prompt work
-        self._settled = 0  # decode batches launched since the draft width changed or a prompt step
         self._shape = (0, 0, 0)  # (rows, prompt tokens, draft and filler tokens) of the batch being built
         # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds, budget, draft and filler
         # tokens, draft width and whether its time is left out of the width's (settling) to PREFIX.<pid>
@@ -113,17 +109,8 @@ class Engine:
         # host's launch work), the waits for the GPU after them (decode_s = calls + waits)
         self.gap_s = self.call_s = 0.0
         self._synced = 0.0  # when the last synchronize returned (0: none since the last launch)
-        self.drafted_tokens = 0  # draft tokens verified (speculation: spec.py)
-        self.accepted_tokens = 0  # draft tokens kept
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
-        self.proposer: Proposer | None = None  # the drafts' source (None: prompt lookup, spec.Lookup)
-        self._width = 0  # the last step's draft width (spec.WidthCosts.choose)
-        self.widths = WidthCosts()  # decode steps' seconds at each draft width
-        self.pool = Pool()  # the recent acceptance of all sequences' drafts (a new sequence's prior)
-        self.least_chance = LEAST_CHANCE  # a draft token's chance of being kept worth making it (spec.threshold)
-        self._unverified: list[Sequence] = []  # the step's speculating sequences with no draft (_after_launch)
-        self._shadowing: list[Sequence] = []  # those whose drafts may be watched (_after_launch)
 
     @property
     def free_ids(self) -> deque[int]:
@@ -173,7 +160,7 @@ class Engine:
                 and all(w.grammar is not None and not w.grammar.done() for w in self.waiting))
 
     def speculation(self) -> list[int]:
-        return [self.drafted_tokens, self.accepted_tokens, self.sampled_tokens, self.sampling_steps]
+        return [self.spec.drafted_tokens, self.spec.accepted_tokens, self.sampled_tokens, self.sampling_steps]
 
     def scheduling(self) -> tuple[str, int, list[float]]:
         return str(self.target), self.budget, list(self.cost.coef or ())
@@ -185,6 +172,7 @@ class Engine:
         for seq in list(self.active.values()):
             self._release(seq)
         self.grammars.close()
+        self.spec.close()
         self.sampling.close()
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)
@@ -250,8 +238,7 @@ class Engine:
         seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
         try:
             closing = None if w.grammar is None else self.grammars.start(w.grammar.result(), self._budget(w))
-            host = self.spec_mode == "all" and self._may_draft(p) and not self.sampling.verifies(p)
-            sampling = self.sampling.admit(seq_id, p, closing, host=host)
+            sampling = self.sampling.admit(seq_id, p, closing, host=self.spec.on_host(p))
         except Exception as e:  # a sampler llama.cpp will not build: this request fails, not the worker
             self.kv.undo(seq_id)
             out.failed.append(Failed(run.rid, ErrorCode.INTERNAL, f"cannot build the sampler: {e!r}", None))
@@ -260,7 +247,7 @@ class Engine:
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
             sampling=sampling, text=self.prompts.text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
             fault=self.faults.kind(run.prompt) if self.faults is not None else "",
-            drafting=self._drafting(sampling),
+            drafting=self.spec.start(sampling),
         )
         seq.history = np.zeros(min(len(prompt) + p.max_tokens, self.cfg.ctx_per_slot) + 1, np.int32)
         seq.history[: len(prompt)] = prompt
@@ -273,24 +260,6 @@ class Engine:
             text, raw = self.output.described(int(prompt[0]))
             seq.logprobs.append(TokenLogprob(text, None, raw, []))
         return seq
-
-    @staticmethod
-    def _may_draft(p: SamplingParams) -> bool:
-        """The request allows speculation: not turned off, and no tool calls (a call's opening is marked
-        as its token is sampled, before the step's earlier tokens are pushed)."""
-        return p.speculative is not False and p.speculative != 0 and not p.tools
-
-    def _drafting(self, s: SeqSampling) -> Drafting | None:
-        """The sequence's speculation (None: it does not speculate): the worker's mode (``spec.spec_mode``) and
-        the request's; for a row the decode graph samples only where it samples all of them
-        (``Sampling.verifies``; in mode "graph" only those), and
-        never with logprobs on a pipelined worker (its logprob rows are copied one a sequence: Deferred)."""
-        p = s.params
-        verified = s.in_graph and self.sampling.verifies(p)
-        if self.spec_mode == "off" or not self._may_draft(p) or (s.in_graph and not verified) \
-                or (self.spec_mode == "graph" and not verified) or (p.logprobs and self.gpu_sampling):
-            return None
-        return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative), prior=self.pool.rate)
 
     # ------------------------------------------------------------ one step
 
@@ -330,11 +299,11 @@ class Engine:
             if not blocking:
                 self._resolve_logprobs(out)  # the logprobs, while the GPU computes
                 self._emit_ready(ready, out)
-            self._after_launch()
+            self.spec.after_launch(self.active, self.steps)
         else:
             order = self._build(out)
             launched = bool(self.batch.n) and self._launch(order, out)
-            self._after_launch()
+            self.spec.after_launch(self.active, self.steps)
             if launched:
                 self._echo_logprobs(out)
                 self._emit_ready(self._take_all(order, out), out)
@@ -436,127 +405,12 @@ class Engine:
         """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
         with an output."""
         chunk = self._plan(out)
-        wide = 1 + self._propose(chunk)
+        wide = 1 + self.spec.propose(chunk, self.active, self.steps)
         filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide)
         self._echoing = filled.echoing
         self._split = filled.split
         self._shape = filled.shape
         return filled.outputs
-
-    def _propose(self, chunk: dict[int, int]) -> int:
-        """Drafts for the step's decoding sequences that speculate (spec.py) and the step's draft width
-        (``WidthCosts.choose``: every decoding row carries as many tokens after its own; returned): a
-        width costs its measured step time, and a draft token pays its chance of acceptance (the
-        sequence's acceptance estimate to the power of its place in the draft). A step with prompt work
-        drafts nothing: llama.cpp splits it into one micro-batch a prompt after a first one of every
-        sequence's width, and on an H100 (1B, 64 streams, prompts arriving) such steps with drafts of 3
-        cost 2.5x the time a prompt of those without."""
-        decoding: list[Sequence] = []
-        outputs = prefilling = 0
-        for sid in chunk:
-            seq = self.active.get(sid)
-            if seq is None:
-                continue
-            if seq.prefilling:
-                prefilling += 1
-                continue
-            outputs += 1
-            if seq.drafting is not None:
-                decoding.append(seq)
-        if not decoding or prefilling:  # a step with prompt work carries no drafts (see below)
-            self._width = 0
-            self._unverified, self._shadowing = [], []
-            return 0
-        rows = max(1, max(chunk) - min(chunk) + 1 - prefilling)  # decoding rows and padding slots (batch.fill)
-        cost = self._width_cost(chunk, rows, prefilling)
-        least = threshold(cost, rows, outputs, self.least_chance)  # the sequences likely enough to weigh
-        weigh: list[Sequence] = []  # and whose lookup is due (Drafting.missed)
-        others: list[Sequence] = []
-        steps = self.steps
-        for seq in decoding:
-            d = seq.drafting
-            assert d is not None
-            if d.rate < least:
-                others.append(seq)
-            elif d.quiet_until <= steps:
-                weigh.append(seq)
-        drafts = self._drafts(weigh)
-        k = 0
-        if drafts:
-            most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
-                       min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)  # one micro-batch, MAX_OUTPUTS rows
-            k = choose_width(drafts, outputs, rows + prefilling, most, self._width, cost, self.widths, self.pool)
-        if k:  # the others' drafts ride along (spec.ride), made only now: prompt lookup is host time
-            ride(self._drafts(others), k)
-        self._width = k
-        self._unverified = [seq for seq in decoding if not seq.draft and seq.seq_id not in drafts]
-        self._shadowing = [] if k else others
-        return k
-
-    def _after_launch(self) -> None:
-        """Speculation's work that the batch in flight does not wait for, done while it computes: at width
-        none some of the sequences' drafts are made and watched (``Drafting.watch``: about ``SHADOWS`` a
-        step, an estimate learns for free); the estimates of the sequences with no draft in the batch
-        drift (``Drafting.idle``); and every speculating sequence's lookup indexes its tokens so far, so
-        that the next step's lookups, made before its launch, are dict reads. All of it before the launch
-        cost 0.25-0.28 ms a step at 64 streams with nothing to draft (a 2-core VM, a model of negligible
-        compute), 0.13 ms with this after it: the GPU waits for what comes before a launch."""
-        seqs, self._unverified = [s for s in self._unverified if self.active.get(s.seq_id) is s], []
-        shadowing, self._shadowing = self._shadowing, []
-        if shadowing:  # of those too unlikely to weigh in the choice (the others looked up before the launch)
-            every = max(1, len(seqs) // SHADOWS)
-            due = [seq for seq in shadowing if not seq.drafting.shadow  # type: ignore[union-attr]
-                   and (seq.seq_id + self.steps) % every == 0 and self.active.get(seq.seq_id) is seq]
-            watched = self._drafts(due)
-            ride(watched, 0)  # watched, and drifting
-            seqs = [seq for seq in seqs if seq.seq_id not in watched]
-        for seq in seqs:
-            assert seq.drafting is not None
-            seq.drafting.idle()
-        if self.proposer is None:  # those that the next step looks up: all while drafts ride, else those due
-            steps, riding = self.steps, self._width > 0
-            for seq in self.active.values():
-                d = seq.drafting
-                if d is not None and (riding or d.quiet_until <= steps):
-                    d.lookup.index(seq.history, seq.n_history)
-
-    def _drafts(self, seqs: list[Sequence]) -> dict[int, tuple[Drafting, list[int]]]:
-        """The sequences' drafts (by sequence id), each as long as its request allows (a sequence whose
-        lookups found nothing lately looks again later: ``Drafting.missed``)."""
-        drafts: dict[int, tuple[Drafting, list[int]]] = {}
-        ctx = self.cfg.ctx_per_slot - 2
-        for seq in seqs:
-            d = seq.drafting
-            assert d is not None
-            d.draft = []
-            if d.quiet_until > self.steps:  # its recent lookups found nothing (Drafting.missed)
-                continue
-            if self.proposer is None:
-                draft = d.lookup.draft(seq.history, seq.n_history, MAX_DRAFT)
-            else:
-                draft = self.proposer(seq.rid, seq.history[: seq.n_history], MAX_DRAFT)
-            if not draft:
-                d.missed(self.steps)
-            else:
-                d.misses = 0
-                draft = draft[: min(d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)]
-                if draft and seq.sampling.matcher is not None:
-                    draft = self._allowed(seq, draft)
-            if draft:
-                drafts[seq.seq_id] = (d, draft)
-        return drafts
-
-    def _width_cost(self, chunk: dict[int, int], rows: int, prefilling: int) -> Callable[[int], float]:
-        """The planned decode step's seconds at each draft width (``spec.step_costs``; a step with prompt
-        work carries no drafts, so none is added for it)."""
-        return step_costs(self.cost.coef, self.widths, len(chunk), rows, rows + prefilling, 0.0)
-
-    def _allowed(self, seq: Sequence, draft: list[int]) -> list[int]:
-        """A constrained sequence's draft cut where its grammar refuses a token."""
-        matcher = seq.sampling.matcher
-        if not draft or matcher is None:
-            return draft
-        return draft[: matcher.validate_tokens(draft)]
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:
         """Start decoding the batch; on failure every active sequence fails with the reason."""
@@ -587,10 +441,7 @@ class Engine:
         """Feed the cost model, and the draft widths' costs for a decode step: the batch launched before
         this one took until now (launches follow each other while the engine is busy: with GPU sampling
         the host works while the GPU computes)."""
-        new = self._width != self._launched_width or self._launched_prompt  # a decode graph built again
-        self._settled = 0 if new else self._settled + 1
-        last, self._measure = self._measure, (*self._shape, self._width, self._settled < SETTLING, now)
-        self._launched_width, self._launched_prompt = self._width, self._shape[1] > 0
+        last, self._measure = self._measure, (*self._shape, *self.spec.launching(self._shape[1] > 0), now)
         if last is None:
             return
         rows, tokens, drafts, k, changed, start = last
@@ -599,7 +450,7 @@ class Engine:
         if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
             self.cost.observe(rows, tokens, seconds, drafts)
             if not tokens:
-                self.widths.observe(k, rows, seconds, changed)
+                self.spec.observe(k, rows, seconds, changed)
         if self._trace is not None:
             self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts} {k} {int(changed)}\n")
 
@@ -707,8 +558,6 @@ class Engine:
         leave the KV cache."""
         self.sampling_steps += 1 if toks else 0
         draft = seq.draft
-        if seq.drafting is not None:
-            seq.drafting.draft = []
         written = seq.n_past + seq.tail  # the filler positions after its draft leave too
         seq.tail = 0
         seq.n_past -= len(draft)  # as without the draft: one more for each draft token kept
@@ -722,18 +571,7 @@ class Engine:
                 taken = []
                 break
             taken.append(t)
-        if seq.drafting is not None and seq.drafting.shadow and not draft and toks:
-            settled = seq.drafting.saw(taken)
-            if settled is not None:  # a watched draft: what it would have kept is the worker's news too
-                self.pool.verified(*settled)
-        if draft:
-            kept = next((i for i, (t, d) in enumerate(zip(toks, draft, strict=False)) if t != d),
-                        min(len(toks), len(draft)))
-            assert seq.drafting is not None
-            seq.drafting.verified(len(draft), kept)
-            self.pool.verified(len(draft), kept)
-            self.drafted_tokens += len(draft)
-            self.accepted_tokens += kept
+        self.spec.verified(seq, draft, toks, taken)
         if seq.n_past < written and self.active.get(seq.seq_id) is seq:
             L.llama_memory_seq_rm(self.mem, seq.seq_id, seq.n_past, -1)
         return taken
