@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from llamapool import default_model
+from llamapool.protocol.messages import Run, Step
 from llamapool.protocol.params import MAX_GRAMMAR_CHARS, parse
 from llamapool.worker.closing import Closing
 from llamapool.worker.constraints import Grammars, spec_of
@@ -218,6 +219,37 @@ def test_a_whole_call_not_followed_by_one_that_cannot_fit_ends_by_stop(engine: E
     assert taken != call[: len(call) - 2] and closing.forced
 
 
+ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": obj({"answer": STR})}}
+
+
+@pytest.mark.parametrize("extra", [{"response_format": ANSWER}, {"tool_choice": "required"}])
+def test_a_later_call_that_would_close_with_forced_values_is_dropped(engine: Engine, extra: dict[str, Any]) -> None:
+    """A whole call, then a second one the model starts while its shortest form still fits the budget but
+    writes past it: the closing forced the second call's values (``{"city":"R"...}`` cut to a junk call);
+    the reply now ends there (end of generation, not forced: ``stop``) and parses to the first call alone."""
+    tf = engine.chat.tool_format
+    spec = spec_of(parse({"tools": [WEATHER], **extra}), tf)
+    assert spec is not None
+    compiled = engine.grammars.compile(spec).result(timeout=60)
+    tokenizer = engine.grammars.tokenizer()
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","days":2}}\n</tool_call>'
+    second = tf.sep + '<tool_call>\n{"name": "get_weather", "arguments": {"city":"' + "Rome" * 40
+    toks = tokenizer.tokenize_str(first + second)
+    n_first = len(tokenizer.tokenize_str(first))
+    for spare in (0, 2, 5, 9):
+        closing = engine.grammars.start(compiled, n_first + compiled.reach + spare)
+        taken = []
+        for t in toks:
+            if closing.left <= 0:
+                break
+            taken.append(closing.take(t))
+            if taken[-1] != t:
+                break
+        assert taken[-1] in engine._eog and not closing.forced, (spare, tokenizer.decode_str(taken))
+        _, calls = tf.parse(tokenizer.decode_str(taken[:-1]), [WEATHER])
+        assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris", "days": 2}], spare
+
+
 def test_free_text_with_quotes_before_a_possible_call_is_taken_as_it_is(engine: Engine) -> None:
     """``tools`` with ``tool_choice`` auto: text (the grammar accepting, no plan needed) in which a token
     with a quote follows an open quote (``""``), in the last tokens of the budget, is the model's own; it
@@ -329,6 +361,43 @@ def test_response_format_goes_with_tools(tiny: tuple[Daemon, openai.OpenAI]) -> 
             jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), WEATHER["function"]["parameters"])
         else:
             jsonschema.validate(json.loads(msg.content or ""), answer)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2: str) -> Iterator[Engine]:
+    eng = Engine(EngineConfig(smollm2, slots=5, ctx_per_slot=512, max_batch_tokens=512, threads=2))
+    yield eng
+    eng.close()
+
+
+def test_tools_with_a_response_format_cut_by_max_tokens_are_calls_the_model_wrote(smol: Engine) -> None:
+    """SmolLM2, greedy, answers with two calls (Paris, then Rome: 61 tokens). At a ``max_tokens`` where a
+    second call's shortest form fits after the first but the model's own does not (60), the closing
+    forced that call's values: ``{"city": ""}``. Now every reply cut short is the calls the model
+    finished: each names a city of the question; or an answer that follows the format."""
+    ask = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": obj({"city": STR})}}
+    budgets = range(56, 66, 2)
+    out = Step()
+    for mt in budgets:
+        smol.submit(Run(mt, ask, parse({"tools": [tool], "response_format": ANSWER, "max_tokens": mt,
+                                        "temperature": 0}), False), out)
+    assert not out.failed, out.failed
+    done = {d.rid: d for d in out.done}
+    while smol.busy:
+        step = smol.step()
+        assert not step.failed, step.failed
+        done.update((d.rid, d) for d in step.done)
+    assert sorted(done) == list(budgets)
+    for mt, d in done.items():
+        assert d.completion_tokens <= mt
+        if not d.tool_calls:
+            jsonschema.validate(json.loads(d.text), ANSWER["json_schema"]["schema"])
+            continue
+        cities = [json.loads(c["arguments"])["city"] for c in d.tool_calls]
+        assert cities and all(c in ("Paris", "Rome") for c in cities), (mt, d.reason, cities)
+    assert any(len(d.tool_calls or ()) == 2 for d in done.values())  # the model's second call, when it fits
 
 
 @pytest.mark.parametrize(("extra", "param"), [

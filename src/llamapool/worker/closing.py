@@ -21,7 +21,10 @@ object or array open) it checks each sampled token: the state's plan still close
 in the tokens left; otherwise
 the token is replaced by the first token of the plan of the state before it (which fitted), so that
 the reply closes by the budget's last token (the engine reports ``length``, not ``stop``); a reply
-already whole whose next token would start more than fits (another tool call) ends there, by ``stop``. A grammar
+already whole whose next token would start more than fits (another tool call) ends there, by ``stop``, and so does
+one whose later call, started, could then close only with forced values (the call is dropped: the text
+holds it unfinished, so it is no call; a reply cut by ``max_tokens`` is the calls the model finished,
+never a junk one closed for it). A grammar
 whose plan from its start does not fit ``max_tokens`` is refused before the request takes a slot
 (:attr:`~llamapool.worker.constraints.Compiled.closing`).
 """
@@ -165,6 +168,11 @@ class Closing:
     # is outside strings anyway: no need to ask (llguidance's is_accepting took 0.2 ms a step of 64
     # rows on an H100 host at 1B, twice the token's consume_token: py-spy, job SS)
     free_text: bool = True
+    # a reply of calls: it was whole (a call complete) after it had been incomplete. A later call that then
+    # cannot close in the tokens left but by forcing its values (``{"city": ""}``) is not closed: the reply
+    # ends with the calls already whole (tools with a response_format, or tool_choice required)
+    opened: bool = False
+    whole: bool = False
 
     def take(self, tok: int) -> int:
         """Consume ``tok`` (its mask allowed it), or the plan's next token when, after ``tok``, the grammar
@@ -193,6 +201,9 @@ class Closing:
             return tok
         m.rollback(1)
         self.where, self.depth = was
+        if before and self.whole:  # a later call that would close with forced values: it is dropped
+            self.plan = None
+            return self.closer.eos  # (not consumed: the reply ends here, with the calls whole before it)
         if not self._closes(before):  # a plan kept over string content that no longer closes: anew
             before = self.closer.plan(m, self.left + 1, self.where)
             if before is None:  # nothing closes in time any more: the model's token after all
@@ -205,9 +216,13 @@ class Closing:
         return forced
 
     def _consume(self, tok: int) -> None:
-        if self.free_text and self.matcher.is_accepting():  # free text (before a tool call's opening): quotes
-            # in it mean nothing
-            self.where, self.depth = OUT, 0
+        if self.free_text:
+            if self.matcher.is_accepting():  # free text (before a tool call's opening): quotes in it mean
+                # nothing; or a reply whole after a call
+                self.where, self.depth = OUT, 0
+                self.whole = self.whole or self.opened
+            else:
+                self.opened = True
         self.matcher.consume_token(tok)
         self.where, self.depth = self.closer.after(tok, self.where, self.depth)
 
