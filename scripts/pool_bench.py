@@ -186,6 +186,8 @@ async def main() -> None:
     ap.add_argument("--phases", type=int, default=3)
     ap.add_argument("--light-every", type=float, default=2.0)
     ap.add_argument("--min-residency", type=float, default=10.0)
+    ap.add_argument("--replicas", action="store_true", help="instead: two models with replicas = [1, GPUs], "
+                    "the load moving from one to the other, against the busy one on every GPU by hand")
     ap.add_argument("--skew", type=float, default=0.0, help="light traffic: 0 cycles through the other models "
                     "(least-recently-used eviction's worst case); s > 0 draws them with Zipf weights 1/rank**s")
     a = ap.parse_args()
@@ -199,6 +201,9 @@ async def main() -> None:
         model = str(make_model(out / f"{a.shape}.gguf", **SHAPES[a.shape]))
         log(f"wrote {model} in {time.monotonic() - t0:.0f} s")
     sizes = {"slots": a.slots, "ctx_per_slot": a.ctx, "threads": 0 if a.gpu else 1}
+    if a.replicas:
+        await replicas(a, out, model, sizes)
+        return
     rows: list[dict[str, Any]] = []
 
     # 1. alone
@@ -269,6 +274,84 @@ async def main() -> None:
     finally:
         stop(proc)
     (out / "pool_bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+async def ready_workers(endpoint: str, model: str) -> int:
+    from llamapool import AsyncClient
+
+    async with AsyncClient(endpoint) as c:
+        st = await c.status(timeout=5)
+    return sum(1 for w in st["workers"] if w.get("model") == model and w["state"] == "ready")
+
+
+async def replicas(a: argparse.Namespace, out: Path, model: str, sizes: dict[str, Any]) -> None:
+    """Two models with ``replicas = [1, N]`` (N: the GPUs, or 2 CPU workers), the load on one of them and
+    then on the other: when the busy one holds N workers, its tok/s against the same model on N workers
+    by hand; and how long the replicas took to follow the load, each way."""
+    from llamapool.supervisor import gpus
+
+    n = len(gpus.discover(gpus.load_nvml())) if a.gpu else 2
+    rows: list[dict[str, Any]] = [{"row": "devices", "n": n}]
+    hand = [{"name": "a", "path": model, **sizes, **({} if a.gpu else {"cpu_workers": n})}]
+    cfg = config(out, "hand", hand, {}, a.gpu)
+    proc, endpoint, logf = serve(cfg, out, "hand")
+    try:
+        await wait_up(endpoint, proc, logf, n)
+        stats: dict[str, Any] = {"tokens": 0, "requests": 0, "errors": []}
+        await streams(endpoint, "a", a.streams, min(10.0, a.seconds), a.max_tokens, stats)  # warm-up
+        stats = {"tokens": 0, "requests": 0, "errors": []}
+        t0 = time.monotonic()
+        await streams(endpoint, "a", a.streams, a.seconds, a.max_tokens, stats)
+        by_hand = stats["tokens"] / (time.monotonic() - t0)
+        rows.append({"row": "hand", "workers": n, "tok_s": round(by_hand, 1), "errors": len(stats["errors"])})
+        log(f"by hand, {n} workers: {by_hand:.1f} tok/s")
+    finally:
+        stop(proc)
+    pool = {"min_residency": a.min_residency, "scale_up_wait": 1.0, "scale_down_idle": a.min_residency}
+    two = [{"name": m, "path": model, "replicas": [1, n], **sizes} for m in ("a", "b")]
+    cfg = config(out, "replicas", two, pool, a.gpu)
+    proc, endpoint, logf = serve(cfg, out, "replicas")
+    errors: list[str] = []
+    try:
+        await wait_up(endpoint, proc, logf, 2)
+        for busy, idle in (("a", "b"), ("b", "a")):
+            stats = {"tokens": 0, "requests": 0, "errors": errors}
+            full = asyncio.Event()
+            t0 = time.monotonic()
+
+            async def follow(busy: str = busy, idle: str = idle, full: asyncio.Event = full,
+                             t0: float = t0) -> tuple[float, float]:
+                """When the busy model holds n workers, and when the idle one is back to one."""
+                up = down = -1.0
+                while time.monotonic() - t0 < a.seconds * 2 and (up < 0 or down < 0):
+                    if up < 0 and await ready_workers(endpoint, busy) >= n:
+                        up = time.monotonic() - t0
+                        full.set()
+                    if down < 0 and await ready_workers(endpoint, idle) <= 1:
+                        down = time.monotonic() - t0
+                    await asyncio.sleep(0.2)
+                return up, down
+
+            watcher = asyncio.ensure_future(follow())
+            await streams(endpoint, busy, a.streams, a.seconds * 2, a.max_tokens, stats, full)
+            up, down = await watcher
+            served = time.monotonic() - t0 - up if up >= 0 else 0.0
+            rate = stats["tokens"] / served if served > 0 else 0.0
+            rows.append({"row": f"{busy}_busy", "all_workers_after_s": round(up, 1), "other_back_to_one_after_s":
+                         round(down, 1), "tok_s": round(rate, 1), "vs_hand": round(rate / by_hand, 3)})
+            log(f"{busy} busy: {n} workers after {up:.1f} s, {idle} back to one after {down:.1f} s; then "
+                f"{rate:.1f} tok/s ({rate / by_hand:.2f}x by hand)")
+        from llamapool import AsyncClient
+
+        async with AsyncClient(endpoint) as c:
+            st = await c.status()
+        rows.append({"row": "replicas", "loads": sum(m.get("loads", 0) for m in st["models"]),
+                     "unloads": sum(m.get("unloads", 0) for m in st["models"]), "errors": len(errors),
+                     "error_sample": errors[:3]})
+        log(f"replicas: {rows[-1]}")
+    finally:
+        stop(proc)
+    (out / "replicas_bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 if __name__ == "__main__":
