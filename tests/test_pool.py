@@ -251,16 +251,18 @@ def test_a_model_that_can_never_fit_is_refused_with_both_numbers(
 def test_replicas_follow_the_load_up_and_back_down(tmp_path: Path, model_path: str, daemons: list[Daemon]) -> None:
     d = start(daemons, tmp_path / "d", model_path, models=[
         table(model_path, "busy", replicas=[1, 2], slots=2)],
-        pool={"scale_up_wait": 0.3, "scale_down_idle": 1.5, "min_residency": 0.5})
+        pool={"scale_up_wait": 0.2, "scale_down_idle": 1.5, "min_residency": 0.5})
     d.wait_ready(1)
     assert model_row(d, "busy")["replicas"] == 1
+    # its floor's worker was spawned once (a second process of the same name would take turns with it)
+    assert len(re.findall(r"busy-cpu0: started pid", d.log.read_text())) == 1, d.log_text()
     errors: list[str] = []
 
     def flood() -> None:
         with Client(d.endpoint) as c:
             for i in range(16):
                 try:
-                    c.generate(f"load {i}", model="busy", max_tokens=64, temperature=0.0, ignore_eos=True)
+                    c.generate(f"load {i}", model="busy", max_tokens=160, temperature=0.0, ignore_eos=True)
                 except LlamapoolError as e:
                     errors.append(str(e))
 

@@ -129,15 +129,15 @@ class Supervisor:
         self._prepare_runtime_dir()
         if not self._start_router():
             return 1
-        self._place()
         handlers: dict[signal.Signals, Callable[[], Coroutine[Any, Any, None]]] = {
             signal.SIGTERM: self.stop_signal, signal.SIGINT: self.stop_signal,
             signal.SIGQUIT: self.fast_stop, signal.SIGHUP: self.reload,
         }
         for sig, handler in handlers.items():
             self.loop.add_signal_handler(sig, self._spawn_task_of, handler)
-        for slot in self.slots:
+        for slot in self.slots:  # the fixed plan's workers
             self._start(slot)
+        self._place()  # the managed models' first workers (their floors), through the same spawn path
         self._start_gateways()
         self._spawn_task(self._timers())
         await self._stop.wait()
