@@ -281,6 +281,7 @@ class Supervisor:
             n_ubatch=m.n_ubatch, threads=threads, flash_attn=m.flash_attn,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             gpu_sampling=m.gpu_sampling, prefix_cache=m.prefix_cache, engine=m.engine, target_step=m.target_step,
+            deterministic=m.deterministic,
             chat_template=m.chat_template, parse_special_in_content=m.parse_special_in_content,
             model_name=m.name, tensor_split=list(m.tensor_split),
             boot_id=self.boot_id, embedding=m.embedding, pooling=m.pooling, grammar_cache_mb=m.grammar_cache_mb,

@@ -68,6 +68,7 @@ class WorkerSpec:
     heartbeat_liveness: int
     gpu_sampling: bool = True
     prefix_cache: bool = True
+    deterministic: bool = True  # model.deterministic (CPU workers)
     target_step: str = "auto"  # model.target_step: how much prompt work a step takes (worker/scheduler.py)
     speculative: str = "auto"  # model.speculative: "auto", "ngram" or "off" (worker/engine/spec.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
@@ -210,10 +211,12 @@ def serve(spec: WorkerSpec) -> int:
         model_path=spec.model_path, slots=spec.slots, ctx_per_slot=spec.ctx_per_slot,
         max_batch_tokens=spec.max_batch_tokens, n_ubatch=spec.n_ubatch,
         gpu=gpu, threads=spec.threads, flash_attn=spec.flash_attn,
-        gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, target_step=spec.target_step,
+        gpu_sampling=spec.gpu_sampling, prefix_cache=spec.prefix_cache, deterministic=spec.deterministic,
+        target_step=spec.target_step,
         chat_template=spec.chat_template, parse_special_in_content=spec.parse_special_in_content,
         n_gpus=max(1, spec.n_gpus), tensor_split=tuple(spec.tensor_split), grammar_cache_mb=spec.grammar_cache_mb,
-        speculative=spec.speculative,
+        # deterministic CPU workers do not speculate: a draft's rows are computed as a prompt's, not one at a time
+        speculative="off" if spec.deterministic and not gpu else spec.speculative,
     )
     try:
         if spec.embedding:

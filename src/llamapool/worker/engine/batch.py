@@ -78,8 +78,9 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     outputs: list[tuple[int, Sequence]] = []
     for k, sid in enumerate(range(lo, hi + 1)):
         running = active.get(sid)
-        if running is None:  # a free slot between busy ones: pad it past its cached prefix
-            keep = cached.get(sid)
+        if running is None or sid not in chunk:  # a free slot between busy ones: pad it past its cached
+            # prefix; or a prompt that waits out a decode step (deterministic mode): past its computed part
+            keep = cached.get(sid) if running is None else running.tokens[: running.n_past]
             n = len(keep) if keep is not None else 0
             L.llama_memory_seq_rm(mem, sid, n, -1)
             if wide > 1:
@@ -98,6 +99,7 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
             running.n_past += 1
             outputs.append((k, running))
         else:
+            L.llama_memory_seq_rm(mem, sid, running.n_past, -1)  # a padding token it had (see above)
             lens[k] = chunk[sid]
             chunks.append((k, running))
     start = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -123,6 +125,30 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     # more than one micro-batch: a prompt chunk (per-sequence KV splits into equal shares per
     # sequence), or more tokens than one micro-batch holds
     done.split = bool(chunks) or total > n_ubatch
+    return done
+
+
+def fill_apart(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], mem: Any, n_ubatch: int) -> Filled:
+    """A prompt step of deterministic mode (``chunk``: prompt tokens per sequence id, no decoding sequence):
+    each prompt's chunk a micro-batch of its own. llama.cpp joins consecutive sequence ids, in batch
+    order, into a micro-batch of equally many tokens each (``fill``), which would leave the longer
+    chunk's rest, perhaps one token, to a micro-batch of its own; in descending id order none joins."""
+    b.n = 0
+    done = Filled()
+    o = 0
+    for sid in sorted(chunk, reverse=True):
+        seq, n = active[sid], chunk[sid]
+        L.llama_memory_seq_rm(mem, sid, seq.n_past, -1)  # a padding token it had (fill)
+        b.seq[o : o + n] = sid
+        b.logits[o : o + n] = 0
+        if _fill_chunk(b, seq, o, n, done):
+            seq.rows = [o + n - 1]
+            b.logits[o + n - 1] = 1
+            done.outputs.append(seq)
+        o += n
+    b.n = o
+    done.shape = (len(chunk), o, 0)
+    done.split = len(chunk) > 1 or o > n_ubatch
     return done
 
 
