@@ -49,7 +49,7 @@ class Filled:
 
 
 def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: dict[int, np.ndarray],
-         mem: Any, n_ubatch: int, wide: int = 1) -> Filled:
+         mem: Any, n_ubatch: int, wide: int = 1, pad: int = -1) -> Filled:
     """Fill the batch with the step's tokens (``chunk``: prompt tokens per prefilling sequence id; a
     decoding sequence's entry is its next token, and its draft's tokens after it, each with logits).
 
@@ -62,12 +62,17 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     ids, so the batch is filled in sequence-id order and a free slot between busy ones gets one padding
     token (written past its cached prefix, no output): the decode tokens of the step then form one
     micro-batch.
+
+    ``pad``: a slot beside a lone decoding sequence padded too, its row with logits (deterministic mode: a
+    decode step's products then always have two rows or more, computed by the same kernels as beside others).
     """
     b.n = 0
     done = Filled()
     if not chunk:
         return done
     lo, hi = min(chunk), max(chunk)
+    if pad >= 0:
+        lo, hi = min(lo, pad), max(hi, pad)
     lens = np.full(hi - lo + 1, wide, dtype=np.int64)
     one_at: list[int] = []  # entries of one token (decode or padding): filled vectorised
     one_tok: list[int] = []
@@ -116,6 +121,8 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     _fill_wide(b, start, wide, padding, drafting)
     outputs.sort(key=lambda e: e[0])
     _mark_outputs(b, start, wide, outputs, {k for k, _ in drafting})
+    if pad >= 0:
+        b.logits[start[pad - lo]] = 1
     b.n = total
     done.outputs = [seq for _, seq in outputs]
     done.drafts = int(sum(len(seq.draft) for _, seq in drafting))

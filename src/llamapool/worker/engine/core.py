@@ -455,8 +455,12 @@ class Engine:
         with an output."""
         chunk = self._plan(out)
         wide = 1 + self._propose(chunk)
-        filled = fill_apart(self.batch, chunk, self.active, self.mem, self.cfg.n_ubatch) if self._prompt_turn \
-            else fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide)
+        if self._prompt_turn:
+            filled = fill_apart(self.batch, chunk, self.active, self.mem, self.cfg.n_ubatch)
+        else:
+            lone = self.deterministic and len(chunk) == 1 and self.cfg.slots > 1
+            pad = -1 if not lone else next(iter(chunk)) + 1 if max(chunk) + 1 < self.cfg.slots else min(chunk) - 1
+            filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide, pad)
         self._echoing = filled.echoing
         self._split = filled.split
         self._shape = filled.shape
