@@ -212,7 +212,9 @@ def model(args: argparse.Namespace) -> None:
     m = Model(args.model, 9, 1024, args.threads)
     prompts = ["Once upon a time",
                "The history of the city begins in the twelfth century, when a small market grew up on the "
-               "banks of the river. Over the next three hundred years"]
+               "banks of the river. Over the next three hundred years",
+               " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(12))
+               + "\nQuestion: is the number 7 even or odd?\nAnswer: the number 7 is"]
     long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
     print(f"model {args.model}, {args.threads} threads")
     for prompt in prompts:
