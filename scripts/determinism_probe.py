@@ -124,14 +124,14 @@ class Entry:
 class Model:
     """The engine's llama.cpp context (``EngineConfig``), fed hand-built batches."""
 
-    def __init__(self, path: str, slots: int, ctx_per_slot: int, threads: int):
+    def __init__(self, path: str, slots: int, ctx_per_slot: int, threads: int, gpu: bool = False):
         import llama_cpp as L
 
         from llamapool.worker.engine.model import EngineConfig, context_params, load_model
 
         self.L = L
         cfg = EngineConfig(model_path=path, slots=slots, ctx_per_slot=ctx_per_slot, max_batch_tokens=1024,
-                           n_ubatch=1024, threads=threads)
+                           n_ubatch=1024, threads=threads, gpu=gpu)
         self.model, self._keep = load_model(cfg)
         self.ctx = L.llama_init_from_model(self.model, context_params(cfg))
         self.mem = L.llama_get_memory(self.ctx)
@@ -209,21 +209,22 @@ def greedy(m: Model, seq: int, first: np.ndarray, pos: int, n: int,
 
 
 def model(args: argparse.Namespace) -> None:
-    m = Model(args.model, 9, 1024, args.threads)
+    m = Model(args.model, 9, 1024, args.threads, args.gpu)
+    n_out = args.tokens
     prompts = ["Once upon a time",
                "The history of the city begins in the twelfth century, when a small market grew up on the "
                "banks of the river. Over the next three hundred years",
                " ".join(f"Fact {i}: the number {i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(12))
                + "\nQuestion: is the number 7 even or odd?\nAnswer: the number 7 is"]
     long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
-    print(f"model {args.model}, {args.threads} threads")
+    print(f"model {args.model}, {'GPU' if args.gpu else f'{args.threads} threads'}, {n_out} tokens")
     for prompt in prompts:
         toks = m.tokenize(prompt)
         n = len(toks)
         print(f"\nprompt {prompt[:40]!r}... ({n} tokens); reference: one chunk, then decoding alone")
         m.clear()
         ref = prefill(m, 0, toks, [])
-        ref_text = greedy(m, 0, ref, n, 24)
+        ref_text = greedy(m, 0, ref, n, n_out)
         print(f"  reference text: {m.text(ref_text)!r}")
 
         def report(name: str, logits: np.ndarray, text: list[int], ref: np.ndarray = ref,
@@ -240,7 +241,7 @@ def model(args: argparse.Namespace) -> None:
                              ("first token alone (1 | n-1)", [1])]:
             m.clear()
             lg = prefill(m, 0, toks, chunks)
-            report(name, lg, greedy(m, 0, lg, n, 24))
+            report(name, lg, greedy(m, 0, lg, n, n_out))
         # a prompt beside another sequence's decode token in one llama_decode (split_equal's first
         # micro-batch holds one token of each sequence)
         other = m.tokenize("A recipe for bread:")
@@ -248,7 +249,7 @@ def model(args: argparse.Namespace) -> None:
         prefill(m, 1, other, [])
         lg = prefill(m, 0, toks, [], beside=[Entry(1, [other[-1]], len(other), False)])
         m.L.llama_memory_seq_rm(m.mem, 1, -1, -1)
-        report("prompt beside a decode token (1 llama_decode)", lg, greedy(m, 0, lg, n, 24))
+        report("prompt beside a decode token (1 llama_decode)", lg, greedy(m, 0, lg, n, n_out))
         # decoding beside neighbours that decode too: a short prompt, a long one (more KV cells), 7 short ones
         # (8 rows: llama.cpp's tiled K-quant kernels take over from vec_dot)
         for name, texts in [("decoding beside a neighbour", ["A recipe for bread:"]),
@@ -260,7 +261,7 @@ def model(args: argparse.Namespace) -> None:
                 nt = m.tokenize(text)
                 nbs.append((i + 1, prefill(m, i + 1, nt, [512] * ((len(nt) - 1) // 512)), len(nt)))
             lg = prefill(m, 0, toks, [])
-            report(name, lg, greedy(m, 0, lg, n, 24, nbs))
+            report(name, lg, greedy(m, 0, lg, n, n_out, nbs))
 
 
 def main() -> None:
@@ -273,6 +274,8 @@ def main() -> None:
     mo = sub.add_parser("model")
     mo.add_argument("--model", default="models/gemma-3-270m-q4_k_m.gguf")
     mo.add_argument("--threads", type=int, default=2)
+    mo.add_argument("--tokens", type=int, default=24, help="greedy tokens after each prompt")
+    mo.add_argument("--gpu", action="store_true", help="every layer on the GPU, as a GPU worker (no mode there)")
     args = ap.parse_args()
     ops(args) if args.what == "ops" else model(args)
 
