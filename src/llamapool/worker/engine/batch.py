@@ -103,8 +103,7 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
             one_pos.append(running.n_past)
             running.n_past += 1
             outputs.append((k, running))
-        else:
-            L.llama_memory_seq_rm(mem, sid, running.n_past, -1)  # a padding token it had (see above)
+        else:  # (deterministic mode computes prompts in fill_apart, which drops such a padding token first)
             lens[k] = chunk[sid]
             chunks.append((k, running))
     start = np.zeros(len(lens) + 1, dtype=np.int64)
