@@ -458,8 +458,10 @@ class Engine:
         if self._prompt_turn:
             filled = fill_apart(self.batch, chunk, self.active, self.mem, self.cfg.n_ubatch)
         else:
-            lone = self.deterministic and len(chunk) == 1 and self.cfg.slots > 1
-            pad = -1 if not lone else next(iter(chunk)) + 1 if max(chunk) + 1 < self.cfg.slots else min(chunk) - 1
+            pad = -1  # deterministic mode: a lone decoding sequence gets a padding neighbour (two rows a step)
+            if self.deterministic and len(chunk) == 1 and self.cfg.slots > 1:
+                sid = next(iter(chunk))
+                pad = sid + 1 if sid + 1 < self.cfg.slots else sid - 1
             filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide, pad)
         self._echoing = filled.echoing
         self._split = filled.split
