@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,3 +181,40 @@ def test_prompt_chunks_and_what_they_leave_are_two_tokens_or_more() -> None:
                 assert k >= 2 or remaining == 1
                 assert remaining - k != 1, (n, remaining, cap, k)
                 assert abs(k - n) <= 1 or n > cap or n < 2  # moved by one token at most
+
+
+def test_a_deterministic_step_holds_decode_tokens_or_prompt_chunks_of_two_or_more(model_path: str) -> None:
+    """The engine's batches in the mode: a step decodes (two rows or more: a lone sequence is padded) or
+    computes prompt chunks (each at least two tokens, a sequence's chunk contiguous in the batch), never
+    both; a prompt on a cached prefix still computes its last two tokens."""
+    from llamapool.protocol.messages import Run, Step
+    from llamapool.protocol.params import SamplingParams
+    from llamapool.worker.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=24, n_ubatch=256, threads=2,
+                              deterministic=True))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["the model server worker router pool token " * 3, "one two", "x y", "the model server worker"]
+    kinds: set[str] = set()
+    try:
+        for i, p in enumerate(prompts + prompts):  # the second round reuses cached prefixes
+            eng.submit(Run(i, p, greedy, False), Step())
+            for _ in range(2 + i % 3):  # arriving while others decode
+                out = eng.step()
+                assert not out.failed
+                b, n = eng.batch, eng.batch.n
+                if not n:
+                    continue
+                counts = Counter(int(s) for s in b.seq[:n])
+                if all(c == 1 for c in counts.values()):  # decode tokens, one a sequence, two rows or more
+                    kinds.add("decode")
+                    assert n >= 2, counts
+                else:  # prompt chunks, each two tokens or more, and no decode token beside them
+                    kinds.add("prompt")
+                    assert all(c >= 2 for c in counts.values()), counts
+        while eng.busy:
+            eng.step()
+        assert kinds == {"prompt", "decode"}
+        assert eng.reused_tokens > 0
+    finally:
+        eng.close()
