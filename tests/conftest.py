@@ -17,13 +17,6 @@ import pytest
 from llamapool import Client, LlamapoolError
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Products in this process (references, in-process engines) computed as a deterministic CPU worker
-    computes them: without llama.cpp's tiled K-quant kernels (read once, at the process's first product;
-    docs/http.md#determinism)."""
-    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-
-
 def reference_llama(model_path: str, **kw: Any) -> Any:
     """llama-cpp-python's ``Llama`` with the weight layouts a CPU worker uses (engine.model_params: no
     repacked layouts, whose batched kernels round otherwise than one row's; and, as llama-cpp-python's
