@@ -1,4 +1,4 @@
-"""The same request gets the same reply (issue 46): with ``model.deterministic`` (the default; CPU workers) a
+"""The same request gets the same reply (issue 46): with ``model.deterministic = true`` (CPU workers) a
 greedy reply, and a sampled one with a seed, depends on the request alone: not on what the prefix cache
 held, nor on the requests decoding or prefilling beside it, nor on when it arrived.
 
@@ -47,7 +47,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def _models(gemma: str, smollm2: str, **extra: Any) -> dict[str, Any]:
-    common = {"devices": "cpu", "cpu_workers": 1, "threads": 1, "max_batch_tokens": 512, "n_ubatch": 512, **extra}
+    common = {"devices": "cpu", "cpu_workers": 1, "threads": 1, "max_batch_tokens": 512, "n_ubatch": 512,
+              "deterministic": True, **extra}
     return {"models": [{"path": gemma, "name": GEMMA, "ctx_per_slot": 2048, "slots": 8, **common},
                        {"path": smollm2, "name": SMOL, "ctx_per_slot": 2048, "slots": 4, **common}]}
 
@@ -59,7 +60,7 @@ def gemma() -> str:
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory, gemma: str, smollm2: str) -> Iterator[tuple[Daemon, Daemon]]:
-    """Two daemons of both models in the default mode: one with the prefix cache, one without."""
+    """Two daemons of both models in deterministic mode: one with the prefix cache, one without."""
     cached = launch(tmp_path_factory.mktemp("cached"), gemma, **_models(gemma, smollm2))
     plain = launch(tmp_path_factory.mktemp("plain"), gemma, **_models(gemma, smollm2, prefix_cache=False))
     try:

@@ -68,7 +68,7 @@ class WorkerSpec:
     heartbeat_liveness: int
     gpu_sampling: bool = True
     prefix_cache: bool = True
-    deterministic: bool = True  # model.deterministic (CPU workers)
+    deterministic: bool = False  # model.deterministic (CPU workers)
     target_step: str = "auto"  # model.target_step: how much prompt work a step takes (worker/scheduler.py)
     speculative: str = "auto"  # model.speculative: "auto", "ngram" or "off" (worker/engine/spec.py)
     engine: str = "llama"  # "echo": the router-benchmark engine, no model
