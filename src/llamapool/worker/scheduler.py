@@ -86,6 +86,18 @@ def plan_step(budget: int, decoding: Iterable[int], prompts: Iterable[PromptWork
     return plan
 
 
+def at_least_two(n: int, remaining: int, cap: int) -> int:
+    """A prompt chunk in deterministic mode: ``n`` of the prompt's ``remaining`` tokens, moved so that the
+    chunk and the rest it leaves are two tokens or more (a prompt of one token is one), and at most ``cap``
+    (one micro-batch). llama.cpp's CPU kernels compute a sequence's attention otherwise for one query
+    token than for several (docs/http.md#determinism): a prompt's tokens always go at least two at a time,
+    a decode token alone."""
+    n = min(max(n, 2), remaining, cap)
+    if remaining - n == 1:
+        n = n + 1 if n < cap else n - 1
+    return n
+
+
 # ---------------------------------------------------------------- step-time budgets
 
 @dataclass(frozen=True, slots=True)

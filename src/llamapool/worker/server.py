@@ -194,7 +194,10 @@ def serve(spec: WorkerSpec) -> int:
     from llamapool.worker.engine import Engine as LlamaEngine
     from llamapool.worker.engine import EngineConfig, EngineError, visible_gpus
 
-    cfg = EngineConfig(spec.model_path, gpu=gpu, n_gpus=max(1, spec.n_gpus), **spec.engine_settings())
+    # deterministic CPU workers do not speculate: a draft's rows are computed as a prompt's, not one at a time
+    speculative = "off" if spec.deterministic and not gpu else spec.speculative
+    cfg = EngineConfig(spec.model_path, gpu=gpu, n_gpus=max(1, spec.n_gpus),
+                       **spec.engine_settings(speculative=speculative))
     try:
         if spec.embedding:
             from llamapool.worker.embedder import Embedder

@@ -49,7 +49,7 @@ class Filled:
 
 
 def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: dict[int, np.ndarray],
-         mem: Any, n_ubatch: int, wide: int = 1) -> Filled:
+         mem: Any, n_ubatch: int, wide: int = 1, pad: int = -1) -> Filled:
     """Fill the batch with the step's tokens (``chunk``: prompt tokens per prefilling sequence id; a
     decoding sequence's entry is its next token, and its draft's tokens after it, each with logits).
 
@@ -62,12 +62,17 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     ids, so the batch is filled in sequence-id order and a free slot between busy ones gets one padding
     token (written past its cached prefix, no output): the decode tokens of the step then form one
     micro-batch.
+
+    ``pad``: a slot beside a lone decoding sequence padded too, its row with logits (deterministic mode: a
+    decode step's products then always have two rows or more, computed by the same kernels as beside others).
     """
     b.n = 0
     done = Filled()
     if not chunk:
         return done
     lo, hi = min(chunk), max(chunk)
+    if pad >= 0:
+        lo, hi = min(lo, pad), max(hi, pad)
     lens = np.full(hi - lo + 1, wide, dtype=np.int64)
     one_at: list[int] = []  # entries of one token (decode or padding): filled vectorised
     one_tok: list[int] = []
@@ -78,8 +83,9 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     outputs: list[tuple[int, Sequence]] = []
     for k, sid in enumerate(range(lo, hi + 1)):
         running = active.get(sid)
-        if running is None:  # a free slot between busy ones: pad it past its cached prefix
-            keep = cached.get(sid)
+        if running is None or sid not in chunk:  # a free slot between busy ones: pad it past its cached
+            # prefix; or a prompt that waits out a decode step (deterministic mode): past its computed part
+            keep = cached.get(sid) if running is None else running.tokens[: running.n_past]
             n = len(keep) if keep is not None else 0
             L.llama_memory_seq_rm(mem, sid, n, -1)
             if wide > 1:
@@ -97,7 +103,7 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
             one_pos.append(running.n_past)
             running.n_past += 1
             outputs.append((k, running))
-        else:
+        else:  # (deterministic mode computes prompts in fill_apart, which drops such a padding token first)
             lens[k] = chunk[sid]
             chunks.append((k, running))
     start = np.zeros(len(lens) + 1, dtype=np.int64)
@@ -114,6 +120,8 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     _fill_wide(b, start, wide, padding, drafting)
     outputs.sort(key=lambda e: e[0])
     _mark_outputs(b, start, wide, outputs, {k for k, _ in drafting})
+    if pad >= 0:
+        b.logits[start[pad - lo]] = 1
     b.n = total
     done.outputs = [seq for _, seq in outputs]
     done.drafts = int(sum(len(seq.draft) for _, seq in drafting))
@@ -123,6 +131,30 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     # more than one micro-batch: a prompt chunk (per-sequence KV splits into equal shares per
     # sequence), or more tokens than one micro-batch holds
     done.split = bool(chunks) or total > n_ubatch
+    return done
+
+
+def fill_apart(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], mem: Any, n_ubatch: int) -> Filled:
+    """A prompt step of deterministic mode (``chunk``: prompt tokens per sequence id, no decoding sequence):
+    each prompt's chunk a micro-batch of its own. llama.cpp joins consecutive sequence ids, in batch
+    order, into a micro-batch of equally many tokens each (``fill``), which would leave the longer
+    chunk's rest, perhaps one token, to a micro-batch of its own; in descending id order none joins."""
+    b.n = 0
+    done = Filled()
+    o = 0
+    for sid in sorted(chunk, reverse=True):
+        seq, n = active[sid], chunk[sid]
+        L.llama_memory_seq_rm(mem, sid, seq.n_past, -1)  # a padding token it had (fill)
+        b.seq[o : o + n] = sid
+        b.logits[o : o + n] = 0
+        if _fill_chunk(b, seq, o, n, done):
+            seq.rows = [o + n - 1]
+            b.logits[o + n - 1] = 1
+            done.outputs.append(seq)
+        o += n
+    b.n = o
+    done.shape = (len(chunk), o, 0)
+    done.split = len(chunk) > 1 or o > n_ubatch
     return done
 
 

@@ -24,7 +24,7 @@ from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step, Toke
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
-from llamapool.worker.engine.batch import Batch, fill
+from llamapool.worker.engine.batch import Batch, fill, fill_apart
 from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.kvcache import KVSlots
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
@@ -35,7 +35,15 @@ from llamapool.worker.engine.spec import spec_mode
 from llamapool.worker.engine.speculator import Speculator, rows_per_seq
 from llamapool.worker.faults import FaultInjector, request_failure
 from llamapool.worker.sampling import RETRY, Sampling
-from llamapool.worker.scheduler import ArrivalRate, CostModel, PromptWork, StepTarget, plan_step, priority
+from llamapool.worker.scheduler import (
+    ArrivalRate,
+    CostModel,
+    PromptWork,
+    StepTarget,
+    at_least_two,
+    plan_step,
+    priority,
+)
 
 
 class Engine:
@@ -70,7 +78,10 @@ class Engine:
         self.output = Output(self.vocab, self.sampling, self.chat.tool_format)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = Batch(cp.n_batch)
-        self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache)
+        # CPU: a token's numbers independent of the batch and the prefix cache (_plan: docs/http.md#determinism)
+        self.deterministic = cfg.deterministic and not cfg.gpu
+        self._prompt_turn = False  # deterministic mode: this step computes prompts (else decode tokens)
+        self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1)
         self.waiting: list[Waiting] = []  # runs beyond the free slots, in arrival order
         self.active: dict[int, Sequence] = {}
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
@@ -357,8 +368,11 @@ class Engine:
                 free -= not p.running
         budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
                                        [p.remaining for p in ahead], self.arrivals.rate())
-        plan = plan_step(budget, (s.seq_id for s in self.active.values() if not s.prefilling), prompts,
-                         len(self.free_ids), now)
+        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
+        if self.deterministic:  # a step computes decode tokens or prompt chunks, in turn, never both
+            self._prompt_turn = bool(ahead) and not (decoding and self._prompt_turn)
+            decoding, prompts = ([], prompts) if self._prompt_turn else (decoding, [])
+        plan = plan_step(budget, decoding, prompts, len(self.free_ids), now)
         chunk = plan.tokens
         admitted = [(self.waiting[key], n) for key, n in plan.admit]
         for w, n in admitted:
@@ -366,6 +380,10 @@ class Engine:
             seq = self._admit(w, out)
             if seq is not None:
                 chunk[seq.seq_id] = min(n, len(seq.tokens) - seq.n_past)
+        if self._prompt_turn:
+            for sid, n in chunk.items():
+                chunk[sid] = at_least_two(n, len(self.active[sid].tokens) - self.active[sid].n_past,
+                                          self.cfg.n_ubatch)
         self.budget = budget
         return chunk
 
@@ -406,7 +424,14 @@ class Engine:
         with an output."""
         chunk = self._plan(out)
         wide = 1 + self.spec.propose(chunk, self.active, self.steps)
-        filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide)
+        if self._prompt_turn:
+            filled = fill_apart(self.batch, chunk, self.active, self.mem, self.cfg.n_ubatch)
+        else:
+            pad = -1  # deterministic mode: a lone decoding sequence gets a padding neighbour (two rows a step)
+            if self.deterministic and len(chunk) == 1 and self.cfg.slots > 1:
+                sid = next(iter(chunk))
+                pad = sid + 1 if sid + 1 < self.cfg.slots else sid - 1
+            filled = fill(self.batch, chunk, self.active, self.kv.cached, self.mem, self.cfg.n_ubatch, wide, pad)
         self._echoing = filled.echoing
         self._split = filled.split
         self._shape = filled.shape

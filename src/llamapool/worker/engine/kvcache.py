@@ -15,9 +15,10 @@ from llamapool.worker.engine.sequence import Sequence
 class KVSlots:
     """Free sequence ids, the prefix cache (free id -> prompt tokens its KV still holds) and its counters."""
 
-    def __init__(self, mem: Any, slots: int, prefix_cache: bool):
+    def __init__(self, mem: Any, slots: int, prefix_cache: bool, computed: int = 1):
         self.mem = mem
         self.prefix_cache = prefix_cache
+        self.computed = computed  # a prompt's last tokens always computed, never reused (at least its last)
         self.free_ids: deque[int] = deque(range(slots))
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
         self.reused_tokens = 0  # prompt tokens started sequences had from the cache
@@ -31,14 +32,16 @@ class KVSlots:
         slot is used in place; one held by a running sequence (in another KV stream) is shared
         by copying that stream into the new slot's (``llama_memory_seq_cp`` copies the whole
         stream buffer at the next decode, on the device) and trimming the copy to the prefix.
-        At least the last prompt token is always computed, for its logits.
+        At least the last prompt token is always computed, for its logits; in deterministic mode the last
+        two (``computed``): a prompt's tokens are then always computed at least two at a time, as without a
+        prefix cache (docs/http.md#determinism).
         """
         src, best = -1, 0
         if self.prefix_cache and reuse:
             in_kv = list(self.cached.items())
             in_kv += [(s.seq_id, s.tokens[: s.n_past]) for s in running if s.n_past]
             for sid, have in in_kv:
-                n = min(len(have), len(want) - 1)
+                n = min(len(have), len(want) - self.computed)
                 if n <= best:
                     continue
                 diff = np.flatnonzero(have[:n] != want[:n])

@@ -131,6 +131,10 @@ def load_model(cfg: EngineConfig) -> tuple[Any, Any]:
     from llamapool.worker.llamalog import route_llama_logs
 
     route_llama_logs()
+    if cfg.deterministic and not cfg.gpu:
+        # K-quant products of 8 rows or more take llama.cpp's "tiled" kernels, whose sums round otherwise
+        # than one row's vec_dot: off, every row is computed alike (read once, at the process's first product)
+        os.environ["GGML_CPU_TILED_MM"] = "0"
     L.llama_backend_init()
     mp, keep = model_params(cfg)
     model = L.llama_model_load_from_file(cfg.model_path.encode(), mp)
