@@ -326,21 +326,26 @@ def test_pool_settings_parse_durations_sizes_and_defaults() -> None:
 def test_a_cold_gemma_streams_its_first_token_within_its_load_time_and_half_a_second(
         tmp_path: Path, daemons: list[Daemon]) -> None:
     """The request that triggers a load is served as soon as the worker is ready: its first token comes
-    within the load's own time (spawn to hello, from the log) + 0.5 s."""
+    within the load's own time (spawn to hello, from the log) + 0.5 s, beyond what a first token takes on
+    the loaded worker (a warm request's, measured next: on a shared machine a step's time is not ours)."""
     gemma = str(Path(__file__).resolve().parent.parent / "models" / "gemma-3-270m-q4_k_m.gguf")
     if not Path(gemma).exists():
         pytest.skip("models/gemma-3-270m-q4_k_m.gguf is written by `make test` (llamapool fetch-model)")
     d = start(daemons, tmp_path / "d", gemma, models=[table(gemma, "gemma", load="on_demand")])
+
+    def ttft(c: Client, prompt: str) -> float:
+        t0, first = time.monotonic(), None
+        for _chunk in c.stream(prompt, model="gemma", max_tokens=4, temperature=0.0):
+            first = first or time.monotonic() - t0
+        assert first is not None
+        return first
+
     with d.client() as c:
-        t0 = time.monotonic()
-        stream = c.stream("The capital of France is", model="gemma", max_tokens=4, temperature=0.0)
-        ttft = None
-        for _chunk in stream:
-            ttft = ttft or time.monotonic() - t0
-    assert ttft is not None
+        cold = ttft(c, "The capital of France is")
+        warm = ttft(c, "Water boils at a temperature of")
     load = float(re.findall(r"placement: gemma loaded on \S+ \(cpu\) in ([\d.]+)s", d.log.read_text())[0])
-    print(f"cold Gemma 3 270M: load {load:.2f} s, first token {ttft:.2f} s after the request")
-    assert ttft <= load + 0.5, (ttft, load)
+    print(f"cold Gemma 3 270M: load {load:.2f} s, first token {cold:.2f} s after the request; warm {warm:.2f} s")
+    assert cold <= load + warm + 0.5, (cold, load, warm)
 
 
 def test_a_loaded_on_demand_worker_that_dies_is_replaced_at_the_next_request(
