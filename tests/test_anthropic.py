@@ -216,7 +216,8 @@ def test_a_bug_is_a_500_in_the_shape_of_the_paths_api(monkeypatch: pytest.Monkey
     messages = dataclasses.replace(gateway_app.anthropic.MESSAGES, handle=bug)  # Anthropic's door, its handler a bug
     monkeypatch.setattr(gateway_app.anthropic, "MESSAGES", messages)
     monkeypatch.setattr(gateway_app.completions, "handle", bug)
-    spec = GatewaySpec(name="t", frontend="ipc:///nonexistent/router", host="127.0.0.1", port=0, model="tiny")
+    spec = GatewaySpec(name="t", frontend="ipc:///nonexistent/router", host="127.0.0.1", port=0, model="tiny",
+                       listen_fd=-1)
     app = gateway_app.Gateway(spec, cast(AsyncClient, None)).app()  # the bug comes before any router call
     http = TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
     r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": []})
