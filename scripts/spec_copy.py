@@ -14,7 +14,13 @@ request's ``"speculative": false`` ("off"), alternating which goes first a round
 compared on and off (and with llama-server's). The daemon's worker writes each step's shape and seconds
 (``LLAMAPOOL_STEP_TRACE``): a run's steps are summarised by draft width (where a step's time goes).
 
-    . scripts/gpu_env.sh && python3 scripts/spec_copy.py --out OUT --llama-server /tmp/lsa/llama-server
+``--draft-1b``: the draft model's targets too (``speculative = "draft:<path>"``), one stream, 8B, on the
+"nothing" prompts (no passage: prompt lookup has nothing to find): two ``make-model --peaked`` drafts of the
+1B body with the 8B model's vocabulary size, written at the start by ``llamapool make-model``: "right" (the
+target's seed, so the same greedy cycle: every draft token kept) and "wrong" (another seed: none kept);
+each a daemon of its own, default against ``"speculative": false``, after the 8B one-stream runs.
+
+    . scripts/gpu_env.sh && python3 scripts/spec_copy.py --out OUT --llama-server /tmp/lsa/llama-server --draft-1b
     python3 scripts/spec_copy.py --out /tmp/sc --cpu   # the tiny model on the CPU (checks the script)
 """
 
@@ -24,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -134,6 +141,23 @@ def steps_of(lines: list[str]) -> dict[str, Any]:
             for key, v in sorted(by.items()) if v}
 
 
+DRAFTS = {"right": 0, "wrong": 1}  # a draft's seed: the target's (0, the same greedy cycle) or another
+
+
+def write_drafts(tmp: Path, logs: Path, dims: dict[str, Any]) -> dict[str, tuple[Path, subprocess.Popen[bytes]]]:
+    """The two draft models (``DRAFTS``), written meanwhile by ``llamapool make-model --peaked``: the 1B body
+    with the 8B model's vocabulary size (on the CPU: the tiny shape)."""
+    out = {}
+    for name, seed in DRAFTS.items():
+        path = tmp / f"draft-{name}.gguf"
+        cmd = [sys.executable, "-m", "llamapool.cli", "make-model", str(path), "--peaked", "--seed", str(seed)]
+        for key, val in dims.items():
+            cmd += ["--type" if key == "qtype" else "--" + key.replace("_", "-"), str(val)]
+        with open(logs / f"make-draft-{name}.log", "wb") as fh:
+            out[name] = (path, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -150,6 +174,9 @@ def main() -> int:
     ap.add_argument("--logs", default="", help="the daemons' and servers' logs (default OUT/logs)")
     ap.add_argument("--model-8b", default="", metavar="PATH",
                     help="the 8B model, being written by another process meanwhile (waited for; else made here)")
+    ap.add_argument("--draft-1b", action="store_true",
+                    help="the draft model's runs too: 8B at one stream with a 1B-body draft that is always right "
+                         "and one that is never right (on the CPU: the tiny model with tiny drafts)")
     args = ap.parse_args()
     from llamapool.modelgen import make_model
 
@@ -170,12 +197,70 @@ def main() -> int:
     def late() -> bool:
         return time.monotonic() - t_start > args.deadline
 
+    def measure(shape: str, tag: str, model: str, more: str, work: dict[str, list[list[int]]], streams: int,
+                gen: int, rounds: int, ctx: int, label: dict[str, Any]) -> dict[tuple[str, str], dict[int, str]]:
+        """One daemon: each workload's requests with the default and with ``"speculative": false``, ``rounds``
+        times (alternating which goes first), each run recorded (``label`` added); the texts by (workload,
+        mode), round 0's."""
+        port = free_port()
+        trace = tmp / f"trace-{tag}"
+        os.environ["LLAMAPOOL_STEP_TRACE"] = str(trace)
+        cfg = daemon_config(tmp, tag, model, "[0]", streams, ctx, more, args.cpu) + \
+            f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n'
+        proc, ep, logf = start_daemon(cfg, tmp, tag, logs)
+        del os.environ["LLAMAPOOL_STEP_TRACE"]
+        url = f"http://127.0.0.1:{port}"
+        texts: dict[tuple[str, str], dict[int, str]] = {}
+        try:
+            wait_ready(ep, 1, proc, logf)
+            first = next(iter(work.values()))
+            asyncio.run(run(url, "llamapool", first[:2], 32, 1, {}))  # warm up: graphs, cost model
+            asyncio.run(run(url, "llamapool", work.get("nothing", first)[:2], 32, 1, {"speculative": False}))
+            for r in range(rounds):
+                for name, reqs in work.items():
+                    order = ["default", "off"] if r % 2 == 0 else ["off", "default"]
+                    for mode in order:
+                        if late():
+                            break
+                        traces = sorted(tmp.glob(f"trace-{tag}.*"))
+                        before = [len(p.read_text().splitlines()) for p in traces]
+                        c0 = engine_counters(ep)
+                        got = asyncio.run(run(url, "llamapool", reqs, gen, streams,
+                                              {} if mode == "default" else {"speculative": False}))
+                        time.sleep(1.2)  # a heartbeat: the counters include the whole run
+                        c1 = engine_counters(ep)
+                        lines = [ln for p, b in zip(traces, before, strict=True)
+                                 for ln in p.read_text().splitlines()[b:]]
+                        prev = texts.setdefault((name, mode), got["texts"])
+                        eng = {k: round(c1[k] - c0[k], 4) for k in c1}
+                        steps = max(eng["steps"], 1)
+                        record({"mode": "run", "shape": shape, "streams": streams, "workload": name,
+                                "service": "llamapool", "speculation": mode, "round": r, "gen": gen, **label,
+                                "requests": len(reqs), "tok_s": round(got["tok_s"], 1),
+                                "seconds": round(got["seconds"], 3), "engine": eng,
+                                "acceptance": round(eng["accepted_tokens"] / eng["draft_tokens"], 3)
+                                if eng["draft_tokens"] else None,
+                                "tokens_per_step": round(got["tokens"] / steps, 2),
+                                "host_ms_per_step": round(1e3 * (eng["step_s"] - eng["decode_s"]) / steps, 3),
+                                "same_text_as_round0": prev == got["texts"], "steps": steps_of(lines)})
+            for name in work:
+                a, b = texts.get((name, "default")), texts.get((name, "off"))
+                if a is not None and b is not None:
+                    record({"mode": "text", "shape": shape, "streams": streams, "workload": name, **label,
+                            "same_text_on_and_off": a == b, "replies": len(a)})
+        finally:
+            stop_daemon(proc, logf)
+        return texts
+
+    drafts: dict[str, tuple[Path, subprocess.Popen[bytes]]] = {}
+    if args.draft_1b:  # written meanwhile, as the 8B model is
+        drafts = write_drafts(tmp, logs, CPU_SHAPE if args.cpu else {**GPU_SHAPE, "n_vocab": SHAPE_8B["n_vocab"]})
     shapes = ["cpu"] if args.cpu else args.shapes
     for shape in shapes:
         if late():
             break
         t0 = time.monotonic()
-        dims = CPU_SHAPE if shape == "cpu" else GPU_SHAPE if shape == "1b" else SHAPE_8B
+        dims: dict[str, Any] = CPU_SHAPE if shape == "cpu" else GPU_SHAPE if shape == "1b" else SHAPE_8B
         if shape == "8b" and args.model_8b:
             while not Path(args.model_8b).exists() and not late():
                 time.sleep(1)
@@ -194,55 +279,8 @@ def main() -> int:
                 break
             work = {name: prompts(n_vocab, n, gen, edit, seed=7) for name, edit in WORKLOADS.items()}
             ctx = max(len(p) for ps in work.values() for p in ps) + gen + 16
-            port = free_port()
-            tag = f"{shape}-c{streams}"
-            trace = tmp / f"trace-{tag}"
-            os.environ["LLAMAPOOL_STEP_TRACE"] = str(trace)
             more = 'speculative = "ngram"\n' if args.cpu else ""  # "auto" is off on a CPU
-            cfg = daemon_config(tmp, tag, model, "[0]", streams, ctx, more, args.cpu) + \
-                f'[http]\nlisten = "127.0.0.1:{port}"\nprocesses = 1\n'
-            proc, ep, logf = start_daemon(cfg, tmp, tag, logs)
-            del os.environ["LLAMAPOOL_STEP_TRACE"]
-            url = f"http://127.0.0.1:{port}"
-            try:
-                wait_ready(ep, 1, proc, logf)
-                asyncio.run(run(url, "llamapool", work["full copy"][:2], 32, 1, {}))  # warm up: graphs, cost model
-                asyncio.run(run(url, "llamapool", work["nothing"][:2], 32, 1, {"speculative": False}))
-                texts: dict[tuple[str, str], dict[int, str]] = {}
-                for r in range(rounds):
-                    for name, reqs in work.items():
-                        order = ["default", "off"] if r % 2 == 0 else ["off", "default"]
-                        for mode in order:
-                            if late():
-                                break
-                            traces = sorted(tmp.glob(f"trace-{tag}.*"))
-                            before = [len(p.read_text().splitlines()) for p in traces]
-                            c0 = engine_counters(ep)
-                            got = asyncio.run(run(url, "llamapool", reqs, gen, streams,
-                                                  {} if mode == "default" else {"speculative": False}))
-                            time.sleep(1.2)  # a heartbeat: the counters include the whole run
-                            c1 = engine_counters(ep)
-                            lines = [ln for p, b in zip(traces, before, strict=True)
-                                     for ln in p.read_text().splitlines()[b:]]
-                            prev = texts.setdefault((name, mode), got["texts"])
-                            eng = {k: round(c1[k] - c0[k], 4) for k in c1}
-                            steps = max(eng["steps"], 1)
-                            record({"mode": "run", "shape": shape, "streams": streams, "workload": name,
-                                    "service": "llamapool", "speculation": mode, "round": r, "gen": gen,
-                                    "requests": len(reqs), "tok_s": round(got["tok_s"], 1),
-                                    "seconds": round(got["seconds"], 3), "engine": eng,
-                                    "acceptance": round(eng["accepted_tokens"] / eng["draft_tokens"], 3)
-                                    if eng["draft_tokens"] else None,
-                                    "tokens_per_step": round(got["tokens"] / steps, 2),
-                                    "host_ms_per_step": round(1e3 * (eng["step_s"] - eng["decode_s"]) / steps, 3),
-                                    "same_text_as_round0": prev == got["texts"], "steps": steps_of(lines)})
-                for name in work:
-                    a, b = texts.get((name, "default")), texts.get((name, "off"))
-                    if a is not None and b is not None:
-                        record({"mode": "text", "shape": shape, "streams": streams, "workload": name,
-                                "same_text_on_and_off": a == b, "replies": len(a)})
-            finally:
-                stop_daemon(proc, logf)
+            texts = measure(shape, f"{shape}-c{streams}", model, more, work, streams, gen, rounds, ctx, {})
             if streams == 1 and args.llama_server and not late():
                 srv = LlamaServer(args.llama_server, model, 1, ctx, logs, f"{shape}-llama-server", args.cpu, 8)
                 try:
@@ -259,42 +297,74 @@ def main() -> int:
                                 "same_text_as_llamapool_off": same})
                 finally:
                     srv.stop()
+            if streams == 1 and drafts and shape in ("8b", "cpu"):  # before the many-stream runs
+                for name, (path, writer) in drafts.items():
+                    while writer.poll() is None and not late():
+                        time.sleep(1)
+                    if late():
+                        break
+                    label = {"draft": name}
+                    try:
+                        if writer.returncode != 0:
+                            raise RuntimeError(f"make-model exited {writer.returncode}")
+                        dtexts = measure(shape, f"{shape}-draft-{name}", model, f'speculative = "draft:{path}"\n',
+                                         {"nothing": work["nothing"]}, 1, gen, rounds, ctx, label)
+                        ref = texts.get(("nothing", "off"))  # the text without any speculation
+                        record({"mode": "text", "shape": shape, "streams": 1, "workload": "nothing", **label,
+                                "same_text_as_ngram_off": dtexts.get(("nothing", "off")) == ref,
+                                "same_text_default_as_ngram_off": dtexts.get(("nothing", "default")) == ref})
+                    except (Exception, SystemExit) as e:  # the table's other runs still count
+                        record({"mode": "error", "shape": shape, **label, "error": repr(e)})
     (out / "summary.md").write_text(summary(rows))
     print((out / "summary.md").read_text())
     return 0
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """The target table: tok/s (the mean of the rounds) default / off / llama-server, and the ratios."""
+    """The target table: tok/s (the mean of the rounds) default / off / llama-server, and the ratios; a draft
+    model's rows ("8b, draft right") against the same shape's llama-server on the same prompts."""
     runs = [r for r in rows if r.get("mode") == "run"]
     lines = ["| shape | streams | workload | default tok/s | off tok/s | llama-server tok/s | default / off | "
              "default / llama-server | off / llama-server | acceptance | tokens a step | "
              "host ms a step (default, off) |",
              "|---" * 12 + "|"]
-    keys = sorted({(r["shape"], r["streams"], r["workload"]) for r in runs},
-                  key=lambda k: (k[0], k[1], list(WORKLOADS).index(k[2])))
-    for shape, streams, wl in keys:
-        def med(service: str, mode: str | None, field: str = "tok_s", k: tuple[str, int, str] = (shape, streams, wl)
+    Key = tuple[str, int, str, str]
+
+    def key(r: dict[str, Any]) -> Key:
+        return r["shape"], r["streams"], r["workload"], r.get("draft", "")
+
+    keys = sorted({key(r) for r in runs}, key=lambda k: (k[0], k[1], k[3], list(WORKLOADS).index(k[2])))
+    for shape, streams, wl, draft in keys:
+        def med(service: str, mode: str | None, field: str = "tok_s", k: Key = (shape, streams, wl, draft)
                 ) -> float | None:
-            xs = [r[field] for r in runs if (r["shape"], r["streams"], r["workload"]) == k
+            xs = [r[field] for r in runs if key(r) == k
                   and r["service"] == service and r.get("speculation") == mode and r.get(field) is not None]
             return round(sum(xs) / len(xs), 3) if xs else None  # the mean of the rounds
-        d, o, s = med("llamapool", "default"), med("llamapool", "off"), med("llama-server", None)
+        d, o = med("llamapool", "default"), med("llamapool", "off")
+        s = med("llama-server", None, k=(shape, streams, wl, ""))
 
         def ratio(a: float | None, b: float | None) -> str:
             return f"{a / b:.2f}" if a and b else "-"
 
         def num(x: float | None) -> str:
             return f"{x:,.0f}" if x is not None else "-"
-        lines.append(f"| {shape} | {streams} | {wl} | {num(d)} | {num(o)} | {num(s)} | {ratio(d, o)} | {ratio(d, s)} | "
+        name = f"{shape}, draft {draft}" if draft else shape
+        lines.append(f"| {name} | {streams} | {wl} | {num(d)} | {num(o)} | {num(s)} | {ratio(d, o)} | {ratio(d, s)} | "
                      f"{ratio(o, s)} | {med('llamapool', 'default', 'acceptance')} | "
                      f"{med('llamapool', 'default', 'tokens_per_step')} | "
                      f"{med('llamapool', 'default', 'host_ms_per_step')}, "
                      f"{med('llamapool', 'off', 'host_ms_per_step')} |")
-    texts = [r for r in rows if r.get("mode") == "text"]
+    texts = [r for r in rows if r.get("mode") == "text" and "same_text_on_and_off" in r]
     lines.append("")
     lines.append("Greedy text identical on and off: " + ", ".join(
-        f"{r['shape']} C={r['streams']} {r['workload']}: {r['same_text_on_and_off']}" for r in texts))
+        f"{r['shape']}{' draft ' + r['draft'] if 'draft' in r else ''} C={r['streams']} {r['workload']}: "
+        f"{r['same_text_on_and_off']}" for r in texts))
+    for r in rows:
+        if r.get("mode") == "text" and "same_text_as_ngram_off" in r:
+            lines.append(f"\n{r['shape']} draft {r['draft']}: the text off the same as the prompt-lookup daemon's "
+                         f"off: {r['same_text_as_ngram_off']}, the default's: {r['same_text_default_as_ngram_off']}")
+        elif r.get("mode") == "error":
+            lines.append(f"\n{r['shape']} draft {r.get('draft')}: error {r['error']}")
     return "\n".join(lines) + "\n"
 
 
