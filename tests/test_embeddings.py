@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from llamapool import AsyncClient, BadRequestError, Client
-from tests.conftest import Daemon
+from tests.conftest import Daemon, reference_llama
 from tests.test_gateway import start_gateway
 
 WORDS = ("the river ran past old stone houses while a quiet wind moved over fields of wheat and "
@@ -44,9 +44,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterato
 
 def reference(model_path: str, pooling: int, inputs: list[str]) -> np.ndarray:
     """llama-cpp-python's vectors (it does not normalise by default: we do, as the daemon does)."""
-    from llama_cpp import Llama
 
-    llm = Llama(model_path, embedding=True, pooling_type=pooling, n_ctx=512, verbose=False)
+    llm = reference_llama(model_path, embedding=True, pooling_type=pooling, n_ctx=512)
     try:
         vecs = np.array(llm.embed(inputs), dtype=np.float64)
     finally:

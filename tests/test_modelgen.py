@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from llamapool.modelgen import QTYPES, build_vocab, make_model, peaked_next
+from tests.conftest import reference_llama
 
 gguf = pytest.importorskip("gguf")
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -26,7 +27,7 @@ TEXTS = [
 @pytest.fixture(scope="module", params=QTYPES)
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     path = make_model(tmp_path_factory.mktemp("modelgen") / f"tiny-{request.param}.gguf", qtype=request.param)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=2, logits_all=True, verbose=False)
+    llm = reference_llama(str(path), n_ctx=512, n_threads=2, logits_all=True)
     yield path, llm
     llm.close()
 
@@ -161,7 +162,7 @@ def test_peaked_greedy_output_wins_by_a_wide_margin(tmp_path: Path, qtype: str) 
     logit is :func:`peaked_next` of the token, ahead of the second by > 10 logits (about 16 at least
     on the tiny shape), and the output runs through 64 different tokens."""
     path = make_model(tmp_path / "p.gguf", qtype=qtype, peaked=True)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    llm = reference_llama(str(path), n_ctx=256, n_threads=2, logits_all=True)
     nxt = peaked_next(512)
     prompt = [1, 2, 0, 3, 200, 510, 511] + [int(t) for t in np.random.default_rng(0).integers(3, 512, 40)]
     llm.eval(prompt)
