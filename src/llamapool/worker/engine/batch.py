@@ -52,19 +52,14 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
          mem: Any, n_ubatch: int, wide: int = 1, pad: int = -1) -> Filled:
     """Fill the batch with the step's tokens (``chunk``: prompt tokens per prefilling sequence id; a
     decoding sequence's entry is its next token, and its draft's tokens after it, each with logits).
-
     ``wide``: the step's tokens a decoding sequence (spec.width): every decoding sequence and padding
     slot gets as many (llama.cpp splits per-sequence KV streams into micro-batches of equally many
     tokens a sequence), the draft's and filler tokens after its own, the fillers computed and dropped
     (``Sequence.tail``). A fixed few widths keep the batch's shapes few: llama.cpp reuses its graphs.
-
-    With per-sequence KV streams llama.cpp splits a batch into micro-batches of consecutive sequence
-    ids, so the batch is filled in sequence-id order and a free slot between busy ones gets one padding
-    token (written past its cached prefix, no output): the decode tokens of the step then form one
-    micro-batch.
-
-    ``pad``: a slot beside a lone decoding sequence padded too, its row with logits (deterministic mode: a
-    decode step's products then always have two rows or more, computed by the same kernels as beside others).
+    Per-sequence KV streams split a batch into micro-batches of consecutive sequence ids, so the batch is
+    filled in sequence-id order and a free slot between busy ones gets one padding token (past its cached
+    prefix, no output): the step's decode tokens then form one micro-batch. ``pad``: a slot beside a lone
+    decoding sequence padded too, its row with logits (deterministic mode: two rows or more a decode step).
     """
     b.n = 0
     done = Filled()

@@ -7,12 +7,9 @@ a step verifies is ``speculator.py``'s. No llama.cpp here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from llamapool.worker.engine.spec import Speculating
 
 NGRAM_MAX = 3  # the longest suffix looked up in the sequence's tokens
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a row)
@@ -119,12 +116,27 @@ class Lookup:
         self.done = end
 
 
+class _Drafting(Protocol):
+    lookup: Lookup
+
+
+class Looking(Protocol):
+    """What prompt lookup reads of a sequence (spec.Speculating's part; declared here, where it is used,
+    so that spec.py, which makes the lookups, and this file do not import each other)."""
+
+    history: np.ndarray
+    n_history: int
+
+    @property
+    def drafting(self) -> _Drafting | None: ...
+
+
 class PromptLookup:
     """The n-gram proposer: each sequence's :class:`Lookup` (kept in its ``Drafting``), indexed after the
     launch (:meth:`prepare`) so that the lookup before the next one is a dict read; a draft's support is
     its match length (1 for a copy followed past an edit: :meth:`Lookup.follow`)."""
 
-    def propose(self, seq: Speculating, k: int) -> tuple[list[int], int]:
+    def propose(self, seq: Looking, k: int) -> tuple[list[int], int]:
         assert seq.drafting is not None
         look = seq.drafting.lookup
         draft = look.draft(seq.history, seq.n_history, k)
@@ -132,7 +144,7 @@ class PromptLookup:
             return draft, look.match
         return look.follow(seq.n_history, k), 1  # a guess: supported by no match
 
-    def prepare(self, seq: Speculating) -> None:
+    def prepare(self, seq: Looking) -> None:
         assert seq.drafting is not None
         seq.drafting.lookup.index(seq.history, seq.n_history)
 
