@@ -57,9 +57,13 @@ def greedy(llm: Any, prompt: str) -> tuple[str, int]:
 def daemon(tmp_path_factory: pytest.TempPathFactory, gemma: str) -> Iterator[Daemon]:
     """A daemon of its own for each test: what one test left in the prefix cache must not decide how the
     next one's prompts are computed (a prompt's last token computed alone on a reused prefix can round
-    otherwise than the whole prompt computed at once, on an AVX2 CPU: that flips near ties)."""
+    otherwise than the whole prompt computed at once, on an AVX2 CPU: that flips near ties). Its prompt
+    chunks are the token budget's alone (``target_step = "off"``), 512 tokens as the reference's ``n_batch``:
+    chunks sized from the step times the worker measures depend on the machine's load, and so would the
+    rounding of a long prompt (a near tie flipped in a run on a shared machine)."""
     d = launch(tmp_path_factory.mktemp("gemma"), gemma,
-               model={"path": gemma, "ctx_per_slot": 2048, "max_batch_tokens": 512, "n_ubatch": 512},
+               model={"path": gemma, "ctx_per_slot": 2048, "max_batch_tokens": 512, "n_ubatch": 512,
+                      "target_step": "off"},
                workers={"devices": "cpu", "cpu_workers": 1, "slots": 4, "threads": 2})
     d.wait_ready(1, timeout=120)
     yield d
