@@ -184,7 +184,8 @@ def test_prompt_chunks_and_what_they_leave_are_two_tokens_or_more() -> None:
                 assert abs(k - n) <= 1 or n > cap or n < 2  # moved by one token at most
 
 
-def test_a_deterministic_step_holds_decode_tokens_or_prompt_chunks_of_two_or_more(model_path: str) -> None:
+def test_a_deterministic_step_holds_decode_tokens_or_prompt_chunks_of_two_or_more(
+        model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's batches in the mode: a step decodes (two rows or more: a lone sequence is padded) or
     computes prompt chunks (each at least two tokens, a sequence's chunk contiguous in the batch), never
     both; a prompt on a cached prefix still computes its last two tokens."""
@@ -192,6 +193,9 @@ def test_a_deterministic_step_holds_decode_tokens_or_prompt_chunks_of_two_or_mor
     from llamapool.protocol.params import SamplingParams
     from llamapool.worker.engine import Engine, EngineConfig
 
+    # the engine turns the tiled kernels off in its process's environment: undone after the test, or every
+    # daemon started later in this process would inherit it (and compute otherwise than references here)
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
     eng = Engine(EngineConfig(model_path, slots=4, ctx_per_slot=256, max_batch_tokens=24, n_ubatch=256, threads=2,
                               deterministic=True))
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
