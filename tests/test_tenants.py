@@ -204,7 +204,11 @@ def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp
     of them; a flex request is refused (429) while the queue is over half of max_queue, a default one
     still waits; every accepted stream gets its one final reply."""
     d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1, "slots": 1},
-                           server={"max_queue": 16})
+                           server={"max_queue": 16}, model={"ctx_per_slot": 1024})
+
+    async def queued(h: httpx.AsyncClient) -> float:
+        text = (await h.get(url + "/metrics")).text
+        return float(re.findall(r"^llamapool_queue_depth (\S+)$", text, re.M)[0])
 
     async def main() -> tuple[int, list[str]]:
         c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -221,11 +225,14 @@ def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp
             ended[name] = time.monotonic()
             return reason
 
-        long = asyncio.create_task(one("long", 400))
+        long = asyncio.create_task(one("long", 900))
         while "long" not in first:
             await asyncio.sleep(0.01)
         defaults = [asyncio.create_task(one(f"d{i}", 8)) for i in range(10)]
-        await asyncio.sleep(0.2)
+        async with httpx.AsyncClient() as h:  # all ten wait in the router (a loaded machine is slow to send them)
+            end = time.monotonic() + 20
+            while await queued(h) < 10 and time.monotonic() < end:
+                await asyncio.sleep(0.02)
         with pytest.raises(openai.RateLimitError) as e:
             await c.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"service_tier": "flex"})
         assert "flex" in e.value.message

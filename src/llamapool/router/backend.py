@@ -237,8 +237,13 @@ class Backend(JobTable):
             if w is None:
                 return
             queue.take(job)
-            if not queue:  # the placement policy hears soon that nothing waits (no load for a stale queue)
-                self._demand_soon = True
+            if not queue:  # the placement policy hears that nothing waits (no load for a stale queue): at
+                # once when it last heard that something did (a worker dying then is not replaced for it)
+                heard = self._demand.models.get(model) if self._demand is not None else None
+                if heard is not None and heard.queued:
+                    self._demand_now = True
+                else:
+                    self._demand_soon = True
             remember(w, job.keys)
             self._start_on(w, job)
             for sib in job.siblings:  # the prompt's other choices: on the same worker, after the first

@@ -206,6 +206,7 @@ class JobTable:
     draining: bool
     next_rid: int
     metrics: RouterMetrics
+    _demand: control.Demand | None  # the demand the supervisor last heard
     _demand_now: bool  # a request waits for a model with no worker: tell the supervisor now
     _demand_soon: bool  # a model's queue emptied: tell the supervisor within DEMAND_SOON
     _back_keys: bool  # peers' keys (User-Id) readable on the backend
