@@ -74,7 +74,7 @@ run: install $(MODEL) $(CHAT_MODEL)
 # tests/test_metrics.py checks the metrics through a real Prometheus where one is installed:
 # install Debian's package where we can (root with apt, as in CI); never fail on it.
 test: export DEBIAN_FRONTEND = noninteractive
-test: install k8s-tools
+test: install k8s-tools $(MODEL) $(CHAT_MODEL)
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		echo "make test: apt-get install prometheus (Debian's package, for tests/test_metrics.py; as root only)" && \
 		{ apt-get install -y -q prometheus || { apt-get update -q && apt-get install -y -q prometheus; }; } \
