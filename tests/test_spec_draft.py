@@ -13,6 +13,7 @@ from llamapool.config import ConfigError, load_config
 from llamapool.modelgen import make_model
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, EngineError
+from llamapool.worker.engine.draft import DraftModel
 from llamapool.worker.engine.speculator import Speculator
 
 
@@ -52,8 +53,10 @@ def test_the_setting_names_a_draft_model(tmp_path: Path) -> None:
 
 @pytest.fixture
 def every_draft_pays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Width costs that make every draft worth verifying (the choice is test_spec_policy's business)."""
+    """Width costs and a draft model's price that make every draft worth verifying (the choice is
+    test_spec_policy's business)."""
     monkeypatch.setattr(Speculator, "width_cost", lambda self, n_rows, rows, prefilling: (lambda k: 1.0))
+    monkeypatch.setattr(DraftModel, "seconds", lambda self, seqs, length, plain: 0.0)
 
 
 def test_a_draft_model_that_is_always_right_has_every_draft_kept(tmp_path: Path, every_draft_pays: None) -> None:

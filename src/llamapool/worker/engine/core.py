@@ -98,7 +98,7 @@ class Engine:
         self.spec = Speculator(mode, cfg, self.sampling, self.cost)  # drafts, their widths, what they keep
         if draft_path(cfg.speculative):  # a draft model's drafts, not prompt lookup's
             try:
-                self.spec.proposer = DraftModel(cfg, self.model)
+                self.spec.drafter = DraftModel(cfg, self.model, self.gpu_sampling)
             except EngineError:
                 self.grammars.close()
                 self.sampling.close()
@@ -467,10 +467,11 @@ class Engine:
         this one took until now (launches follow each other while the engine is busy: with GPU sampling
         the host works while the GPU computes)."""
         last, self._measure = self._measure, (*self._shape, *self.spec.launching(self._shape[1] > 0), now)
+        aside = self.spec.aside()  # a draft model's calls for this launch: not the last batch's time
         if last is None:
             return
         rows, tokens, drafts, k, changed, start = last
-        seconds = now - start
+        seconds = now - start - aside
         expected = self.cost.predict(rows, tokens, drafts) or 0.5
         if seconds < 4 * expected + 0.005:  # longer: the engine was idle in between, not computing
             self.cost.observe(rows, tokens, seconds, drafts)

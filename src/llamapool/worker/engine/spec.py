@@ -51,6 +51,7 @@ LONG_MATCH = 16  # a match this long is judged by the worker's long matches, not
 # a sequence whose drafts kept failing comes back on a long clean match
 MATCH_FACTOR = 2.0  # a draft is at most this times its match length (vLLM's suffix decoding: 1)
 DECLINE_BACKOFF = 16  # steps at most between the lookups of a sequence whose drafts are not worth making
+REACH = 4  # a draft model's first draft length for a sequence (:attr:`Drafting.reach`: then by its drafts)
 
 
 @dataclass(eq=False)
@@ -82,6 +83,7 @@ class Drafting:
     declines: int = 0  # lookups in a row whose draft was not worth making (:meth:`declined`)
     kept_m: list[float] = field(default_factory=lambda: [0.0] * MATCH_BANDS)  # tokens kept, decayed, a band
     tried_m: list[float] = field(default_factory=lambda: [0.0] * MATCH_BANDS)  # kept and refusals, a band
+    reach: int = REACH  # a draft model's next draft length at most (:meth:`verified`)
 
     def __post_init__(self) -> None:
         if self.prior != PRIOR:
@@ -117,7 +119,13 @@ class Drafting:
         return [a ** (j + 1) for j in range(n)]
 
     def verified(self, drafted: int, accepted: int) -> None:
-        """A step verified ``drafted`` tokens and kept the first ``accepted``."""
+        """A step verified ``drafted`` tokens and kept the first ``accepted``. A draft model's next draft
+        (:attr:`reach`) is twice as long after a draft kept whole (up to ``MAX_DRAFT``), and one longer
+        than the tokens kept after a refusal (llama.cpp's n-gram drafts: capped at what was accepted last
+        time; SGLang's steps follow the accepted length): a draft model always right drafts 4, then 8; one
+        never right drafts one token, a call of the draft model, until its estimate stops it."""
+        if drafted:
+            self.reach = min(MAX_DRAFT, 2 * self.reach) if accepted >= drafted else max(1, accepted + 1)
         self.drafted += drafted
         self.shadow = []
         self.declines = 0
@@ -275,6 +283,23 @@ class Proposer(Protocol):
 
     def close(self) -> None:
         """Its resources freed (a draft model's context)."""
+        ...
+
+
+class Drafter(Protocol):
+    """A source of drafts that costs the step time (a draft model, ``draft.DraftModel``): the drafts of all
+    the step's drafting sequences made together, after the step decided their lengths from its price."""
+
+    def draft(self, seqs: list[Speculating], lengths: list[int]) -> list[list[int]]:
+        """Each sequence's draft of at most ``lengths[i]`` tokens (before the launch)."""
+        ...
+
+    def seconds(self, seqs: list[Speculating], length: int, plain: float) -> float:
+        """The expected seconds of :meth:`draft` for ``seqs`` with drafts of ``length`` tokens (``plain``: the
+        model's plain step, for a drafter that has measured nothing yet)."""
+        ...
+
+    def close(self) -> None:
         ...
 
 

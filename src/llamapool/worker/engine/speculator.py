@@ -11,6 +11,7 @@ computes (work the next step's drafts need that the batch in flight does not wai
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 from llamapool.protocol.params import SamplingParams
@@ -24,6 +25,7 @@ from llamapool.worker.engine.spec import (
     MAX_DRAFT,
     MAX_OUTPUTS,
     SETTLING,
+    Drafter,
     Drafting,
     Pool,
     Proposer,
@@ -60,6 +62,7 @@ class Speculator:
         self.sampling = sampling
         self.cost = cost  # the engine's step-cost model (fitted from its steps' times)
         self.proposer: Proposer = PromptLookup()
+        self.drafter: Drafter | None = None  # a draft model (its drafts priced and made together), else the proposer
         self.widths = WidthCosts()  # decode steps' seconds at each draft width
         self.pool = Pool()  # the recent acceptance of all sequences' drafts (a new sequence's prior)
         self.least_chance = LEAST_CHANCE  # a draft token's chance of being kept worth making it (spec.threshold)
@@ -71,6 +74,7 @@ class Speculator:
         self._settled = 0  # decode batches launched since the draft width changed or a prompt step
         self._unverified: list[Sequence] = []  # the step's speculating sequences with no draft (after_launch)
         self._gap = 0.0  # extra seconds of the steps that kept the width without a draft (_bridge)
+        self._aside = 0.0  # seconds the drafter took since the last launch (:meth:`aside`)
 
     # ------------------------------------------------------------ a sequence starts
 
@@ -121,6 +125,8 @@ class Speculator:
             outputs += 1
             if seq.drafting is not None:
                 decoding.append(seq)
+        if self.drafter is not None:
+            return self._propose_priced(chunk, decoding, outputs, prefilling, steps)
         riding = self.width > 0 and not prefilling and bool(decoding)  # the rows are paid for: all look up
         due = decoding if riding else [seq for seq in decoding if seq.drafting.quiet_until <= steps]  # type: ignore[union-attr]
         made = self._drafts(due, steps) if due and not prefilling else {}
@@ -152,6 +158,76 @@ class Speculator:
         self.width = k
         self._unverified = [seq for seq in decoding if not seq.draft and seq.seq_id not in made]
         return k
+
+    def _propose_priced(self, chunk: dict[int, int], decoding: list[Sequence], outputs: int, prefilling: int,
+                        steps: int) -> int:
+        """:meth:`propose` with a drafter (a draft model), whose drafts cost the step their calls: the step
+        decides first, from each sequence's acceptance and draft length (``Drafting.reach``) and the
+        drafter's price (``Drafter.seconds``, measured per call by its tokens) added to each width's
+        measured cost, which sequences draft and how many tokens (the width of most expected tokens a
+        second, none included: a step with drafts is expected to deliver more tokens a second than
+        without, the drafter's time counted); then only those are drafted, together. A sequence whose
+        draft is not worth its price backs off (2, 4, ... 16 steps) and costs nothing meanwhile: no call
+        of the drafter, not even to catch up on its tokens (done when it drafts again, in the one call)."""
+        drafter = self.drafter
+        assert drafter is not None
+        last, self.width, self._gap = self.width, 0, 0.0
+        self._unverified = decoding
+        due = [seq for seq in decoding if seq.drafting.quiet_until <= steps]  # type: ignore[union-attr]
+        if not due or prefilling:
+            return 0
+        ctx = self.cfg.ctx_per_slot - 2
+        plans: dict[int, tuple[Sequence, int]] = {}
+        for seq in due:
+            d = seq.drafting
+            assert d is not None
+            d.match = 0  # no match supports a model's draft: its own record decides (no long-match pass)
+            n = min(d.reach, d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)
+            if n >= 1:
+                plans[seq.seq_id] = (seq, n)
+        if not plans:
+            return 0
+        rows = max(1, max(chunk) - min(chunk) + 1)
+        cost = self.width_cost(len(chunk), rows, 0)
+        plain = cost(0)
+
+        def priced(drafting: list[tuple[Sequence, int]]) -> Callable[[int], float]:
+            seqs, longest = [seq for seq, _ in drafting], max(n for _, n in drafting)
+            return lambda k: cost(k) + (drafter.seconds(seqs, min(k, longest), plain) if k > 0 else 0.0)
+
+        least = threshold(priced(list(plans.values())), rows, outputs, self.least_chance)
+        weigh = {sid: x for sid, x in plans.items() if x[0].drafting.alpha(self.pool) >= least}  # type: ignore[union-attr]
+        for sid, (seq, _) in plans.items():
+            if sid not in weigh:
+                seq.drafting.declined(steps)  # type: ignore[union-attr]
+        if not weigh:
+            return 0
+        most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
+                   min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)
+        chances = {sid: seq.drafting.chances_of(n, self.pool) for sid, (seq, n) in weigh.items()}  # type: ignore[union-attr]
+        k = self.widths.choose(chances, outputs, rows, most, last, priced(list(weigh.values()))) if most >= 1 else 0
+        if not k:
+            for seq, _ in weigh.values():
+                seq.drafting.declined(steps, LOOKUP_BACKOFF)  # type: ignore[union-attr]
+            return 0
+        seqs = [seq for seq, _ in weigh.values()]
+        t0 = time.perf_counter()
+        drafts = drafter.draft(seqs, [min(k, n) for _, n in weigh.values()])
+        self._aside += time.perf_counter() - t0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            matcher = seq.sampling.matcher
+            if draft and matcher is not None:  # cut where its grammar refuses a token
+                draft = draft[: matcher.validate_tokens(draft)]
+            seq.drafting.draft = draft  # type: ignore[union-attr]
+        self.width = k
+        self._unverified = [seq for seq in decoding if not seq.draft]
+        return k
+
+    def aside(self) -> float:
+        """The drafter's seconds since the last call (before the launch about to be made): host and device
+        time between two launches that is not the batch's, left out of its measured seconds."""
+        s, self._aside = self._aside, 0.0
+        return s
 
     def _bridge(self, cost: Callable[[int], float], rows: int) -> int:
         """No draft this step, but the last step drafted: its width stays (the rows carry fillers) until the
@@ -226,6 +302,8 @@ class Speculator:
             d = seq.drafting
             if d is not None and not d.declines and active.get(seq.seq_id) is seq:  # backing off: untouched
                 d.idle()
+        if self.drafter is not None:  # nothing to prepare: a draft model catches up when it drafts
+            return
         riding = self.width > 0  # those that the next step looks up: all while drafts ride, else those due
         for seq in _speculating(active.values()):
             d = seq.drafting
@@ -235,6 +313,8 @@ class Speculator:
 
     def close(self) -> None:
         self.proposer.close()
+        if self.drafter is not None:
+            self.drafter.close()
 
     # ------------------------------------------------------------ update
 
