@@ -394,3 +394,147 @@ def gemma_vocab() -> Any:
 
     yield tokenize
     L.llama_model_free(model)
+
+
+# ---------------------------------------------------------------- a draft model: its calls priced
+
+class Priced:
+    """A drafter (a draft model) whose calls cost ``call_ms`` each, one to catch up and one a draft position
+    after the first: its price (``seconds``) and the calls its drafts made (``calls``), by step."""
+
+    def __init__(self, call_ms: float) -> None:
+        self.call_s = call_ms / 1e3
+        self.calls = 0
+        self.lengths: list[list[int]] = []
+
+    def seconds(self, seqs: list[Any], length: int, plain: float) -> float:
+        return length * self.call_s if seqs and length > 0 else 0.0
+
+    def draft(self, seqs: list[Any], lengths: list[int]) -> list[list[int]]:
+        self.calls += max(lengths)
+        self.lengths.append(list(lengths))
+        return [list(range(100, 100 + n)) for n in lengths]
+
+    def close(self) -> None:
+        pass
+
+
+def model_record(sp: Speculator, d: Drafting, kind: str) -> None:
+    """Ten verified drafts of a draft model's: 'copying' (8 drafted, all kept), 'failing' (1 drafted, refused),
+    'new': none."""
+    for _ in range(10 if kind != "new" else 0):
+        drafted, kept = (8, 8) if kind == "copying" else (1, 0)
+        d.match = MATCH_MAX
+        d.verified(drafted, kept)
+        sp.pool.verified(drafted, kept, MATCH_MAX)
+
+
+def decide_priced(ms: dict[int, float], rows: int, call_ms: float, kind: str) -> tuple[int, int, bool, int]:
+    """``rows`` sequences with ``kind``'s record and a draft model whose calls cost ``call_ms``: the step's
+    width, a sequence's draft length, whether it backs off, and the draft model's calls."""
+    sp, _ = speculator(ms, rows)
+    drafter = Priced(call_ms)
+    sp.drafter = drafter
+    seqs = {i: sequence(i) for i in range(rows)}
+    for s in seqs.values():
+        assert s.drafting is not None
+        model_record(sp, s.drafting, kind)
+    k = sp.propose(dict.fromkeys(seqs, 1), seqs, 100)
+    d = seqs[0].drafting
+    assert d is not None
+    return k, len(seqs[0].draft), d.quiet_until > 100, drafter.calls
+
+
+# (step costs, rows, a draft model call's ms, the sequences' record) -> (width, draft tokens, backs off, calls):
+# a draft is made only where its tokens pay for the step's width AND the draft model's calls
+PRICED = [
+    # one stream of 8B with a 1B-shape draft (1.4 ms a call on an H200): drafts kept pay at width 8 (19 ms
+    # for 9 tokens against 4.3 ms for one); a new request (0.85, a reach of 4) at width 3 (9.6 ms for 3.2
+    # tokens; its 4 tokens at width 8: 13.5 ms for 3.7)
+    (ONE_8B, 1, 1.4, "copying", (8, 8, False, 8)),
+    (ONE_8B, 1, 1.4, "new", (3, 3, False, 3)),
+    # the same draft never right: no call (its estimate does not pay for a call), it backs off
+    (ONE_8B, 1, 1.4, "failing", (0, 0, True, 0)),
+    (ONE_8B, 1, 0.05, "failing", (0, 0, True, 0)),  # nearly free calls: its tokens are still not kept
+    # a draft as dear as the model: always right, still not worth its calls (width 8: 40 ms for 8 tokens)
+    (ONE_8B, 1, 4.3, "copying", (0, 0, True, 0)),
+    (ONE_8B, 1, 2.0, "copying", (8, 8, False, 8)),  # dearer calls: 24 ms for 9 tokens, 3 would be 11 ms for 4
+    # one stream of 1B with a small draft (0.3 ms a call)
+    (ONE_1B, 1, 0.3, "copying", (8, 8, False, 8)),
+    (ONE_1B, 1, 0.3, "new", (3, 3, False, 3)),
+    (ONE_1B, 1, 1.4, "new", (0, 0, True, 0)),  # a draft as dear as the model: 0.77x of none at width 3
+    # 64 streams of 8B: a call drafts every row (2 ms a call); 64 rows of 1 + 3 are MAX_OUTPUTS
+    (SIXTY_FOUR_8B, 64, 2.0, "copying", (3, 3, False, 3)),
+    (SIXTY_FOUR_8B, 64, 2.0, "new", (0, 0, True, 0)),  # width 3: 1.18x of none, short of ENTER
+]
+
+
+@pytest.mark.parametrize(("ms", "rows", "call_ms", "kind", "want"), PRICED)
+def test_a_draft_models_calls_are_priced_in_the_choice(ms: dict[int, float], rows: int, call_ms: float, kind: str,
+                                                       want: tuple[int, int, bool, int]) -> None:
+    assert decide_priced(ms, rows, call_ms, kind) == want
+
+
+def test_a_draft_models_reach_grows_while_kept_and_shrinks_on_a_refusal() -> None:
+    """A draft model's next draft length (``Drafting.reach``): twice as long after a draft kept whole (at most
+    ``MAX_DRAFT``), one more than the tokens kept after a refusal."""
+    d = Drafting()
+    steps = [(4, 4), (8, 8), (8, 8), (8, 3), (4, 0), (1, 1), (2, 2), (3, 3), (4, 1)]  # (drafted, kept)
+    reach = []
+    for drafted, kept in steps:
+        assert drafted <= d.reach
+        d.verified(drafted, kept)
+        reach.append(d.reach)
+    assert reach == [8, 8, 8, 4, 1, 2, 4, 8, 2]
+
+
+def test_a_step_with_a_draft_models_drafts_is_expected_to_beat_the_same_step_without() -> None:
+    """Random step costs, draft-model call prices and records: whenever the speculator drafts, the step's
+    expected tokens over its seconds, the draft model's calls included, exceed the step's without drafts."""
+    rng = random.Random(11)
+    drafted = 0
+    for _ in range(300):
+        rows = rng.choice([1, 2, 8, 64])
+        base = rng.uniform(1, 20)
+        ms = {0: base, **{k: base * (1 + rng.uniform(0.02, 0.5) * k) for k in WIDTHS}}
+        sp, _ = speculator(ms, rows)
+        drafter = Priced(base * rng.choice([0.02, 0.1, 0.3, 0.6, 1.0]))
+        sp.drafter = drafter
+        seqs = {i: sequence(i) for i in range(rows)}
+        for s in seqs.values():
+            assert s.drafting is not None
+            for _ in range(rng.randint(0, 12)):
+                n = rng.randint(1, s.drafting.reach)
+                kept = n if rng.random() < rng.choice([0.0, 0.5, 0.9, 1.0]) else rng.randint(0, n - 1)
+                s.drafting.match = MATCH_MAX
+                s.drafting.verified(n, kept)
+                sp.pool.verified(n, kept, MATCH_MAX)
+            s.drafting.match = MATCH_MAX
+        chances = {i: s.drafting.chances_of(s.drafting.reach, sp.pool) for i, s in seqs.items()}  # type: ignore[union-attr]
+        cost = sp.width_cost(rows, rows, 0)
+        k = sp.propose(dict.fromkeys(seqs, 1), seqs, 100)
+        if k:
+            drafted += 1
+            length = max(len(s.draft) for s in seqs.values())
+            tokens = rows + sum(sum(c[: len(seqs[i].draft)]) for i, c in chances.items())
+            assert tokens / (cost(k) + length * drafter.call_s) > rows / cost(0), (k, ms, drafter.call_s)
+    assert drafted > 30  # the draws drafted often enough to tell
+
+
+def test_a_draft_model_that_is_never_right_stops_calling_it() -> None:
+    """A draft model whose drafts are all refused: after a few drafts its sequence backs off, and from then
+    on the draft model is not called at all (no draft, no catching up), at whatever call price."""
+    for call_ms in (0.05, 1.4):
+        sp, _ = speculator(ONE_8B, 1)
+        drafter = Priced(call_ms)
+        sp.drafter = drafter
+        seqs = {0: sequence(0)}
+        drive(sp, seqs, range(40))
+        first = drafter.calls
+        drive(sp, seqs, range(40, 400))
+        assert 0 < first <= 12 and drafter.calls == first, (call_ms, first, drafter.calls, drafter.lengths)
+        # and a draft model always right drafts on, at the widest width
+        sp, _ = speculator(ONE_8B, 1)
+        sp.drafter = drafter = Priced(call_ms)
+        widths = drive(sp, seqs := {0: sequence(0)}, range(20), {0: list(range(100, 108))})
+        assert widths[-5:] == [8] * 5 and drafter.lengths[-1] == [8], (widths, drafter.lengths)

@@ -492,15 +492,17 @@ class WidthCosts:
         return pick
 
 
-def threshold(cost: Callable[[int], float], rows: int, outputs: int, floor: float = LEAST_CHANCE) -> float:
+def threshold(cost: Callable[[int], float], rows: int, outputs: int, floor: float = LEAST_CHANCE,
+              longest: int = MAX_DRAFT) -> float:
     """The acceptance estimate a sequence needs for its draft to be made at all: a draft token's chance
     must pay for it at the cheapest width a token (a token's worth: a plain step's seconds over its
     ``outputs``; the step's ``rows`` carry a width each). One a row at 64 rows cost nearly what three did
     on an H100. At least ``floor`` (``LEAST_CHANCE``): while no width but none is measured a wider one costs as much
     as none (``step_costs``' lower bound), and every sequence, however often refused, would make its draft
     and weigh in every step's choice (at 64 streams of drafts never kept, 0.4 ms of host time a step
-    before the launch on a 2-core VM, against 0.06 with the floor)."""
-    least = min((cost(k) - cost(0)) / (k * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
+    before the launch on a 2-core VM, against 0.06 with the floor). A width carries at most ``longest`` draft
+    tokens a row (a draft model's drafts are as long as the sequences' reach: ``Drafting.reach``)."""
+    least = min((cost(k) - cost(0)) / (min(k, longest) * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
     return max(least, floor)
 
 

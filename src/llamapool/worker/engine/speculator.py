@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from llamapool.protocol.params import SamplingParams
 from llamapool.worker.engine.model import EngineConfig
-from llamapool.worker.engine.ngram import PromptLookup
+from llamapool.worker.engine.ngram import MATCH_MAX, PromptLookup
 from llamapool.worker.engine.sequence import Sequence
 from llamapool.worker.engine.spec import (
     LEAST_CHANCE,
@@ -181,7 +181,7 @@ class Speculator:
         for seq in due:
             d = seq.drafting
             assert d is not None
-            d.match = 0  # no match supports a model's draft: its own record decides (no long-match pass)
+            d.match = MATCH_MAX  # a model's draft: judged as a long match's (a high prior, its own record first)
             n = min(d.reach, d.limit, seq.params.max_tokens - seq.generated - 1, ctx - seq.n_past)
             if n >= 1:
                 plans[seq.seq_id] = (seq, n)
@@ -195,7 +195,8 @@ class Speculator:
             seqs, longest = [seq for seq, _ in drafting], max(n for _, n in drafting)
             return lambda k: cost(k) + (drafter.seconds(seqs, min(k, longest), plain) if k > 0 else 0.0)
 
-        least = threshold(priced(list(plans.values())), rows, outputs, self.least_chance)
+        longest = max(n for _, n in plans.values())
+        least = threshold(priced(list(plans.values())), rows, outputs, self.least_chance, longest)
         weigh = {sid: x for sid, x in plans.items() if x[0].drafting.alpha(self.pool) >= least}  # type: ignore[union-attr]
         for sid, (seq, _) in plans.items():
             if sid not in weigh:
