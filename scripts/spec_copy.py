@@ -123,9 +123,10 @@ async def run(url: str, kind: str, reqs: list[list[int]], gen: int, streams: int
 
 
 def steps_of(lines: list[str]) -> dict[str, Any]:
-    """A run's steps from the step trace (rows, prompt tokens, seconds, budget, drafts, width, settling): by
-    width, decode steps' count and mean ms, settling ones apart; prompt steps (a gap over 0.5 s, the engine
-    idle between two runs, left out)."""
+    """A run's steps from the step trace (rows, prompt tokens, seconds, budget, drafts, width, settling, a
+    draft model's seconds): by width, decode steps' count and mean ms, settling ones apart; prompt steps (a
+    gap over 0.5 s, the engine idle between two runs, left out); "draft": the draft model's calls between
+    two launches (not in the steps' seconds), where it drafted."""
     by: dict[str, list[float]] = {}
     for ln in lines:
         f = ln.split()
@@ -134,6 +135,8 @@ def steps_of(lines: list[str]) -> dict[str, Any]:
         rows, prompt, sec, k, settling = int(f[0]), int(f[1]), float(f[2]), int(f[5]), f[6] == "1"
         if sec > 0.5:  # the engine idle in between (between two runs): no step's time
             continue
+        if len(f) > 7 and float(f[7]) > 0:
+            by.setdefault("draft", []).append(float(f[7]))
         key = "prompt" if prompt else f"k{k}" + ("-settling" if settling else "")
         by.setdefault(key, []).append(sec)
         by.setdefault(f"rows{rows}", [])

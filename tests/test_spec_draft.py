@@ -16,8 +16,8 @@ from llamapool.config import ConfigError, load_config
 from llamapool.modelgen import make_model
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, EngineError
-from llamapool.worker.engine.model import load_model
 from llamapool.worker.engine.draft import DraftModel
+from llamapool.worker.engine.model import load_model
 from llamapool.worker.engine.speculator import Speculator
 
 

@@ -109,7 +109,8 @@ class Engine:
         self._measure: tuple[int, int, int, int, bool, float] | None = None
         self._shape = (0, 0, 0)  # (rows, prompt tokens, draft and filler tokens) of the batch being built
         # LLAMAPOOL_STEP_TRACE=PREFIX: each step's rows, prompt tokens, seconds, budget, draft and filler
-        # tokens, draft width and whether its time is left out of the width's (settling) to PREFIX.<pid>
+        # tokens, draft width, whether its time is left out of the width's (settling) and a draft model's
+        # seconds after it (not in its seconds: Speculator.aside) to PREFIX.<pid>
         trace = os.environ.get("LLAMAPOOL_STEP_TRACE")
         self._trace = open(f"{trace}.{os.getpid()}", "w", buffering=1) if trace else None  # line by line
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
@@ -478,7 +479,7 @@ class Engine:
             if not tokens:
                 self.spec.observe(k, rows, seconds, changed)
         if self._trace is not None:
-            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts} {k} {int(changed)}\n")
+            self._trace.write(f"{rows} {tokens} {seconds:.6f} {self.budget} {drafts} {k} {int(changed)} {aside:.6f}\n")
 
     def _collect(self, out: Step) -> list[tuple[Sequence, int]]:
         """Wait for the batch in flight and take its tokens (sequences ended meanwhile are skipped)."""

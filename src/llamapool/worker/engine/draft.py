@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ def vocabulary(model: Any) -> tuple[int, list[bytes]]:
     pieces = []
     for t in range(n):
         k = L.llama_token_to_piece(vocab, t, buf, len(buf), 0, True)
-        pieces.append(bytes(buf[: max(k, 0)]))
+        pieces.append(buf.raw[: max(k, 0)])
     return n, pieces
 
 
@@ -109,7 +110,7 @@ class DraftModel:
 
     # ------------------------------------------------------------ the policy's price
 
-    def seconds(self, seqs: list[Speculating], length: int, plain: float) -> float:
+    def seconds(self, seqs: Sequence[Speculating], length: int, plain: float) -> float:
         """A proposal's expected seconds: drafts of ``length`` tokens for ``seqs`` (one call catching up on
         their tokens since their last proposals, ``length - 1`` calls of a token each), each call at its
         band's measured seconds (unmeasured: the nearest band measured; none yet: ``plain``, the model's
@@ -133,7 +134,7 @@ class DraftModel:
 
     # ------------------------------------------------------------ drafts
 
-    def draft(self, seqs: list[Speculating], lengths: list[int]) -> list[list[int]]:
+    def draft(self, seqs: Sequence[Speculating], lengths: list[int]) -> list[list[int]]:
         """Each sequence's greedy continuation of ``lengths[i]`` tokens (shorter, or none, where a call
         fails): every sequence's catching up in one call, then one call a draft position."""
         drafts: list[list[int]] = [[] for _ in seqs]

@@ -24,7 +24,7 @@ No llama.cpp here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -290,11 +290,11 @@ class Drafter(Protocol):
     """A source of drafts that costs the step time (a draft model, ``draft.DraftModel``): the drafts of all
     the step's drafting sequences made together, after the step decided their lengths from its price."""
 
-    def draft(self, seqs: list[Speculating], lengths: list[int]) -> list[list[int]]:
+    def draft(self, seqs: Sequence[Speculating], lengths: list[int]) -> list[list[int]]:
         """Each sequence's draft of at most ``lengths[i]`` tokens (before the launch)."""
         ...
 
-    def seconds(self, seqs: list[Speculating], length: int, plain: float) -> float:
+    def seconds(self, seqs: Sequence[Speculating], length: int, plain: float) -> float:
         """The expected seconds of :meth:`draft` for ``seqs`` with drafts of ``length`` tokens (``plain``: the
         model's plain step, for a drafter that has measured nothing yet)."""
         ...
