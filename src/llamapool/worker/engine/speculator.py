@@ -1,6 +1,7 @@
 """Speculation's one owner: which sequences draft, what they draft, how many draft tokens a step carries,
 and what is learnt from the drafts verified (the pieces: ``spec.py``; the drafts' sources, one a file:
-``ngram.py``).
+``ngram.py``, prompt lookup, free, a :class:`~spec.Proposer`; ``draft.py``, a draft model, a
+:class:`~spec.Drafter` whose calls the step prices before it drafts: :meth:`Speculator._propose_priced`).
 
 The engine's step calls it at four points: :meth:`Speculator.propose` at plan time (the step's drafts and
 its width, before the batch is filled), :meth:`Speculator.launching` and :meth:`Speculator.observe` when a
