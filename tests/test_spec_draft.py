@@ -18,6 +18,7 @@ from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, EngineError
 from llamapool.worker.engine.draft import DraftModel
 from llamapool.worker.engine.model import load_model
+from llamapool.worker.engine.spec import MODEL_MAX
 from llamapool.worker.engine.speculator import Speculator
 
 
@@ -63,18 +64,25 @@ def every_draft_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(DraftModel, "seconds", lambda self, seqs, length, plain: 0.0)
 
 
-def test_a_draft_model_that_is_always_right_has_every_draft_kept(tmp_path: Path, every_draft_pays: None) -> None:
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_draft_model_that_is_always_right_has_every_draft_kept(tmp_path: Path, every_draft_pays: None,
+                                                                 graph: bool) -> None:
     """Two ``peaked`` models of one vocabulary and seed have the same greedy cycle: the draft model's drafts
-    are all kept, several tokens a step, and the text is the text without speculation; a draft model of
-    another seed (another cycle) is never right, and the text is the same too."""
+    are all kept, several tokens a step (up to ``MODEL_MAX``), and the text is the text without
+    speculation; a draft model of another seed (another cycle) is never right, and the text is the same
+    too. ``graph``: a GPU worker's path (the rows sampled in the decode graph, the target's up to
+    ``1 + MODEL_MAX`` a sequence; llama.cpp's backend sampling runs on the CPU too)."""
     target = make_model(tmp_path / "target.gguf", peaked=True)
     right = make_model(tmp_path / "right.gguf", peaked=True, n_layer=1)
     wrong = make_model(tmp_path / "wrong.gguf", peaked=True, n_layer=1, seed=7)
     p = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     runs = [("tok1 tok2 tok3", p), ("tok7 tok5", p)]
     for draft, kept in ((right, True), (wrong, False)):
-        eng = Engine(EngineConfig(str(target), slots=4, ctx_per_slot=96, max_batch_tokens=64, threads=1,
-                                  speculative=f"draft:{draft}", prefix_cache=False))
+        eng = Engine(EngineConfig(str(target), slots=4, ctx_per_slot=96, max_batch_tokens=128, threads=1,
+                                  speculative=f"draft:{draft}", prefix_cache=False, backend_sampling=graph))
+        widths: list[int] = []
+        propose = eng.spec.propose
+        eng.spec.propose = lambda *a, p=propose, w=widths: w.append(p(*a)) or w[-1]  # type: ignore[method-assign]
         try:
             got = run(eng, runs + [(q, dataclasses.replace(r, speculative=False)) for q, r in runs])
             assert [x.text for x in got[:2]] == [x.text for x in got[2:]]
@@ -82,6 +90,7 @@ def test_a_draft_model_that_is_always_right_has_every_draft_kept(tmp_path: Path,
             if kept:
                 assert eng.spec.accepted_tokens == eng.spec.drafted_tokens
                 assert eng.sampling_steps < 0.8 * eng.sampled_tokens  # several tokens a step
+                assert MODEL_MAX in widths, widths
             else:
                 assert eng.spec.accepted_tokens < eng.spec.drafted_tokens / 10
         finally:

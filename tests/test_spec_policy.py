@@ -22,6 +22,7 @@ from llamapool.worker.engine.spec import (
     DECLINE_BACKOFF,
     FIRST_STEPS,
     LONG_MATCH,
+    MODEL_MAX,
     POOL_FLOOR,
     SETTLING,
     WIDTHS,
@@ -36,6 +37,11 @@ from llamapool.worker.scheduler import CostModel
 ONE_1B = {0: 1.45, 1: 1.55, 3: 1.8, 8: 2.3}
 ONE_8B = {0: 4.32, 1: 4.79, 3: 5.43, 8: 7.9}
 SIXTY_FOUR_8B = {0: 14.5, 1: 21.2, 3: 32.8, 8: 58.0}
+# a draft model's widths go to 16: extrapolated from widths 3 and 8 (not measured)
+MODEL_8B = {**ONE_8B, 16: 11.8}
+MODEL_1B = {**ONE_1B, 16: 3.1}
+MODEL_64_8B = {**SIXTY_FOUR_8B, 16: 99.0}
+DRAFT = "draft:unused.gguf"
 
 
 class Table:
@@ -55,8 +61,8 @@ class Table:
         self.prepared.append(seq.rid)
 
 
-def measured(ms: dict[int, float], rows: int) -> WidthCosts:
-    w = WidthCosts(probing=False)
+def measured(ms: dict[int, float], rows: int, widths: tuple[int, ...] = WIDTHS) -> WidthCosts:
+    w = WidthCosts(probing=False, widths=widths)
     for k, v in ms.items():
         w.observe(k, rows, v / 1e3, changed=True)
         for _ in range(FIRST_STEPS):
@@ -64,12 +70,13 @@ def measured(ms: dict[int, float], rows: int) -> WidthCosts:
     return w
 
 
-def speculator(ms: dict[int, float], rows: int) -> tuple[Speculator, Table]:
+def speculator(ms: dict[int, float], rows: int, setting: str = "ngram") -> tuple[Speculator, Table]:
     """A speculator whose steps were measured at ``ms`` over ``rows`` rows (a draft token's cost in the fitted
     model: dearer than any measured width, so the measurements decide)."""
-    cfg = EngineConfig("unused.gguf", slots=rows, ctx_per_slot=4096, max_batch_tokens=8192, n_ubatch=8192)
+    cfg = EngineConfig("unused.gguf", slots=rows, ctx_per_slot=4096, max_batch_tokens=8192, n_ubatch=8192,
+                       speculative=setting)
     sp = Speculator("all", cfg, SimpleNamespace(gpu=False, verifies=lambda p: True), CostModel())  # type: ignore[arg-type]
-    sp.widths = measured(ms, rows)
+    sp.widths = measured(ms, rows, sp.widths.widths)
     sp.cost.coef = (ms[0] / 1e3, 0.0, 0.0, 0.0, 1.0)
     table = Table()
     sp.proposer = table
@@ -432,12 +439,13 @@ def model_record(sp: Speculator, d: Drafting, kind: str) -> None:
 def decide_priced(ms: dict[int, float], rows: int, call_ms: float, kind: str) -> tuple[int, int, bool, int]:
     """``rows`` sequences with ``kind``'s record and a draft model whose calls cost ``call_ms``: the step's
     width, a sequence's draft length, whether it backs off, and the draft model's calls."""
-    sp, _ = speculator(ms, rows)
+    sp, _ = speculator(ms, rows, DRAFT)
     drafter = Priced(call_ms)
     sp.drafter = drafter
     seqs = {i: sequence(i) for i in range(rows)}
     for s in seqs.values():
         assert s.drafting is not None
+        s.drafting.limit = sp.widest  # a draft model's: MODEL_MAX (a request asking for no fewer)
         model_record(sp, s.drafting, kind)
     k = sp.propose(dict.fromkeys(seqs, 1), seqs, 100)
     d = seqs[0].drafting
@@ -448,24 +456,24 @@ def decide_priced(ms: dict[int, float], rows: int, call_ms: float, kind: str) ->
 # (step costs, rows, a draft model call's ms, the sequences' record) -> (width, draft tokens, backs off, calls):
 # a draft is made only where its tokens pay for the step's width AND the draft model's calls
 PRICED = [
-    # one stream of 8B with a 1B-shape draft (1.4 ms a call on an H200): drafts kept pay at width 8 (19 ms
-    # for 9 tokens against 4.3 ms for one); a new request (0.85, a reach of 4) at width 3 (9.6 ms for 3.2
-    # tokens; its 4 tokens at width 8: 13.5 ms for 3.7)
-    (ONE_8B, 1, 1.4, "copying", (8, 8, False, 8)),
-    (ONE_8B, 1, 1.4, "new", (3, 3, False, 3)),
+    # one stream of 8B with a 1B-shape draft (1.4 ms a call on an H200): drafts kept pay at width 16 (34 ms
+    # for 17 tokens, 8: 19 ms for 9, against 4.3 ms for one); a new request (0.85, a reach of 4) at width 3
+    # (9.6 ms for 3.2 tokens; its 4 tokens at width 8: 13.5 ms for 3.7)
+    (MODEL_8B, 1, 1.4, "copying", (16, 16, False, 16)),
+    (MODEL_8B, 1, 1.4, "new", (3, 3, False, 3)),
     # the same draft never right: no call (its estimate does not pay for a call), it backs off
-    (ONE_8B, 1, 1.4, "failing", (0, 0, True, 0)),
-    (ONE_8B, 1, 0.05, "failing", (0, 0, True, 0)),  # nearly free calls: its tokens are still not kept
+    (MODEL_8B, 1, 1.4, "failing", (0, 0, True, 0)),
+    (MODEL_8B, 1, 0.05, "failing", (0, 0, True, 0)),  # nearly free calls: its tokens are still not kept
     # a draft as dear as the model: always right, still not worth its calls (width 8: 40 ms for 8 tokens)
-    (ONE_8B, 1, 4.3, "copying", (0, 0, True, 0)),
-    (ONE_8B, 1, 2.0, "copying", (8, 8, False, 8)),  # dearer calls: 24 ms for 9 tokens, 3 would be 11 ms for 4
+    (MODEL_8B, 1, 4.3, "copying", (0, 0, True, 0)),
+    (MODEL_8B, 1, 2.0, "copying", (16, 16, False, 16)),  # dearer calls: 44 ms for 17 tokens, 8: 24 ms for 9
     # one stream of 1B with a small draft (0.3 ms a call)
-    (ONE_1B, 1, 0.3, "copying", (8, 8, False, 8)),
-    (ONE_1B, 1, 0.3, "new", (3, 3, False, 3)),
-    (ONE_1B, 1, 1.4, "new", (0, 0, True, 0)),  # a draft as dear as the model: 0.77x of none at width 3
+    (MODEL_1B, 1, 0.3, "copying", (16, 16, False, 16)),
+    (MODEL_1B, 1, 0.3, "new", (3, 3, False, 3)),
+    (MODEL_1B, 1, 1.4, "new", (0, 0, True, 0)),  # a draft as dear as the model: 0.77x of none at width 3
     # 64 streams of 8B: a call drafts every row (2 ms a call); 64 rows of 1 + 3 are MAX_OUTPUTS
-    (SIXTY_FOUR_8B, 64, 2.0, "copying", (3, 3, False, 3)),
-    (SIXTY_FOUR_8B, 64, 2.0, "new", (0, 0, True, 0)),  # width 3: 1.18x of none, short of ENTER
+    (MODEL_64_8B, 64, 2.0, "copying", (3, 3, False, 3)),
+    (MODEL_64_8B, 64, 2.0, "new", (0, 0, True, 0)),  # width 3: 1.18x of none, short of ENTER
 ]
 
 
@@ -477,15 +485,20 @@ def test_a_draft_models_calls_are_priced_in_the_choice(ms: dict[int, float], row
 
 def test_a_draft_models_reach_grows_while_kept_and_shrinks_on_a_refusal() -> None:
     """A draft model's next draft length (``Drafting.reach``): twice as long after a draft kept whole (at most
-    ``MAX_DRAFT``), one more than the tokens kept after a refusal."""
-    d = Drafting()
-    steps = [(4, 4), (8, 8), (8, 8), (8, 3), (4, 0), (1, 1), (2, 2), (3, 3), (4, 1)]  # (drafted, kept)
+    the sequence's limit: ``MODEL_MAX``, or what the request asks for), one more than the tokens kept after
+    a refusal."""
+    d = Drafting(limit=MODEL_MAX)
+    steps = [(4, 4), (8, 8), (16, 16), (16, 3), (4, 0), (1, 1), (2, 2), (3, 3), (4, 1)]  # (drafted, kept)
     reach = []
     for drafted, kept in steps:
         assert drafted <= d.reach
         d.verified(drafted, kept)
         reach.append(d.reach)
-    assert reach == [8, 8, 8, 4, 1, 2, 4, 8, 2]
+    assert reach == [8, 16, 16, 4, 1, 2, 4, 8, 2]
+    d = Drafting(limit=5)  # a request's ``speculative: 5``
+    for _ in range(4):
+        d.verified(d.reach, d.reach)
+    assert d.reach == 5
 
 
 def test_a_step_with_a_draft_models_drafts_is_expected_to_beat_the_same_step_without() -> None:
@@ -497,12 +510,13 @@ def test_a_step_with_a_draft_models_drafts_is_expected_to_beat_the_same_step_wit
         rows = rng.choice([1, 2, 8, 64])
         base = rng.uniform(1, 20)
         ms = {0: base, **{k: base * (1 + rng.uniform(0.02, 0.5) * k) for k in WIDTHS}}
-        sp, _ = speculator(ms, rows)
+        sp, _ = speculator(ms, rows, DRAFT)
         drafter = Priced(base * rng.choice([0.02, 0.1, 0.3, 0.6, 1.0]))
         sp.drafter = drafter
         seqs = {i: sequence(i) for i in range(rows)}
         for s in seqs.values():
             assert s.drafting is not None
+            s.drafting.limit = sp.widest
             for _ in range(rng.randint(0, 12)):
                 n = rng.randint(1, s.drafting.reach)
                 kept = n if rng.random() < rng.choice([0.0, 0.5, 0.9, 1.0]) else rng.randint(0, n - 1)
@@ -525,7 +539,7 @@ def test_a_draft_model_that_is_never_right_stops_calling_it() -> None:
     """A draft model whose drafts are all refused: after a few drafts its sequence backs off, and from then
     on the draft model is not called at all (no draft, no catching up), at whatever call price."""
     for call_ms in (0.05, 1.4):
-        sp, _ = speculator(ONE_8B, 1)
+        sp, _ = speculator(MODEL_8B, 1, DRAFT)
         drafter = Priced(call_ms)
         sp.drafter = drafter
         seqs = {0: sequence(0)}
@@ -533,8 +547,10 @@ def test_a_draft_model_that_is_never_right_stops_calling_it() -> None:
         first = drafter.calls
         drive(sp, seqs, range(40, 400))
         assert 0 < first <= 12 and drafter.calls == first, (call_ms, first, drafter.calls, drafter.lengths)
-        # and a draft model always right drafts on, at the widest width
-        sp, _ = speculator(ONE_8B, 1)
+        # and a draft model always right drafts on, at the widest width (its reach: 4, 8, then 16)
+        sp, _ = speculator(MODEL_8B, 1, DRAFT)
         sp.drafter = drafter = Priced(call_ms)
-        widths = drive(sp, seqs := {0: sequence(0)}, range(20), {0: list(range(100, 108))})
-        assert widths[-5:] == [8] * 5 and drafter.lengths[-1] == [8], (widths, drafter.lengths)
+        seqs = {0: sequence(0)}
+        seqs[0].drafting.limit = sp.widest  # type: ignore[union-attr]
+        widths = drive(sp, seqs, range(20), {0: list(range(100, 116))})
+        assert widths[-5:] == [16] * 5 and drafter.lengths[-1] == [16], (widths, drafter.lengths)

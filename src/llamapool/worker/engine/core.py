@@ -61,7 +61,7 @@ class Engine:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         mode = spec_mode(cfg.speculative, cfg.gpu and self.gpu_sampling)  # who speculates
         self.sampling = Sampling(cfg.slots, self.n_vocab, self.gpu_sampling, cfg.ctx_per_slot,
-                                 rows_per_seq=rows_per_seq(mode))
+                                 rows_per_seq=rows_per_seq(mode, cfg.speculative))
         self.sampling.context_params(cp)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:

@@ -52,6 +52,9 @@ LONG_MATCH = 16  # a match this long is judged by the worker's long matches, not
 MATCH_FACTOR = 2.0  # a draft is at most this times its match length (vLLM's suffix decoding: 1)
 DECLINE_BACKOFF = 16  # steps at most between the lookups of a sequence whose drafts are not worth making
 REACH = 4  # a draft model's first draft length for a sequence (:attr:`Drafting.reach`: then by its drafts)
+MODEL_MAX = 16  # a draft model's draft tokens a step at most: each costs a call of the draft model, and
+# more of them a step spread the verify step's cost (8B with a 1B-shape draft at ~1.3 ms a call on an
+# H200: ~2.1x llama-server at 8 a step, ~2.5x at 16, if a width-16 step costs ~10 ms)
 
 
 @dataclass(eq=False)
@@ -120,12 +123,12 @@ class Drafting:
 
     def verified(self, drafted: int, accepted: int) -> None:
         """A step verified ``drafted`` tokens and kept the first ``accepted``. A draft model's next draft
-        (:attr:`reach`) is twice as long after a draft kept whole (up to ``MAX_DRAFT``), and one longer
+        (:attr:`reach`) is twice as long after a draft kept whole (up to :attr:`limit`), and one longer
         than the tokens kept after a refusal (llama.cpp's n-gram drafts: capped at what was accepted last
         time; SGLang's steps follow the accepted length): a draft model always right drafts 4, then 8; one
         never right drafts one token, a call of the draft model, until its estimate stops it."""
         if drafted:
-            self.reach = min(MAX_DRAFT, 2 * self.reach) if accepted >= drafted else max(1, accepted + 1)
+            self.reach = min(self.limit, 2 * self.reach) if accepted >= drafted else max(1, accepted + 1)
         self.drafted += drafted
         self.shadow = []
         self.declines = 0
@@ -320,6 +323,7 @@ class Calls:
 
 
 WIDTHS = (1, 3, MAX_DRAFT)  # a step's draft tokens a sequence: few batch shapes, llama.cpp's graphs kept
+MODEL_WIDTHS = (*WIDTHS, MODEL_MAX)  # a draft model's (its drafts as long as its sequences' reach)
 MAX_OUTPUTS = 256  # a step's rows with logits at most, drafts' included: llama.cpp keeps n_vocab floats
 # and ids a row for its graph samplers' results in pinned host memory, reallocated (and cleared) when a
 # step has more rows than any before: 64 rows of 8 tokens at 8B (128,256 tokens) took ~0.5 s once on
@@ -371,7 +375,9 @@ class WidthCosts:
     stale measurement) comes near the best width's: so the choice follows measured speeds, not a
     fitted line, and a trial costs little. The first ``SETTLING`` steps of a new width are not measured."""
 
-    def __init__(self, probing: bool = True) -> None:
+    def __init__(self, probing: bool = True, widths: tuple[int, ...] = WIDTHS) -> None:
+        self.widths = widths  # the widths a step may take besides none
+        self.widest = max(widths)
         self.seen: dict[tuple[int, int], _Seen] = {}
         self.decisions = 0
         self._tried: dict[tuple[int, int], int] = {}  # (width, band) -> the decision count of its last trial
@@ -455,7 +461,7 @@ class WidthCosts:
         ``chances[key][j]`` is draft ``j + 1``'s chance of being kept; a width yields the chances of every
         draft's first ``k`` tokens besides the ``outputs`` rows' own tokens, in a step of ``cost(k)``
         seconds (the step's ``rows``: the band its measurements are kept in). The width of most expected
-        tokens a second among none and ``WIDTHS`` (each cut to ``most``) whose drafts are expected to
+        tokens a second among none and :attr:`widths` (``WIDTHS``; each cut to ``most``) whose drafts are expected to
         add ``MIN_GAIN`` of the step's tokens (drafts unlikely to be kept never tie with none); from none,
         drafting starts where the best width beats none by ``ENTER``; a width stays unless another beats
         it by ``1 / STICKY``, but for none, taken as soon as it is best. While drafting, a width near
@@ -464,7 +470,8 @@ class WidthCosts:
         than none is expected to deliver more tokens a second than none: trials and probes included."""
         self.decisions += 1
         own = max(outputs, 1)
-        gains = {k: sum(sum(cs[:k]) for cs in chances.values()) for k in {min(w, most) for w in WIDTHS if most >= 1}}
+        cut = {min(w, most) for w in self.widths if most >= 1}
+        gains = {k: sum(sum(cs[:k]) for cs in chances.values()) for k in cut}
         ks = [0, *sorted(k for k, gain in gains.items() if gain >= MIN_GAIN * own)]
         speeds = {k: (own + gains.get(k, 0.0)) / max(cost(k), 1e-9) for k in ks}
         best = max(speeds, key=lambda k: speeds[k])
@@ -493,7 +500,7 @@ class WidthCosts:
 
 
 def threshold(cost: Callable[[int], float], rows: int, outputs: int, floor: float = LEAST_CHANCE,
-              longest: int = MAX_DRAFT) -> float:
+              longest: int = MAX_DRAFT, widest: int = MAX_DRAFT) -> float:
     """The acceptance estimate a sequence needs for its draft to be made at all: a draft token's chance
     must pay for it at the cheapest width a token (a token's worth: a plain step's seconds over its
     ``outputs``; the step's ``rows`` carry a width each). One a row at 64 rows cost nearly what three did
@@ -501,8 +508,10 @@ def threshold(cost: Callable[[int], float], rows: int, outputs: int, floor: floa
     as none (``step_costs``' lower bound), and every sequence, however often refused, would make its draft
     and weigh in every step's choice (at 64 streams of drafts never kept, 0.4 ms of host time a step
     before the launch on a 2-core VM, against 0.06 with the floor). A width carries at most ``longest`` draft
-    tokens a row (a draft model's drafts are as long as the sequences' reach: ``Drafting.reach``)."""
-    least = min((cost(k) - cost(0)) / (min(k, longest) * rows) for k in (1, 3, MAX_DRAFT)) * outputs / cost(0)
+    tokens a row (a draft model's drafts are as long as the sequences' reach: ``Drafting.reach``), and
+    widths go up to ``widest``."""
+    ks = sorted({1, 3, min(MAX_DRAFT, widest), widest})
+    least = min((cost(k) - cost(0)) / (min(k, longest) * rows) for k in ks) * outputs / cost(0)
     return max(least, floor)
 
 
@@ -524,7 +533,8 @@ def step_costs(coef: tuple[float, float, float, float, float] | None, widths: Wi
     decode_s = max(base + per_row * n_rows, 1e-6)
     costs: list[float] = []
     below: float | None = None  # the widest measured width's seconds so far
-    for k in range(MAX_DRAFT + 1):
+    widest = widths.widest
+    for k in range(widest + 1):
         seen = widths.seconds(k, total, per_row) if widths.settled(k, total) else None
         if seen is None:
             model = decode_s + max(per_draft, 1e-9) * k * rows
@@ -532,9 +542,9 @@ def step_costs(coef: tuple[float, float, float, float, float] | None, widths: Wi
         else:
             below = seen
             costs.append(seen + prompt_s)
-    for k in range(MAX_DRAFT - 1, -1, -1):
+    for k in range(widest - 1, -1, -1):
         costs[k] = min(costs[k], costs[k + 1])
-    return lambda k: costs[min(max(k, 0), MAX_DRAFT)]
+    return lambda k: costs[min(max(k, 0), widest)]
 
 
 def choose_width(drafts: dict[int, tuple[Drafting, list[int]]], outputs: int, rows: int, most: int, last: int,

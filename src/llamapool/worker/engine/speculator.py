@@ -25,7 +25,10 @@ from llamapool.worker.engine.spec import (
     MATCH_FACTOR,
     MAX_DRAFT,
     MAX_OUTPUTS,
+    MODEL_MAX,
+    MODEL_WIDTHS,
     SETTLING,
+    WIDTHS,
     Drafter,
     Drafting,
     Pool,
@@ -42,9 +45,16 @@ from llamapool.worker.scheduler import CostModel
 BRIDGE_RATE = 0.5  # a step without drafts keeps the last width (_bridge) while a sequence's estimate is this high
 
 
-def rows_per_seq(mode: str) -> int:
-    """Output rows a sequence may have in a step: its own and, if the worker speculates, a draft's."""
-    return 1 if mode == "off" else 1 + MAX_DRAFT
+def rows_per_seq(mode: str, setting: str = "") -> int:
+    """Output rows a sequence may have in a step: its own and, if the worker speculates, a draft's (a draft
+    model's, ``setting`` "draft:<path>", up to ``MODEL_MAX``)."""
+    return 1 if mode == "off" else 1 + widest(setting)
+
+
+def widest(setting: str) -> int:
+    """The most draft tokens a step under the ``speculative`` setting: a draft model's ``MODEL_MAX``, else
+    ``MAX_DRAFT``."""
+    return MODEL_MAX if setting.startswith("draft:") else MAX_DRAFT
 
 
 def may_draft(p: SamplingParams) -> bool:
@@ -64,7 +74,8 @@ class Speculator:
         self.cost = cost  # the engine's step-cost model (fitted from its steps' times)
         self.proposer: Proposer = PromptLookup()
         self.drafter: Drafter | None = None  # a draft model (its drafts priced and made together), else the proposer
-        self.widths = WidthCosts()  # decode steps' seconds at each draft width
+        self.widest = widest(cfg.speculative)  # draft tokens a step at most
+        self.widths = WidthCosts(widths=MODEL_WIDTHS if self.widest > MAX_DRAFT else WIDTHS)  # steps' seconds a width
         self.pool = Pool()  # the recent acceptance of all sequences' drafts (a new sequence's prior)
         self.least_chance = LEAST_CHANCE  # a draft token's chance of being kept worth making it (spec.threshold)
         self.width = 0  # the draft width of the batch being built (spec.WidthCosts.choose)
@@ -94,7 +105,7 @@ class Speculator:
         if self.mode == "off" or not may_draft(p) or (s.in_graph and not verified) \
                 or (self.mode == "graph" and not verified) or (p.logprobs and self.sampling.gpu):
             return None
-        return Drafting(limit=MAX_DRAFT if p.speculative is True else int(p.speculative), prior=self.pool.rate)
+        return Drafting(limit=self.widest if p.speculative is True else int(p.speculative), prior=self.pool.rate)
 
     # ------------------------------------------------------------ plan time
 
@@ -197,14 +208,14 @@ class Speculator:
             return lambda k: cost(k) + (drafter.seconds(seqs, min(k, longest), plain) if k > 0 else 0.0)
 
         longest = max(n for _, n in plans.values())
-        least = threshold(priced(list(plans.values())), rows, outputs, self.least_chance, longest)
+        least = threshold(priced(list(plans.values())), rows, outputs, self.least_chance, longest, self.widest)
         weigh = {sid: x for sid, x in plans.items() if x[0].drafting.alpha(self.pool) >= least}  # type: ignore[union-attr]
         for sid, (seq, _) in plans.items():
             if sid not in weigh:
                 seq.drafting.declined(steps)  # type: ignore[union-attr]
         if not weigh:
             return 0
-        most = min(MAX_DRAFT, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
+        most = min(self.widest, (self.cfg.max_batch_tokens - sum(chunk.values())) // rows,
                    min(self.cfg.n_ubatch, MAX_OUTPUTS) // rows - 1)
         chances = {sid: seq.drafting.chances_of(n, self.pool) for sid, (seq, n) in weigh.items()}  # type: ignore[union-attr]
         k = self.widths.choose(chances, outputs, rows, most, last, priced(list(weigh.values()))) if most >= 1 else 0
