@@ -205,7 +205,14 @@ class Speculator:
 
         def priced(drafting: list[tuple[Sequence, int]]) -> Callable[[int], float]:
             seqs, longest = [seq for seq, _ in drafting], max(n for _, n in drafting)
-            return lambda k: cost(k) + (drafter.seconds(seqs, min(k, longest), plain) if k > 0 else 0.0)
+            calls: dict[int, float] = {0: 0.0}  # draft tokens -> the drafter's seconds (asked once a step)
+
+            def at(k: int) -> float:
+                n = min(max(k, 0), longest)
+                if n not in calls:
+                    calls[n] = drafter.seconds(seqs, n, plain)
+                return cost(k) + calls[n]
+            return at
 
         longest = max(n for _, n in plans.values())
         least = threshold(priced(list(plans.values())), rows, outputs, self.least_chance, longest, self.widest)
