@@ -78,7 +78,8 @@ class Engine:
         self.output = Output(self.vocab, self.sampling, self.chat.tool_format)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = Batch(cp.n_batch)
-        # CPU: a token's numbers independent of the batch and the prefix cache (_plan: docs/http.md#determinism)
+        # CPU: a token's numbers independent of the batch and the prefix cache (_plan: docs/http.md#determinism);
+        # a GPU worker's kernels are batch-invariant themselves (GGML_CUDA_DETERMINISTIC, patch 0002): no plan
         self.deterministic = cfg.deterministic and not cfg.gpu
         self._prompt_turn = False  # deterministic mode: this step computes prompts (else decode tokens)
         self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1)
