@@ -126,6 +126,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gen", type=int, default=64, help="tokens a greedy reply in the identity checks")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds after which no shape starts")
+    ap.add_argument("--models", default="", metavar="DIR",
+                    help="DIR/1b.gguf, DIR/8b.gguf: written by another process meanwhile (waited for); else made here")
     args = ap.parse_args()
     from llamapool.modelgen import make_model
 
@@ -147,7 +149,12 @@ def main() -> int:
             break
         dims: dict[str, Any] = CPU_SHAPE if shape == "cpu" else GPU_SHAPE if shape == "1b" else SHAPE_8B
         t0 = time.monotonic()
-        model = str(make_model(tmp / f"{shape}.gguf", **dims))
+        if args.models:
+            model = str(Path(args.models) / f"{shape}.gguf")
+            while not Path(model + ".done").exists() and time.monotonic() - t_start < args.deadline:
+                time.sleep(1)
+        else:
+            model = str(make_model(tmp / f"{shape}.gguf", **dims))
         n_vocab = int(dims.get("n_vocab", 512))
         record({"mode": "model", "shape": shape, "gen_s": round(time.monotonic() - t0, 1)})
         daemons = {}
