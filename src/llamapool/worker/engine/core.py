@@ -92,7 +92,7 @@ class Engine:
         self._split = False  # the batch being built runs as several micro-batches
         self.steps = 0
         self.target = StepTarget.parse(cfg.target_step)
-        self.budget = cfg.max_batch_tokens  # the last step's token budget
+        self.budget = cfg.max_batch_tokens  # the token budget last sized (a step with prompt work)
         self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
         self.spec = Speculator(mode, cfg, self.sampling, self.cost)  # drafts, their widths, what they keep
@@ -356,6 +356,9 @@ class Engine:
     def _plan(self, out: Step) -> dict[int, int]:
         """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
         now = self.steps
+        if not self.waiting and not any(s.n_past < len(s.tokens) for s in self.active.values()):
+            self._prompt_turn = False  # no prompt work: a decode token each, no budget to size (~30 µs a step)
+            return dict.fromkeys(self.active, 1)
         self._refuse_bad_grammars(out)
         prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
                    for s in self.active.values() if s.prefilling]
@@ -442,7 +445,8 @@ class Engine:
         b = self.batch
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
-        self._time_step(t0)
+        last = self._measure
+        self._measure = (*self._shape, *self.spec.launching(self._shape[1] > 0), t0)
         self.sampling.before_launch()  # the masks the graph applies are its inputs
         if self._synced:
             self.gap_s += t0 - self._synced
@@ -452,6 +456,8 @@ class Engine:
         self.decode_s += t1 - t0
         self.call_s += t1 - t0
         self.sampling.after_launch()  # the masks left for later, while the GPU computes
+        if last is not None:  # after the launch: the GPU does not wait for the fit
+            self._time_step(last, t0)
         self.steps += 1
         if rc != 0:
             self.inflight = []
@@ -462,13 +468,11 @@ class Engine:
         self.inflight = order
         return True
 
-    def _time_step(self, now: float) -> None:
-        """Feed the cost model, and the draft widths' costs for a decode step: the batch launched before
-        this one took until now (launches follow each other while the engine is busy: with GPU sampling
-        the host works while the GPU computes)."""
-        last, self._measure = self._measure, (*self._shape, *self.spec.launching(self._shape[1] > 0), now)
-        if last is None:
-            return
+    def _time_step(self, last: tuple[int, int, int, int, bool, float], now: float) -> None:
+        """Feed the cost model, and the draft widths' costs for a decode step: the batch ``last`` (its shape,
+        width and launch time) took until ``now``, the next launch (launches follow each other while the
+        engine is busy: with GPU sampling the host works while the GPU computes). Called right after that
+        launch, while the GPU computes."""
         rows, tokens, drafts, k, changed, start = last
         seconds = now - start
         expected = self.cost.predict(rows, tokens, drafts) or 0.5
@@ -495,6 +499,8 @@ class Engine:
     def _echo_logprobs(self, out: Step) -> None:
         """The logprobs of the prompt tokens computed in the batch just decoded (``echo`` with ``logprobs``):
         the row of position ``i`` gives prompt token ``i + 1``'s; all rows' in one pass."""
+        if not self._echoing:
+            return
         seqs = [seq for seq in self._echoing if self.active.get(seq.seq_id) is seq]
         self._echoing = []
         wants = [(row, int(seq.tokens[pos + 1]), seq.params.top_logprobs) for seq in seqs for row, pos in seq.echo_rows]
