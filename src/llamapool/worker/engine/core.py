@@ -369,9 +369,13 @@ class Engine:
             if p.running or free > 0:
                 ahead.append(p)
                 free -= not p.running
+        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
+        if self.target.auto and not self.deterministic and ahead and not any(p.running for p in ahead) \
+                and self.cost.hold([now - p.arrived for p in ahead], len(decoding), len(self.active),
+                                   sum(p.remaining for p in ahead), self.cfg.max_batch_tokens):
+            return dict.fromkeys(decoding, 1)  # the prompts wait for company (a decode step)
         budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
                                        [p.remaining for p in ahead], self.arrivals.rate())
-        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
         if self.deterministic:  # a step computes decode tokens or prompt chunks, in turn, never both
             self._prompt_turn = bool(ahead) and not (decoding and self._prompt_turn)
             decoding, prompts = ([], prompts) if self._prompt_turn else (decoding, [])
