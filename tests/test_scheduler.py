@@ -453,3 +453,11 @@ def test_prompts_arriving_over_a_few_steps_start_in_one_prompt_step(model_path: 
         assert not eng.waiting and not any(s.prefilling for s in eng.active.values())
     finally:
         eng.close()
+
+
+def test_a_held_prompts_wait_is_priced_at_the_decode_step_with_its_drafts() -> None:
+    """Drafts make a decode step dearer (``per_draft_token``), and so each step a prompt waits."""
+    cost = CostModel()
+    cost.coef = (*SHAPE_8B, 1e-4)
+    assert cost.hold([0, 0, 0], 64, 64, 696, 4096)  # 3 x 19.5 ms against 64 x 18 ms
+    assert not cost.hold([0, 0, 0], 64, 64, 696, 4096, drafts=64 * 3 * 20)  # 3 x 403 ms

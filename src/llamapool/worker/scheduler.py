@@ -232,20 +232,21 @@ class CostModel:
                 return (base, row, tok, step, draft)
         return self.coef
 
-    def hold(self, waited: Sequence[int], decoding: int, rows: int, backlog: int, cap: int) -> bool:
+    def hold(self, waited: Sequence[int], decoding: int, rows: int, backlog: int, cap: int, drafts: int = 0) -> bool:
         """``"auto"``: the waiting prompts (``waited``: the steps each has waited; none running) wait for
         company rather than start a prompt step now. A prompt step costs each of the ``decoding`` sequences
-        its overhead (``prompt_step``: its micro-batches block); a decode step of ``rows`` costs each
-        waiting prompt that step. Prompts that arrive one by one (replies that end at different steps: with
-        speculation, as each sequence's drafts are kept) would otherwise each start a prompt step of their
-        own. So they wait while their summed waits stay under what a prompt step costs the decoding
-        sequences (a ski rental: at most twice the better choice's cost), at most ``HOLD_STEPS`` steps, and
-        not once their ``backlog`` of prompt tokens fills a step (``cap``); never before the fit, nor with
-        nothing decoding. vLLM's ``scheduler_delay_factor`` holds prompts likewise."""
+        its overhead (``prompt_step``: its micro-batches block); a decode step of ``rows`` (and ``drafts``
+        draft tokens, as the last step's) costs each waiting prompt that step. Prompts that arrive one by
+        one (replies that end at different steps: with speculation, as each sequence's drafts are kept)
+        would otherwise each start a prompt step of their own. So they wait while their summed waits stay
+        under what a prompt step costs the decoding sequences (a ski rental: at most twice the better
+        choice's cost), at most ``HOLD_STEPS`` steps, and not once their ``backlog`` of prompt tokens fills
+        a step (``cap``); never before the fit, nor with nothing decoding. vLLM's
+        ``scheduler_delay_factor`` holds prompts likewise."""
         if self.coef is None or not decoding or not waited or max(waited) >= HOLD_STEPS or backlog + rows >= cap:
             return False
-        base, per_row, _, prompt_step, _ = self.coef
-        return sum(w + 1 for w in waited) * (base + per_row * rows) < decoding * prompt_step
+        base, per_row, _, prompt_step, per_draft = self.coef
+        return sum(w + 1 for w in waited) * (base + per_row * rows + per_draft * drafts) < decoding * prompt_step
 
     def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = (),
                     arrivals: float = 0.0) -> int:
