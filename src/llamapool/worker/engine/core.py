@@ -372,7 +372,7 @@ class Engine:
         decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
         if self.target.auto and not self.deterministic and ahead and not any(p.running for p in ahead) \
                 and self.cost.hold([now - p.arrived for p in ahead], len(decoding), len(self.active),
-                                   sum(p.remaining for p in ahead), self.cfg.max_batch_tokens):
+                                   sum(p.remaining for p in ahead), self.cfg.max_batch_tokens, self._shape[2]):
             return dict.fromkeys(decoding, 1)  # the prompts wait for company (a decode step)
         budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
                                        [p.remaining for p in ahead], self.arrivals.rate())
@@ -619,20 +619,20 @@ class Engine:
         does a stopped matcher mean the grammar completed here)."""
         self.sampled_tokens += 1
         p = seq.params
-        matcher = seq.sampling.matcher
-        closed = "length" if seq.sampling.closing is not None and seq.sampling.closing.forced else "stop"
+        closing = seq.sampling.closing
+        matcher = None if closing is None else closing.matcher
         if (not p.ignore_eos or matcher is not None) and tok in self._eog:
-            self._end(seq, closed, out, before)
+            self._end(seq, "length" if closing is not None and closing.forced else "stop", out, before)
             return None
         if record is not None:
             seq.logprobs.append(record)
             if record is PENDING and self._deferred is not None:
                 self._deferred.place(seq)
         seq.generated_token(tok)
-        if tok in self.chat.tool_format.special.values() and p.tools:
+        if p.tools and tok in self.chat.tool_format.special.values():
             seq.text.mark_here()  # a call opens with a control token (no text)
         if matcher is not None and last and matcher.is_stopped():  # the grammar is complete (closed early: length)
-            self._end(seq, closed, out, before, tok)
+            self._end(seq, "length" if closing is not None and closing.forced else "stop", out, before, tok)
             return None
         if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
             self._end(seq, "length", out, before, tok)
