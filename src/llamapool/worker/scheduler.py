@@ -15,7 +15,9 @@ The rules, each a property test in tests/test_scheduler.py:
 - a waiting prompt is admitted only into a free slot, with the chunk it is given this step.
 
 The budget itself comes from ``CostModel.step_budget``: a token count (``max_batch_tokens``), or a
-step time, fitted from the worker's own step timings (see ``StepTarget``).
+step time, fitted from the worker's own step timings (see ``StepTarget``). With ``"auto"``, waiting
+prompts that arrive one by one while sequences decode may wait for company first (``CostModel.hold``,
+at most ``HOLD_STEPS`` steps).
 """
 
 from __future__ import annotations
