@@ -542,7 +542,10 @@ class Engine:
                 self._drop(seq, e, out)
                 continue
             seq.ahead = len(taken)
-            ready += [(seq, tok) for tok in taken]
+            if len(taken) == 1:
+                ready.append((seq, taken[0]))
+            else:
+                ready += [(seq, tok) for tok in taken]
         self.sampling.masks_next()
         return ready
 
@@ -593,6 +596,11 @@ class Engine:
         leave the KV cache."""
         self.sampling_steps += 1 if toks else 0
         draft = seq.draft
+        if len(toks) == 1 and not draft and not seq.tail:  # the common row: one token, nothing to undo
+            t = self._take(seq, toks[0], records[0] if records else None, out, [])
+            if seq.drafting is not None:
+                self.spec.verified(seq, draft, toks, [] if t is None else [t])
+            return [] if t is None else [t]
         written = seq.n_past + seq.tail  # the filler positions after its draft leave too
         seq.tail = 0
         seq.n_past -= len(draft)  # as without the draft: one more for each draft token kept
