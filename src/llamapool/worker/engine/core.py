@@ -371,7 +371,11 @@ class Engine:
                 ahead.append(p)
                 free -= not p.running
         decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
-        if self.target.auto and not self.deterministic and ahead and not any(p.running for p in ahead) \
+        # a hold only while decoding sequences speculate (their replies end at different steps as drafts are
+        # kept); else a prompt that arrives while others decode starts at once (its time to first token)
+        if self.target.auto and not self.deterministic and ahead \
+                and any(self.active[i].drafting is not None for i in decoding) \
+                and not any(p.running for p in ahead) \
                 and self.cost.hold([now - p.arrived for p in ahead], len(decoding), len(self.active),
                                    sum(p.remaining for p in ahead), self.cfg.max_batch_tokens, self._shape[2]):
             return dict.fromkeys(decoding, 1)  # the prompts wait for company (a decode step)
