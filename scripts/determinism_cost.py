@@ -44,7 +44,7 @@ def one_run(model: str, det: bool, threads: int, name: str) -> dict[str, float]:
     reqs = workload(name)
     tokens = sum(len(eng.tokenize(p)) + g for p, g, _ in reqs)
     pending = list(enumerate(reqs))
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
     while pending or eng.busy:
         for rid, (p, g, at) in [x for x in pending if x[1][2] <= steps]:
             eng.submit(Run(rid, p, SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True), False), Step())
@@ -52,9 +52,11 @@ def one_run(model: str, det: bool, threads: int, name: str) -> dict[str, float]:
         out = eng.step()
         assert not out.failed, out.failed
         steps += 1
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     eng.close()
-    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "steps": steps}
+    # the process's CPU seconds too: on a shared machine they follow the work more closely than the wall time
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "cpu_seconds": cpu, "tokens_per_cpu_s": tokens / cpu,
+            "steps": steps}
 
 
 def main() -> None:
@@ -70,15 +72,19 @@ def main() -> None:
         return
     for name in args.workloads.split(","):
         got: dict[str, list[float]] = {"on": [], "off": []}
+        per_cpu: dict[str, list[float]] = {"on": [], "off": []}
         for _ in range(args.rounds):
             for mode in ("off", "on"):
                 out = subprocess.run([sys.executable, __file__, "--model", args.model, "--threads", str(args.threads),
                                       "--child", mode, name], capture_output=True, text=True, env=os.environ,
                                      check=True)
-                got[mode].append(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
-        on, off = sorted(got["on"])[len(got["on"]) // 2], sorted(got["off"])[len(got["off"]) // 2]
-        print(f"{name:8} off {off:7.1f} tok/s  on {on:7.1f} tok/s  on/off {on / off:.2f}x (medians of "
-              f"{args.rounds}; off {[round(x) for x in got['off']]}, on {[round(x) for x in got['on']]})", flush=True)
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                got[mode].append(row["tokens_per_s"])
+                per_cpu[mode].append(row["tokens_per_cpu_s"])
+        for what, v in (("tok/s", got), ("tok/CPU-s", per_cpu)):
+            on, off = sorted(v["on"])[len(v["on"]) // 2], sorted(v["off"])[len(v["off"]) // 2]
+            print(f"{name:8} off {off:7.1f} {what}  on {on:7.1f} {what}  on/off {on / off:.2f}x (medians of "
+                  f"{args.rounds}; off {[round(x) for x in v['off']]}, on {[round(x) for x in v['on']]})", flush=True)
 
 
 if __name__ == "__main__":

@@ -562,3 +562,33 @@ def test_a_chat_of_more_messages_than_the_context_is_refused_before_it_is_render
     assert time.monotonic() - t0 < 0.5
     assert [(f.code, f.field) for f in out.failed] == [("context_length_exceeded", "messages")], out.failed
     assert "the chat has 100000 messages" in out.failed[0].message
+
+
+def test_a_decode_only_batch_is_filled_as_the_general_path_fills_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``batch.fill``'s decode-only path (consecutive slots, a decode token each) writes the same batch rows,
+    positions, outputs and shape as its general path."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from llamapool.worker.engine import batch as batch_mod
+    from llamapool.worker.engine.sequence import Sequence
+
+    def seqs() -> dict[int, Sequence]:
+        return {sid: Sequence(rid=sid, seq_id=sid, tokens=np.arange(5, dtype=np.int32), params=GREEDY, stream=False,
+                              sampling=SimpleNamespace(in_graph=False), text=None,  # type: ignore[arg-type]
+                              n_past=5 + sid, last=100 + sid) for sid in range(3, 3 + n)}
+
+    for n in (1, 2, 5):
+        got = []
+        for general in (False, True):
+            if general:
+                monkeypatch.setattr(batch_mod, "_decode_only", lambda *a: False)
+            b, active = batch_mod.Batch(16), seqs()
+            filled = batch_mod.fill(b, dict.fromkeys(active, 1), active, {}, None, 512)
+            got.append((b.n, b.token[: b.n].tolist(), b.pos[: b.n].tolist(), b.seq[: b.n].tolist(),
+                        b.logits[: b.n].tolist(), [s.seq_id for s in filled.outputs], filled.shape, filled.split,
+                        [(s.n_past, s.rows) for s in active.values()]))
+        monkeypatch.undo()
+        assert got[0] == got[1]
+        assert got[0][0] == n and got[0][1] == [100 + sid for sid in range(3, 3 + n)]

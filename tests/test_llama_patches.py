@@ -5,7 +5,9 @@
 - a patch that does not apply stops the build, naming the patch;
 - ``model.prefill_cublas_min_rows`` reaches each worker's environment before it starts, over ``[workers.env]``;
 - a build without the patch (here: the CPU build, no CUDA backend) still serves; a GPU worker whose
-  llama.cpp lacks the patch says, once, that the setting does nothing.
+  llama.cpp lacks the patch says, once, that the setting does nothing;
+- ``model.deterministic`` sets 0002's variable in each worker's environment; a GPU worker whose llama.cpp
+  lacks 0002 refuses to start, naming the setting and the patch (the mode's promise could not hold).
 """
 
 from __future__ import annotations
@@ -37,10 +39,13 @@ def test_the_patches_apply_cleanly_to_the_pinned_sdist_and_read_the_variable_lla
     out = _build("source", env={"LLAMA_SDIST": sdist.stdout.strip(), "LLAMA_CPP_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "applied 0001-cuda-cublas-for-large-quantized-batches.patch" in out.stderr
-    mmq = Path(out.stdout.strip()) / "vendor/llama.cpp/ggml/src/ggml-cuda/mmq.cu"
-    code = mmq.read_text()
-    assert f'getenv("{llama_patches.CUBLAS_MIN_BATCH_ENV}")' in code
-    assert (ROOT / llama_patches.CUBLAS_PATCH).is_file()
+    assert "applied 0002-cuda-batch-invariant-kernels.patch" in out.stderr
+    cuda = Path(out.stdout.strip()) / "vendor/llama.cpp/ggml/src/ggml-cuda"
+    assert f'getenv("{llama_patches.CUBLAS_MIN_BATCH_ENV}")' in (cuda / "mmq.cu").read_text()
+    assert f'getenv("{llama_patches.DETERMINISTIC_ENV}")' in (cuda / "common.cuh").read_text()
+    for where in ("mmvq.cu", "mmq.cu", "mmq.cuh", "fattn.cu", "fattn-common.cuh", "ggml-cuda.cu"):
+        assert "ggml_cuda_deterministic()" in (cuda / where).read_text(), where
+    assert (ROOT / llama_patches.CUBLAS_PATCH).is_file() and (ROOT / llama_patches.DETERMINISTIC_PATCH).is_file()
 
 
 def test_a_patch_that_does_not_apply_stops_the_build_naming_it(tmp_path: Path) -> None:
@@ -97,3 +102,29 @@ def test_a_build_without_the_patch_serves_with_the_setting_and_each_worker_gets_
         r = c.generate("hello", max_tokens=4, temperature=0.0, ignore_eos=True)
     assert r.usage.completion_tokens == 4 and r.finish_reason == "length"
     assert "does nothing" not in d.log_text()  # CPU workers: the setting is for the CUDA backend only
+
+
+def test_deterministic_reaches_the_worker_env_and_a_gpu_build_without_0002_is_refused(tmp_path: Path) -> None:
+    assert worker_env({}, None, {}, 2, 0, deterministic=True)[llama_patches.DETERMINISTIC_ENV] == "1"
+    assert worker_env({"GGML_CUDA_DETERMINISTIC": "1"}, None, {}, 2, 0)[llama_patches.DETERMINISTIC_ENV] == "0"
+    on = {llama_patches.DETERMINISTIC_ENV: "1"}
+    stock, patched = tmp_path / "stock", tmp_path / "patched"
+    for d, body in ((stock, b"\x7fELF ggml_cuda_should_use_mmq GGML_CUDA_CUBLAS_MIN_BATCH"),
+                    (patched, b"\x7fELF ggml_cuda_should_use_mmq GGML_CUDA_DETERMINISTIC")):
+        d.mkdir()
+        (d / "libggml-cuda.so.0.9").write_bytes(body)
+    assert llama_patches.deterministic_unsupported(on, patched) == ""
+    assert llama_patches.deterministic_unsupported({llama_patches.DETERMINISTIC_ENV: "0"}, stock) == ""
+    note = llama_patches.deterministic_unsupported(on, stock)
+    assert "model.deterministic = true" in note and llama_patches.DETERMINISTIC_PATCH in note
+    assert "has no CUDA backend" in llama_patches.deterministic_unsupported(on, tmp_path / "none")
+
+
+def test_a_deterministic_cpu_worker_gets_the_variable_and_serves(start_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(model={"deterministic": True})
+    for w in d.status()["workers"]:
+        assert b"GGML_CUDA_DETERMINISTIC=1" in Path(f"/proc/{w['pid']}/environ").read_bytes().split(b"\0")
+    with d.client() as c:
+        r = c.generate("hello", max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert r.usage.completion_tokens == 4
+    assert "FATAL" not in d.log_text()  # CPU workers: the CUDA patch is not needed

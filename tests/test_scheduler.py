@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamapool.worker.scheduler import (
+    HOLD_STEPS,
     MAX_PREFILL_LOAD,
     MIN_CHUNK,
     PASS_OVER_LIMIT,
@@ -395,3 +396,69 @@ def _worker_row_after_a_heartbeat(d) -> dict:  # type: ignore[no-untyped-def,typ
         if "step_cost_ms" in row or time.monotonic() > end:
             return row
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("fitted", "waited", "decoding", "rows", "backlog", "hold"), [
+    (True, [0], 64, 64, 232, True),  # one prompt among 64 streams: it waits for company
+    (True, [0, 1, 2, 3], 64, 64, 928, True),  # 10 waits of 19.5 ms: under 64 streams' 18 ms each
+    (True, [HOLD_STEPS, 0], 64, 64, 464, False),  # one has waited its most
+    (True, [3] * 40, 64, 64, 9280, False),  # a step's worth of prompts (the budget)
+    (True, [3] * 15, 64, 64, 3480, False),  # their waits (60 x 19.5 ms) reach the streams' cost (64 x 18 ms)
+    (True, [0], 0, 0, 232, False),  # nothing decodes: nobody waits for the prompt step
+    (True, [0], 1, 1, 232, True),  # one stream: a decode step (8.2 ms) costs less than a prompt step (18 ms)
+    (True, [1], 1, 1, 232, True),  # two steps' wait, 16.4 ms
+    (True, [2], 1, 1, 232, False),  # three, 24.5 ms: more than the stream would lose
+    (False, [0], 64, 64, 232, False),  # not fitted: no hold
+])
+def test_prompts_arriving_one_by_one_wait_for_company_while_streams_decode(
+        fitted: bool, waited: list[int], decoding: int, rows: int, backlog: int, hold: bool) -> None:
+    """``"auto"``'s hold (8B costs): a prompt step costs every decoding stream its overhead, so prompts that
+    arrive one by one wait until their summed waits reach it, at most HOLD_STEPS steps, never once a step's
+    budget waits or with nothing decoding."""
+    cost = _fitted(SHAPE_8B) if fitted else CostModel()
+    if fitted:
+        cost.coef = (*SHAPE_8B, 0.0)  # exact, for the table's arithmetic
+    assert cost.hold(waited, decoding, rows, backlog, 4096) is hold
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculation", "off"])
+def test_prompts_arriving_over_a_few_steps_start_in_one_prompt_step(model_path: str, speculative: bool) -> None:
+    """The engine, 4 streams decoding, then 3 prompts arriving a step apart (as replies that end at
+    different steps, as they do with speculation, bring their next prompts): while the streams
+    speculate, one prompt step computes all three (each would otherwise take a step of its own, every
+    decoding stream waiting for each); without speculation each starts at once (no hold: a prompt beside a
+    busy batch keeps its time to first token). The streams get their token every step meanwhile."""
+    from llamapool.protocol.messages import Run, SamplingParams, Step
+    from llamapool.worker.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model_path, slots=8, ctx_per_slot=256, max_batch_tokens=256, n_ubatch=256,
+                              threads=2, speculative="ngram"))
+    try:
+        eng.cost.coef = (0.01, 0.0, 1e-4, 0.05, 0.0)  # a prompt step 50 ms dearer than a 10 ms decode step
+        eng.cost.observe = lambda *a, **k: None  # type: ignore[method-assign]  # kept (not fitted to this CPU)
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, speculative=speculative)
+        for i in range(4):
+            eng.submit(Run(i, [5 + i] * 12, long, False), Step())
+        eng.step()  # their prompts (nothing decodes yet: no hold)
+        assert not eng.waiting and not any(s.prefilling for s in eng.active.values())
+        short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, speculative=speculative)
+        prompt_steps = 0
+        for step in range(8):
+            if step < 3:
+                eng.submit(Run(10 + step, [40 + step] * 20, short, False), Step())
+            generated = {s.rid: s.generated for s in eng.active.values() if s.rid < 4}
+            eng.step()
+            prompt_steps += eng._shape[1] > 0
+            assert all(s.generated > generated[s.rid] for s in eng.active.values() if s.rid in generated)
+        assert prompt_steps == (1 if speculative else 3)
+        assert not eng.waiting and not any(s.prefilling for s in eng.active.values())
+    finally:
+        eng.close()
+
+
+def test_a_held_prompts_wait_is_priced_at_the_decode_step_with_its_drafts() -> None:
+    """Drafts make a decode step dearer (``per_draft_token``), and so each step a prompt waits."""
+    cost = CostModel()
+    cost.coef = (*SHAPE_8B, 1e-4)
+    assert cost.hold([0, 0, 0], 64, 64, 696, 4096)  # 3 x 19.5 ms against 64 x 18 ms
+    assert not cost.hold([0, 0, 0], 64, 64, 696, 4096, drafts=64 * 3 * 20)  # 3 x 403 ms

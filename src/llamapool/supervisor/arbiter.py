@@ -315,8 +315,9 @@ class Supervisor:
                                                                                  self.cfg.log.level)
         if slot.is_worker:
             spec = self._spec(slot)
+            model = slot.model or self.cfg.model
             env = worker_env(os.environ, slot.gpus, self.cfg.workers.env, spec.threads,
-                             (slot.model or self.cfg.model).prefill_cublas_min_rows)
+                             model.prefill_cublas_min_rows, model.deterministic)
             return Launch("llamapool.worker", spec.to_json(), {**env, **log_env, **lifeline.parent_env()})
         from llamapool.gateway import GatewaySpec
 

@@ -12,11 +12,11 @@ from llamapool.supervisor.sdnotify import scrub_env
 
 def worker_env(
     base: Mapping[str, str], gpus: Gpu | Sequence[Gpu] | None, extra: Mapping[str, str], threads: int,
-    prefill_cublas_min_rows: int = 0,
+    prefill_cublas_min_rows: int = 0, deterministic: bool = False,
 ) -> dict[str, str]:
     """``base`` without systemd's variables, plus ``[workers.env]``, plus the model's llama.cpp settings
-    (``prefill_cublas_min_rows``: llama_patches), plus the device pinning: ``CUDA_VISIBLE_DEVICES`` is
-    the UUIDs of the worker's GPU or group of GPUs ("" for CPU).
+    (``prefill_cublas_min_rows``, ``deterministic``: llama_patches), plus the device pinning:
+    ``CUDA_VISIBLE_DEVICES`` is the UUIDs of the worker's GPU or group of GPUs ("" for CPU).
 
     The model's settings and the device variables are applied last, so the model's setting is the one
     llama.cpp reads and no config can point two workers at one GPU.
@@ -24,7 +24,7 @@ def worker_env(
     group = [] if gpus is None else [gpus] if isinstance(gpus, Gpu) else list(gpus)
     env = scrub_env(base)  # only the main process talks to systemd
     env.update(extra)
-    env.update(llama_patches.worker_env(prefill_cublas_min_rows))
+    env.update(llama_patches.worker_env(prefill_cublas_min_rows, deterministic))
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in group)
     env["PYTHONUNBUFFERED"] = "1"

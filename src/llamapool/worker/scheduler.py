@@ -15,7 +15,9 @@ The rules, each a property test in tests/test_scheduler.py:
 - a waiting prompt is admitted only into a free slot, with the chunk it is given this step.
 
 The budget itself comes from ``CostModel.step_budget``: a token count (``max_batch_tokens``), or a
-step time, fitted from the worker's own step timings (see ``StepTarget``).
+step time, fitted from the worker's own step timings (see ``StepTarget``). With ``"auto"``, waiting
+prompts that arrive one by one while sequences decode may wait for company first (``CostModel.hold``,
+at most ``HOLD_STEPS`` steps).
 """
 
 from __future__ import annotations
@@ -232,6 +234,22 @@ class CostModel:
                 return (base, row, tok, step, draft)
         return self.coef
 
+    def hold(self, waited: Sequence[int], decoding: int, rows: int, backlog: int, cap: int, drafts: int = 0) -> bool:
+        """``"auto"``: the waiting prompts (``waited``: the steps each has waited; none running) wait for
+        company rather than start a prompt step now. A prompt step costs each of the ``decoding`` sequences
+        its overhead (``prompt_step``: its micro-batches block); a decode step of ``rows`` (and ``drafts``
+        draft tokens, as the last step's) costs each waiting prompt that step. Prompts that arrive one by
+        one (replies that end at different steps: with speculation, as each sequence's drafts are kept)
+        would otherwise each start a prompt step of their own. So they wait while their summed waits stay
+        under what a prompt step costs the decoding sequences (a ski rental: at most twice the better
+        choice's cost), at most ``HOLD_STEPS`` steps, and not once their ``backlog`` of prompt tokens fills
+        a step (``cap``); never before the fit, nor with nothing decoding. vLLM's
+        ``scheduler_delay_factor`` holds prompts likewise."""
+        if self.coef is None or not decoding or not waited or max(waited) >= HOLD_STEPS or backlog + rows >= cap:
+            return False
+        base, per_row, _, prompt_step, per_draft = self.coef
+        return sum(w + 1 for w in waited) * (base + per_row * rows + per_draft * drafts) < decoding * prompt_step
+
     def step_budget(self, target: StepTarget, rows: int, cap: int, line: Sequence[int] = (),
                     arrivals: float = 0.0) -> int:
         """The token budget (decode rows included) of the next step: ``rows`` sequences hold a slot,
@@ -275,5 +293,6 @@ def auto_chunk(line: Sequence[int], overhead: float, per_token: float, arrivals:
     return done
 
 
+HOLD_STEPS = 4  # "auto": the most steps a prompt waits for others to start with (CostModel.hold)
 MAX_PREFILL_LOAD = 0.8  # "auto" sizes steps so prompts keep up with arrivals using at most this share of time
 MIN_CHUNK = 64  # prompt tokens a step always has room for: prompts never stall

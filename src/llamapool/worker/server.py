@@ -214,13 +214,17 @@ def serve(spec: WorkerSpec) -> int:
         _logger(spec).error(f"FATAL: {wrong}")
         return EXIT_PERMANENT
     if gpu:
-        _warn_unpatched(spec)
+        missing = _unpatched(spec)
+        if missing:
+            _logger(spec).error(f"FATAL: {missing}")
+            return EXIT_PERMANENT
     return _serve(spec, engine, seen, engine.vocab)
 
 
-def _warn_unpatched(spec: WorkerSpec) -> None:
-    """Once, at start: a GPU worker whose llama.cpp lacks a patch its model's settings need says so (the
-    setting then does nothing; the worker serves with llama.cpp's own choice)."""
+def _unpatched(spec: WorkerSpec) -> str:
+    """Once, at start: a GPU worker whose llama.cpp lacks a patch its model's settings need says so: a
+    warning for a speed setting (it then does nothing: llama.cpp's own choice), and what to return as
+    fatal for ``deterministic`` (whose promise could not hold)."""
     from pathlib import Path
 
     import llama_cpp.llama_cpp as raw
@@ -231,6 +235,7 @@ def _warn_unpatched(spec: WorkerSpec) -> None:
     note = llama_patches.cublas_rows_ignored(os.environ, lib_dir)
     if note:
         _logger(spec).warning(note)
+    return llama_patches.deterministic_unsupported(os.environ, lib_dir)
 
 
 def gpu_mismatch(spec: WorkerSpec, seen: list[str]) -> str:

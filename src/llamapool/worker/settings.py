@@ -42,8 +42,9 @@ class EngineSettings:
     flash_attn: bool = True
     gpu_sampling: bool = True  # sample on the GPU (llama.cpp backend sampling) on GPU workers
     prefix_cache: bool = True  # reuse the KV of shared prompt prefixes
-    # CPU workers: a request's greedy reply (and a seeded sampled one) depends on the request alone, not on
-    # the prefix cache or the requests beside it (docs/http.md#determinism: what it costs); GPU workers: no effect
+    # a request's greedy reply (and a seeded sampled one) depends on the request alone, not on the prefix
+    # cache or the requests beside it (docs/http.md#determinism: what it costs); GPU workers need llama.cpp
+    # built with patches/llama.cpp/0002 (batch-invariant kernels: llama_patches) and refuse to start without
     deterministic: bool = False
     # Speculative decoding (worker/engine/spec.py): "ngram" (drafts from the prompt and output, verified in
     # the batch), "off", or "auto": ngram on GPU workers, off on CPU workers (llama.cpp's CPU kernels

@@ -78,7 +78,8 @@ class Engine:
         self.output = Output(self.vocab, self.sampling, self.chat.tool_format)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = Batch(cp.n_batch)
-        # CPU: a token's numbers independent of the batch and the prefix cache (_plan: docs/http.md#determinism)
+        # CPU: a token's numbers independent of the batch and the prefix cache (_plan: docs/http.md#determinism);
+        # a GPU worker's kernels are batch-invariant themselves (GGML_CUDA_DETERMINISTIC, patch 0002): no plan
         self.deterministic = cfg.deterministic and not cfg.gpu
         self._prompt_turn = False  # deterministic mode: this step computes prompts (else decode tokens)
         self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1)
@@ -92,7 +93,7 @@ class Engine:
         self._split = False  # the batch being built runs as several micro-batches
         self.steps = 0
         self.target = StepTarget.parse(cfg.target_step)
-        self.budget = cfg.max_batch_tokens  # the last step's token budget
+        self.budget = cfg.max_batch_tokens  # the token budget last sized (a step with prompt work)
         self.arrivals = ArrivalRate()  # prompt tokens a second, lately (a step-time target uses it)
         self.cost = CostModel()  # fitted from the steps' times (a step-time target uses it)
         self.spec = Speculator(mode, cfg, self.sampling, self.cost)  # drafts, their widths, what they keep
@@ -357,6 +358,9 @@ class Engine:
     def _plan(self, out: Step) -> dict[int, int]:
         """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
         now = self.steps
+        if not self.waiting and not any(s.n_past < len(s.tokens) for s in self.active.values()):
+            self._prompt_turn = False  # no prompt work: a decode token each, no budget to size (~30 µs a step)
+            return dict.fromkeys(self.active, 1)
         self._refuse_bad_grammars(out)
         prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
                    for s in self.active.values() if s.prefilling]
@@ -367,9 +371,17 @@ class Engine:
             if p.running or free > 0:
                 ahead.append(p)
                 free -= not p.running
+        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
+        # a hold only while decoding sequences speculate (their replies end at different steps as drafts are
+        # kept); else a prompt that arrives while others decode starts at once (its time to first token)
+        if self.target.auto and not self.deterministic and ahead \
+                and any(self.active[i].drafting is not None for i in decoding) \
+                and not any(p.running for p in ahead) \
+                and self.cost.hold([now - p.arrived for p in ahead], len(decoding), len(self.active),
+                                   sum(p.remaining for p in ahead), self.cfg.max_batch_tokens, self._shape[2]):
+            return dict.fromkeys(decoding, 1)  # the prompts wait for company (a decode step)
         budget = self.cost.step_budget(self.target, len(self.active), self.cfg.max_batch_tokens,
                                        [p.remaining for p in ahead], self.arrivals.rate())
-        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
         if self.deterministic:  # a step computes decode tokens or prompt chunks, in turn, never both
             self._prompt_turn = bool(ahead) and not (decoding and self._prompt_turn)
             decoding, prompts = ([], prompts) if self._prompt_turn else (decoding, [])
@@ -443,7 +455,9 @@ class Engine:
         b = self.batch
         b.raw.n_tokens = b.n
         t0 = time.perf_counter()
-        self._time_step(t0)
+        last = self._measure
+        self._measure = (*self._shape, *self.spec.launching(self._shape[1] > 0), t0)
+        aside = self.spec.aside()  # a draft model's calls for this launch: not the last batch's time
         self.sampling.before_launch()  # the masks the graph applies are its inputs
         if self._synced:
             self.gap_s += t0 - self._synced
@@ -453,6 +467,8 @@ class Engine:
         self.decode_s += t1 - t0
         self.call_s += t1 - t0
         self.sampling.after_launch()  # the masks left for later, while the GPU computes
+        if last is not None:  # after the launch: the GPU does not wait for the fit
+            self._time_step(last, t0, aside)
         self.steps += 1
         if rc != 0:
             self.inflight = []
@@ -463,14 +479,12 @@ class Engine:
         self.inflight = order
         return True
 
-    def _time_step(self, now: float) -> None:
-        """Feed the cost model, and the draft widths' costs for a decode step: the batch launched before
-        this one took until now (launches follow each other while the engine is busy: with GPU sampling
-        the host works while the GPU computes)."""
-        last, self._measure = self._measure, (*self._shape, *self.spec.launching(self._shape[1] > 0), now)
-        aside = self.spec.aside()  # a draft model's calls for this launch: not the last batch's time
-        if last is None:
-            return
+    def _time_step(self, last: tuple[int, int, int, int, bool, float], now: float, aside: float = 0.0) -> None:
+        """Feed the cost model, and the draft widths' costs for a decode step: the batch ``last`` (its shape,
+        width and launch time) took until ``now``, the next launch (launches follow each other while the
+        engine is busy: with GPU sampling the host works while the GPU computes), less ``aside``, a draft
+        model's calls in between (``Speculator.aside``). Called right after that launch, while the GPU
+        computes."""
         rows, tokens, drafts, k, changed, start = last
         seconds = now - start - aside
         expected = self.cost.predict(rows, tokens, drafts) or 0.5
@@ -497,6 +511,8 @@ class Engine:
     def _echo_logprobs(self, out: Step) -> None:
         """The logprobs of the prompt tokens computed in the batch just decoded (``echo`` with ``logprobs``):
         the row of position ``i`` gives prompt token ``i + 1``'s; all rows' in one pass."""
+        if not self._echoing:
+            return
         seqs = [seq for seq in self._echoing if self.active.get(seq.seq_id) is seq]
         self._echoing = []
         wants = [(row, int(seq.tokens[pos + 1]), seq.params.top_logprobs) for seq in seqs for row, pos in seq.echo_rows]
@@ -534,7 +550,10 @@ class Engine:
                 self._drop(seq, e, out)
                 continue
             seq.ahead = len(taken)
-            ready += [(seq, tok) for tok in taken]
+            if len(taken) == 1:
+                ready.append((seq, taken[0]))
+            else:
+                ready += [(seq, tok) for tok in taken]
         self.sampling.masks_next()
         return ready
 
@@ -585,6 +604,11 @@ class Engine:
         leave the KV cache."""
         self.sampling_steps += 1 if toks else 0
         draft = seq.draft
+        if len(toks) == 1 and not draft and not seq.tail:  # the common row: one token, nothing to undo
+            t = self._take(seq, toks[0], records[0] if records else None, out, [])
+            if seq.drafting is not None:
+                self.spec.verified(seq, draft, toks, [] if t is None else [t])
+            return [] if t is None else [t]
         written = seq.n_past + seq.tail  # the filler positions after its draft leave too
         seq.tail = 0
         seq.n_past -= len(draft)  # as without the draft: one more for each draft token kept
@@ -611,20 +635,20 @@ class Engine:
         does a stopped matcher mean the grammar completed here)."""
         self.sampled_tokens += 1
         p = seq.params
-        matcher = seq.sampling.matcher
-        closed = "length" if seq.sampling.closing is not None and seq.sampling.closing.forced else "stop"
+        closing = seq.sampling.closing
+        matcher = None if closing is None else closing.matcher
         if (not p.ignore_eos or matcher is not None) and tok in self._eog:
-            self._end(seq, closed, out, before)
+            self._end(seq, "length" if closing is not None and closing.forced else "stop", out, before)
             return None
         if record is not None:
             seq.logprobs.append(record)
             if record is PENDING and self._deferred is not None:
                 self._deferred.place(seq)
         seq.generated_token(tok)
-        if tok in self.chat.tool_format.special.values() and p.tools:
+        if p.tools and tok in self.chat.tool_format.special.values():
             seq.text.mark_here()  # a call opens with a control token (no text)
         if matcher is not None and last and matcher.is_stopped():  # the grammar is complete (closed early: length)
-            self._end(seq, closed, out, before, tok)
+            self._end(seq, "length" if closing is not None and closing.forced else "stop", out, before, tok)
             return None
         if seq.generated >= p.max_tokens or seq.n_past + 1 >= self.cfg.ctx_per_slot:
             self._end(seq, "length", out, before, tok)
