@@ -61,8 +61,7 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     prefix, no output): the step's decode tokens then form one micro-batch. ``pad``: a slot beside a lone
     decoding sequence padded too, its row with logits (deterministic mode: two rows or more a decode step).
     """
-    b.n = 0
-    done = Filled()
+    b.n, done = 0, Filled()
     if not chunk:
         return done
     lo, hi = min(chunk), max(chunk)
