@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The device job for issues 43 and 46 (one H200): build llama-cpp-python with CUDA (sm_90) and
+# patches/llama.cpp (0001: GGML_CUDA_CUBLAS_MIN_BATCH; 0002: GGML_CUDA_DETERMINISTIC) through
+# scripts/llama-cpp-build.sh, the path `make install` takes, while the random q8_0 models are written (the
+# 1B body and Llama-3.1-8B's shape for determinism_gpu.py, an 8B `--peaked` one for spec_copy.py); then
+#   1. scripts/spec_copy.py --draft-1b  (issue 43's table; llama-server runs against this build's libraries
+#      with both variables unset, which is stock llama.cpp);
+#   2. scripts/determinism_gpu.py       (issue 46: deterministic off and on, side by side).
+# If the build fails, step 1 runs on .gpu's stock bundle and step 2 is skipped.
+# Run from the checkout with .gpu/ holding ../shared/device's slim sdist, stock bundle, wheels/,
+# extra-wheels/ and llama-server add-on; start it with setsid so it outlives one device call:
+#   setsid bash scripts/gpu_patched_job.sh > /tmp/j.out 2>&1 < /dev/null &
+# Everything goes to /tmp/j (job.log: the timeline; spec/, det/: each script's --out; DONE at the end).
+set -u
+T0=$(date +%s); J=/tmp/j; M=/tmp/m; W=$PWD
+mkdir -p $J $M
+el() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a $J/job.log; }
+unset GGML_CUDA_CUBLAS_MIN_BATCH GGML_CUDA_DETERMINISTIC
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl .gpu/extra-wheels/*.whl > $J/pip.log 2>&1
+mkdir -p /tmp/lsa && tar xJf .gpu/llama-server-*-addon.tar.xz -C /tmp/lsa
+export PYTHONPATH=/tmp/site:$W/src PYTHONUNBUFFERED=1
+nvidia-smi > $J/gpu.txt 2>&1; echo "cores: $(nproc)" >> $J/gpu.txt
+el "setup done"
+
+( t=$(date +%s)
+  LLAMA_SDIST=$(ls $W/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb PIP_BUILD_ARGS=--no-build-isolation \
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  CMAKE_ARGS="-DLLAVA_BUILD=off -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
+  bash scripts/llama-cpp-build.sh wheel /tmp/wh > $J/build.log 2>&1
+  echo "build rc=$? in $(( $(date +%s) - t )) s" >> $J/build.log ) &
+BPID=$!
+python3 -m llamapool.cli make-model $M/8b-peaked.gguf --peaked --n-embd 4096 --n-layer 32 --n-head 32 \
+  --n-head-kv 8 --n-ff 14336 --n-vocab 128256 --type q8_0 > $J/make-peaked.log 2>&1 &
+MPID=$!
+python3 - > $J/make.log 2>&1 <<'PY'
+import sys, time
+sys.path.insert(0, "scripts")
+from pathlib import Path
+from gpu_bench import GPU_SHAPE, SHAPE_8B
+from llamapool.modelgen import make_model
+for name, dims in (("1b", GPU_SHAPE), ("8b", SHAPE_8B)):
+    t = time.monotonic()
+    make_model(f"/tmp/m/{name}.gguf", **dims)
+    Path(f"/tmp/m/{name}.gguf.done").touch()
+    print(name, round(time.monotonic() - t, 1), "s", flush=True)
+PY
+el "models: $(tr '\n' ' ' < $J/make.log)"
+wait $MPID; el "peaked 8B written"
+wait $BPID
+el "$(tail -1 $J/build.log)"
+if ls /tmp/wh/llama_cpp_python-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/site /tmp/wh/llama_cpp_python-*.whl >> $J/pip.log 2>&1
+  PATCHED=1
+else
+  tar xJf .gpu/llama_cpp-*-cuda-sm90.tar.xz -C /tmp/site; PATCHED=0
+  el "BUILD FAILED: spec_copy on the stock bundle, determinism skipped"; tail -30 $J/build.log >> $J/job.log
+fi
+python3 -c "
+import llama_cpp.llama_cpp as r; from pathlib import Path; from llamapool import llama_patches as p
+d = Path(r._lib._name).parent
+print('patch 0002 in the build:', p.deterministic_unsupported({p.DETERMINISTIC_ENV: '1'}, d) == '')" >> $J/job.log 2>&1
+
+timeout 460 python3 scripts/spec_copy.py --out $J/spec --logs /tmp/jlogs/spec --llama-server /tmp/lsa/llama-server \
+  --model-8b $M/8b-peaked.gguf --draft-1b --deadline 400 > $J/spec.log 2>&1
+el "spec_copy rc=$?"
+if [ $PATCHED = 1 ]; then
+  timeout 480 python3 scripts/determinism_gpu.py --out $J/det --models $M --deadline 200 > $J/det.log 2>&1
+  el "determinism_gpu rc=$?"
+  cat $J/det/summary.md >> $J/job.log 2>&1
+fi
+for f in /tmp/jlogs/spec/*.log $J/det/logs/*.log; do [ -f "$f" ] && { echo "== $f"; tail -15 "$f"; }; done > $J/logs_tail.txt 2>&1
+el "all done"
+touch $J/DONE
