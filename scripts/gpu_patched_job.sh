@@ -6,8 +6,8 @@
 #   1. scripts/spec_copy.py --draft-1b  (issue 43's table; llama-server runs against this build's libraries
 #      with both variables unset, which is stock llama.cpp);
 #   2. scripts/determinism_gpu.py       (issue 46: deterministic off and on, side by side).
-# If the build fails, step 1 runs on .gpu's stock bundle and step 2 is skipped.
-# Run from the checkout with .gpu/ holding ../shared/device's slim sdist, stock bundle, wheels/,
+# If the build fails, it is built again with 0001 alone for step 1, and step 2 is skipped.
+# Run from the checkout with .gpu/ holding ../shared/device's slim sdist, wheels/,
 # extra-wheels/ and llama-server add-on; start it with setsid so it outlives one device call:
 #   setsid bash scripts/gpu_patched_job.sh > /tmp/j.out 2>&1 < /dev/null &
 # Everything goes to /tmp/j (job.log: the timeline; spec/, det/: each script's --out; DONE at the end).
@@ -48,13 +48,16 @@ el "models: $(tr '\n' ' ' < $J/make.log)"
 wait $MPID; el "peaked 8B written"
 wait $BPID
 el "$(tail -1 $J/build.log)"
-if ls /tmp/wh/llama_cpp_python-*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --target /tmp/site /tmp/wh/llama_cpp_python-*.whl >> $J/pip.log 2>&1
-  PATCHED=1
-else
-  tar xJf .gpu/llama_cpp-*-cuda-sm90.tar.xz -C /tmp/site; PATCHED=0
-  el "BUILD FAILED: spec_copy on the stock bundle, determinism skipped"; tail -30 $J/build.log >> $J/job.log
+PATCHED=1
+if ! ls /tmp/wh/llama_cpp_python-*.whl > /dev/null 2>&1; then  # without 0002: spec_copy still runs
+  el "BUILD FAILED: building again with 0001 alone; determinism skipped"; tail -30 $J/build.log >> $J/job.log
+  mkdir -p /tmp/p1 && cp patches/llama.cpp/0001-*.patch /tmp/p1/ && PATCHED=0
+  LLAMA_CPP_PATCHES=/tmp/p1 LLAMA_SDIST=$(ls $W/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb1 \
+  PIP_BUILD_ARGS=--no-build-isolation CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  CMAKE_ARGS="-DLLAVA_BUILD=off -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
+  bash scripts/llama-cpp-build.sh wheel /tmp/wh > $J/build1.log 2>&1; el "build without 0002 rc=$?"
 fi
+python3 -m pip install -q --no-deps --target /tmp/site /tmp/wh/llama_cpp_python-*.whl >> $J/pip.log 2>&1
 python3 -c "
 import llama_cpp.llama_cpp as r; from pathlib import Path; from llamapool import llama_patches as p
 d = Path(r._lib._name).parent
