@@ -16,7 +16,7 @@ from llamapool.config import ConfigError, load_config
 from llamapool.modelgen import make_model
 from llamapool.protocol.messages import Run, SamplingParams, Step
 from llamapool.worker.engine import Engine, EngineConfig, EngineError
-from llamapool.worker.engine.draft import DraftModel
+from llamapool.worker.engine.draft import AMORTIZE, DraftModel, band
 from llamapool.worker.engine.model import load_model
 from llamapool.worker.engine.spec import MODEL_MAX
 from llamapool.worker.engine.speculator import Speculator
@@ -61,7 +61,7 @@ def every_draft_pays(monkeypatch: pytest.MonkeyPatch) -> None:
     """Width costs and a draft model's price that make every draft worth verifying (the choice is
     test_spec_policy's business)."""
     monkeypatch.setattr(Speculator, "width_cost", lambda self, n_rows, rows, prefilling: (lambda k: 1.0))
-    monkeypatch.setattr(DraftModel, "seconds", lambda self, seqs, length, plain: 0.0)
+    monkeypatch.setattr(DraftModel, "seconds", lambda self, seqs, length, plain, left=(): 0.0)
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -207,3 +207,28 @@ def test_a_real_model_drafting_for_itself_keeps_its_drafts_and_its_text(smollm2:
         assert sum(x.completion_tokens for x in on) > 3 * on_steps, on_steps
     finally:
         eng.close()
+
+
+def test_a_long_backlog_is_priced_as_a_share_of_the_reply_it_serves(peaked: dict[str, Path]) -> None:
+    """A new sequence's first proposal catches the draft model up on its whole prompt, once for every later
+    proposal: the step is charged ``length + 1`` of the tokens its reply has left (at most ``AMORTIZE``) of
+    that catching up, not all of it (priced whole, a long prompt's first proposal looked too dear to make,
+    and a sequence never drafted). With no reply left to share it, or none given, the whole of it."""
+    cfg = EngineConfig(str(peaked["target"]), slots=2, ctx_per_slot=1024, threads=1,
+                       speculative=f"draft:{peaked['right']}")
+    target, _keep = load_model(cfg)
+    drafter = DraftModel(cfg, target)
+    try:
+        drafter.timing = {band(1): 0.001, band(5): 0.002, band(601): 0.050}  # a call's seconds by its tokens
+        fresh = seq(0, [1 + i % 500 for i in range(600)])  # 600 tokens, none in the draft model's cache
+        whole = 0.050 + 3 * 0.001
+        assert drafter.seconds([fresh], 4, 1.0) == pytest.approx(whole)
+        assert drafter.seconds([fresh], 4, 1.0, [5]) == pytest.approx(whole)
+        share = 5 / AMORTIZE  # a reply of 1,000 tokens left shares it over AMORTIZE of them
+        assert drafter.seconds([fresh], 4, 1.0, [1000]) == pytest.approx(0.002 + share * 0.048 + 3 * 0.001)
+        drafter.draft([fresh], [4])  # caught up: the next proposal pays for its own new tokens, shared or not
+        grow(fresh, [7, 8])
+        assert drafter.seconds([fresh], 4, 1.0, [1000]) == drafter.seconds([fresh], 4, 1.0) < whole
+    finally:
+        drafter.close()
+        L.llama_model_free(target)

@@ -414,7 +414,7 @@ class Priced:
         self.calls = 0
         self.lengths: list[list[int]] = []
 
-    def seconds(self, seqs: list[Any], length: int, plain: float) -> float:
+    def seconds(self, seqs: list[Any], length: int, plain: float, left: Any = ()) -> float:
         return length * self.call_s if seqs and length > 0 else 0.0
 
     def draft(self, seqs: list[Any], lengths: list[int]) -> list[list[int]]:

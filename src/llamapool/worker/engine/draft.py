@@ -32,6 +32,7 @@ from llamapool.worker.graph_samplers import GraphSamplers
 PREFIX = "draft:"
 SETTLE = 0.8  # a measured call's seconds: the old estimate's weight against the new call's
 FIRST_CALLS = 3  # a band's first calls: their least is its estimate (the first builds the graph)
+AMORTIZE = 256  # a reply's tokens over which a backlog's catching up is shared, at most
 
 
 def draft_path(setting: str) -> str:
@@ -110,18 +111,31 @@ class DraftModel:
 
     # ------------------------------------------------------------ the policy's price
 
-    def seconds(self, seqs: Sequence[Speculating], length: int, plain: float) -> float:
+    def seconds(self, seqs: Sequence[Speculating], length: int, plain: float, left: Sequence[int] = ()) -> float:
         """A proposal's expected seconds: drafts of ``length`` tokens for ``seqs`` (one call catching up on
         their tokens since their last proposals, ``length - 1`` calls of a token each), each call at its
         band's measured seconds (unmeasured: the nearest band measured; none yet: ``plain``, the model's
-        plain step, times the draft model's share of the weights)."""
+        plain step, times the draft model's share of the weights).
+
+        A backlog (tokens beyond what one proposal's step adds: a new sequence's prompt, a long back-off's
+        tokens) is caught up once for every later proposal, so a proposal pays its share of it: ``length +
+        1`` of the tokens the sequences' replies have ``left`` (at most ``AMORTIZE`` each; none given: all of
+        it). Priced whole, a long prompt's catching up made a first proposal look too dear to make, and the
+        sequence never drafted (an H200, 8B target, one stream, an always-right draft: in one of two rounds
+        only the first of four requests drafted)."""
         if length <= 0 or not seqs:
             return 0.0
-        behind = 0
+        behind = steady = 0
         for seq in seqs:
             h = self.held.get(seq.seq_id)
-            behind += seq.n_history - (h.n if h is not None and h.rid == seq.rid else 0) + 1
-        return self._call(behind, plain) + (length - 1) * self._call(len(seqs), plain)
+            n = seq.n_history - (h.n if h is not None and h.rid == seq.rid else 0) + 1
+            behind += n
+            steady += min(n, length + 1)
+        catch_up = self._call(behind, plain)
+        if behind > steady and left:
+            share = min(1.0, (length + 1) * len(left) / max(sum(min(x, AMORTIZE) for x in left), 1))
+            catch_up = self._call(steady, plain) + share * max(catch_up - self._call(steady, plain), 0.0)
+        return catch_up + (length - 1) * self._call(len(seqs), plain)
 
     def _call(self, tokens: int, plain: float) -> float:
         b = band(tokens)

@@ -297,9 +297,10 @@ class Drafter(Protocol):
         """Each sequence's draft of at most ``lengths[i]`` tokens (before the launch)."""
         ...
 
-    def seconds(self, seqs: Sequence[Speculating], length: int, plain: float) -> float:
+    def seconds(self, seqs: Sequence[Speculating], length: int, plain: float, left: Sequence[int] = ()) -> float:
         """The expected seconds of :meth:`draft` for ``seqs`` with drafts of ``length`` tokens (``plain``: the
-        model's plain step, for a drafter that has measured nothing yet)."""
+        model's plain step, for a drafter that has measured nothing yet; ``left``: the tokens each
+        sequence's reply has left, over which a one-time cost may be shared)."""
         ...
 
     def close(self) -> None:

@@ -205,12 +205,13 @@ class Speculator:
 
         def priced(drafting: list[tuple[Sequence, int]]) -> Callable[[int], float]:
             seqs, longest = [seq for seq, _ in drafting], max(n for _, n in drafting)
+            left = [seq.params.max_tokens - seq.generated for seq in seqs]
             calls: dict[int, float] = {0: 0.0}  # draft tokens -> the drafter's seconds (asked once a step)
 
             def at(k: int) -> float:
                 n = min(max(k, 0), longest)
                 if n not in calls:
-                    calls[n] = drafter.seconds(seqs, n, plain)
+                    calls[n] = drafter.seconds(seqs, n, plain, left)
                 return cost(k) + calls[n]
             return at
 
