@@ -3,10 +3,10 @@
 # patches/llama.cpp (0001: GGML_CUDA_CUBLAS_MIN_BATCH; 0002: GGML_CUDA_DETERMINISTIC) through
 # scripts/llama-cpp-build.sh, the path `make install` takes, while the random q8_0 models are written (the
 # 1B body and Llama-3.1-8B's shape for determinism_gpu.py, an 8B `--peaked` one for spec_copy.py); then
-#   1. scripts/spec_copy.py --draft-1b  (issue 43's table; llama-server runs against this build's libraries
-#      with both variables unset, which is stock llama.cpp);
-#   2. scripts/determinism_gpu.py       (issue 46: deterministic off and on, side by side).
-# If the build fails, it is built again with 0001 alone for step 1, and step 2 is skipped.
+#   1. scripts/determinism_gpu.py       (issue 46: deterministic off and on, side by side);
+#   2. scripts/spec_copy.py --draft-1b  (issue 43's table, SPEC_ARGS added: e.g. "--shapes 8b --streams 0";
+#      llama-server runs against this build's libraries with both variables unset, i.e. stock llama.cpp).
+# If the build fails, it is built again with 0001 alone for step 2, and step 1 is skipped.
 # Run from the checkout with .gpu/ holding ../shared/device's slim sdist, wheels/,
 # extra-wheels/ and llama-server add-on; start it with setsid so it outlives one device call:
 #   setsid bash scripts/gpu_patched_job.sh > /tmp/j.out 2>&1 < /dev/null &
@@ -29,21 +29,12 @@ el "setup done"
   bash scripts/llama-cpp-build.sh wheel /tmp/wh > $J/build.log 2>&1
   echo "build rc=$? in $(( $(date +%s) - t )) s" >> $J/build.log ) &
 BPID=$!
-python3 -m llamapool.cli make-model $M/8b-peaked.gguf --peaked --n-embd 4096 --n-layer 32 --n-head 32 \
-  --n-head-kv 8 --n-ff 14336 --n-vocab 128256 --type q8_0 > $J/make-peaked.log 2>&1 &
+D8="--n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 --n-ff 14336 --n-vocab 128256 --type q8_0"
+D1="--n-embd 2048 --n-layer 16 --n-head 32 --n-head-kv 8 --n-ff 8192 --n-vocab 32000 --type q8_0"
+python3 -m llamapool.cli make-model $M/8b-peaked.gguf --peaked $D8 > $J/make-peaked.log 2>&1 &
 MPID=$!
-python3 - > $J/make.log 2>&1 <<'PY'
-import sys, time
-sys.path.insert(0, "scripts")
-from pathlib import Path
-from gpu_bench import GPU_SHAPE, SHAPE_8B
-from llamapool.modelgen import make_model
-for name, dims in (("1b", GPU_SHAPE), ("8b", SHAPE_8B)):
-    t = time.monotonic()
-    make_model(f"/tmp/m/{name}.gguf", **dims)
-    Path(f"/tmp/m/{name}.gguf.done").touch()
-    print(name, round(time.monotonic() - t, 1), "s", flush=True)
-PY
+( for m in "1b $D1" "8b $D8"; do set -- $m; n=$1; shift
+    python3 -m llamapool.cli make-model $M/$n.gguf "$@" && touch $M/$n.gguf.done; done ) > $J/make.log 2>&1
 el "models: $(tr '\n' ' ' < $J/make.log)"
 wait $MPID; el "peaked 8B written"
 wait $BPID
@@ -63,14 +54,14 @@ import llama_cpp.llama_cpp as r; from pathlib import Path; from llamapool import
 d = Path(r._lib._name).parent
 print('patch 0002 in the build:', p.deterministic_unsupported({p.DETERMINISTIC_ENV: '1'}, d) == '')" >> $J/job.log 2>&1
 
-timeout 460 python3 scripts/spec_copy.py --out $J/spec --logs /tmp/jlogs/spec --llama-server /tmp/lsa/llama-server \
-  --model-8b $M/8b-peaked.gguf --draft-1b --deadline 400 > $J/spec.log 2>&1
-el "spec_copy rc=$?"
 if [ $PATCHED = 1 ]; then
   timeout 480 python3 scripts/determinism_gpu.py --out $J/det --models $M --deadline 200 > $J/det.log 2>&1
   el "determinism_gpu rc=$?"
   cat $J/det/summary.md >> $J/job.log 2>&1
 fi
+timeout 460 python3 scripts/spec_copy.py --out $J/spec --logs /tmp/jlogs/spec --llama-server /tmp/lsa/llama-server \
+  --model-8b $M/8b-peaked.gguf --draft-1b --deadline 400 ${SPEC_ARGS:-} > $J/spec.log 2>&1
+el "spec_copy rc=$?"
 for f in /tmp/jlogs/spec/*.log $J/det/logs/*.log; do [ -f "$f" ] && { echo "== $f"; tail -15 "$f"; }; done > $J/logs_tail.txt 2>&1
 el "all done"
 touch $J/DONE
