@@ -128,6 +128,7 @@ class Pool:
     daemon: Daemon
     port: int
     env: dict[str, str]  # the environment in which Client() and the CLI find the daemon
+    reused: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # each curl reply's prompt, cached tokens
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,10 @@ def run(ex: Example, pool: Pool, namespace: dict[str, Any], **body: Any) -> tupl
         req = urllib.request.Request(ex.url.replace(README_URL, f"http://127.0.0.1:{pool.port}"), data,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
-            return (_reply(r.read().decode()),)
+            reply = r.read().decode()
+        usage = json.loads(reply)["usage"]
+        pool.reused.append((usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
+        return (_reply(reply),)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(ex.code.replace(README_URL, f"http://127.0.0.1:{pool.port}"), namespace)
@@ -228,7 +232,9 @@ def printed(pool: Pool) -> dict[str, dict[str, tuple[str, ...]]]:
     uncached = {curl.name: run(curl, pool, {}, cache_prompt=False)}
     with Neighbours(pool):
         beside = run_all(pool)
-    return {"first call": first, "second call": second, "cache_prompt false": uncached, "beside neighbours": beside}
+    again = [run(curl, pool, {}) for _ in range(2)]  # an idle pool: both to one worker, the second a cache hit
+    return {"first call": first, "second call": second, "cache_prompt false": uncached, "beside neighbours": beside,
+            "after": {curl.name: again[-1]}}
 
 
 def test_each_example_prints_the_same_text_every_time(printed: dict[str, dict[str, tuple[str, ...]]]) -> None:
@@ -236,6 +242,15 @@ def test_each_example_prints_the_same_text_every_time(printed: dict[str, dict[st
     differ = [f"{name}, {when}: {text} (first call: {first[name]})" for when, round_ in printed.items()
               for name, text in round_.items() if text != first[name]]
     assert not differ, "\n".join(differ)
+
+
+def test_the_examples_run_in_deterministic_mode(pool: Pool, printed: dict[str, dict[str, tuple[str, ...]]]) -> None:
+    """The curl example's prefix was reused, and as deterministic mode does (docs/http.md#determinism):
+    its last two tokens computed again (without the mode: all but the last). On this build the README's
+    examples print the same text without the mode too, so this is the check that the config sets it."""
+    prompt = {p for p, _ in pool.reused}
+    assert len(prompt) == 1, pool.reused
+    assert max(c for _, c in pool.reused) == prompt.pop() - 2, f"(prompt, cached tokens) of each call: {pool.reused}"
 
 
 def cpu_facts() -> CpuFacts:
