@@ -8,12 +8,15 @@ free one), its runtime dir (``RUNTIME_DIRECTORY``, which is where ``Client()`` a
 endpoint), its relative paths (made absolute: the copy lives elsewhere) and ``devices = "cpu"`` (the
 README's outputs are CPU workers') changed.
 
-(a) every example prints the same text on its first call (a fresh daemon), a second (its prefix
-cached), the curl body once more with ``cache_prompt: false``, and beside sampled requests decoding on
-every worker: ``model.deterministic = true`` in the config. (b) the texts are the README's, checked only
-on a machine with the CPU features and llama-cpp-python of the one the README was written on (another
-CPU's kernels may round a near-tie otherwise: docs/http.md#determinism), else skipped naming the
-difference.
+(a) every example prints the same text on its first call (a fresh daemon), on calls after it (twice in
+a row: the repeat reaches the worker holding its prompt, as the curl example's ``cached_tokens`` shows),
+the curl body once more with ``cache_prompt: false``, and beside sampled requests decoding on every
+worker: ``model.deterministic = true`` in the config (whose mark, a reused prefix leaving 2 tokens to
+compute, is checked too: on this build the examples' texts happen to hold without the mode).
+
+(b) the texts are the README's, checked only on a machine with the CPU features and llama-cpp-python of
+the one the README was written on (another CPU's kernels may round a near-tie otherwise:
+docs/http.md#determinism), else skipped naming the difference.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def _reply(text: str) -> str:
 
 
 def examples(markdown: str) -> tuple[Example, ...]:
+    """The README's examples, in order, with what it says each prints (the lines after it: a console
+    command's next line, a python block's ``# `` comments)."""
     out: list[Example] = []
     for lang, body in BLOCK.findall(markdown):
         lines = body.splitlines()
