@@ -200,11 +200,13 @@ def test_a_reload_with_a_bad_keys_file_keeps_the_old_keys(tmp_path: Path, model_
 def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp_path: Path,
                                                                               model_path: str) -> None:
     """One worker of one slot: a long default stream runs, 10 short default streams wait; a
-    ``service_tier="priority"`` stream sent then takes the slot as soon as it frees, before every one
-    of them; a flex request is refused (429) while the queue is over half of max_queue, a default one
-    still waits; every accepted stream gets its one final reply."""
+    ``service_tier="priority"`` stream sent then takes the slot as soon as it frees (its client hangs
+    up the long stream once the priority one waits too), before every one of them; a flex request is
+    refused (429) while the queue is over half of max_queue, a default one still waits; every accepted
+    stream gets its one final reply. (The long stream is ended by its client, not by its length: on a
+    loaded machine a 900-token one ended before the ten were queued, and the flex request was admitted.)"""
     d, url = start_gateway(tmp_path / "d", model_path, workers={"cpu_workers": 1, "slots": 1},
-                           server={"max_queue": 16}, model={"ctx_per_slot": 1024})
+                           server={"max_queue": 16}, model={"ctx_per_slot": 16384})
 
     async def queued(h: httpx.AsyncClient) -> float:
         text = (await h.get(url + "/metrics")).text
@@ -215,6 +217,8 @@ def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp
         first: dict[str, float] = {}
         ended: dict[str, float] = {}
 
+        hang_up = asyncio.Event()
+
         async def one(name: str, max_tokens: int, **kw: Any) -> str:
             s = await c.completions.create(model="tiny", prompt="Hello there", max_tokens=max_tokens, stream=True,
                                            temperature=0, extra_body={"ignore_eos": True, **kw})
@@ -222,22 +226,33 @@ def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp
             reason = ""
             async for chunk in s:
                 reason = chunk.choices[0].finish_reason or reason
+                if name == "long" and hang_up.is_set():
+                    await s.close()
+                    reason = "hung up"
+                    break
             ended[name] = time.monotonic()
             return reason
 
-        long = asyncio.create_task(one("long", 900))
+        async def wait_queued(h: httpx.AsyncClient, n: int) -> None:
+            end = time.monotonic() + 60  # a loaded machine is slow to send them
+            while (depth := await queued(h)) < n:
+                assert time.monotonic() < end and not long.done(), f"{depth} of {n} requests queued"
+                await asyncio.sleep(0.02)
+
+        long = asyncio.create_task(one("long", 16000))
         while "long" not in first:
             await asyncio.sleep(0.01)
         defaults = [asyncio.create_task(one(f"d{i}", 8)) for i in range(10)]
-        async with httpx.AsyncClient() as h:  # all ten wait in the router (a loaded machine is slow to send them)
-            end = time.monotonic() + 20
-            while await queued(h) < 10 and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-        with pytest.raises(openai.RateLimitError) as e:
-            await c.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"service_tier": "flex"})
-        assert "flex" in e.value.message
-        sent = time.monotonic()
-        high = asyncio.create_task(one("high", 4, service_tier="priority"))
+        async with httpx.AsyncClient() as h:
+            await wait_queued(h, 10)  # all ten wait in the router
+            with pytest.raises(openai.RateLimitError) as e:
+                await c.completions.create(model="tiny", prompt="Hi", max_tokens=2,
+                                           extra_body={"service_tier": "flex"})
+            assert "flex" in e.value.message
+            sent = time.monotonic()
+            high = asyncio.create_task(one("high", 4, service_tier="priority"))
+            await wait_queued(h, 11)  # the priority one waits too: the slot frees now
+        hang_up.set()
         reasons = await asyncio.gather(long, *defaults, high)
         assert sent < ended["long"], "the long stream ended before the priority request came: no queue to pass"
         ahead = sum(1 for n, t in first.items() if n.startswith("d") and t < first["high"])
@@ -248,7 +263,7 @@ def test_a_priority_request_waits_at_most_one_step_and_flex_is_refused_first(tmp
         ahead, reasons = asyncio.run(main())
         print(f"waiting default requests started ahead of the priority one: {ahead}")
         assert ahead == 0, ahead
-        assert reasons == ["length"] * 12
+        assert reasons == ["hung up"] + ["length"] * 11
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
 
