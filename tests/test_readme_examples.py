@@ -50,7 +50,8 @@ README_URL = "http://127.0.0.1:8000"
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 # The /proc/cpuinfo flags that choose llama.cpp's CPU kernels (ggml-cpu's x86 variants), and the
 # llama-cpp-python whose llama.cpp ran them, on the machine the README's outputs were written on.
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "f16c", "fma")
+KERNEL_FLAGS = ("sse3", "ssse3", "avx", "avx2", "avx_vnni", "f16c", "fma", "avx512f", "avx512bw", "avx512vl",
+                "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class CpuFacts:
     llama_cpp: str  # llama-cpp-python's version (its llama.cpp)
 
 
-WRITTEN_ON = CpuFacts(("amx_tile", "avx2", "avx512_bf16", "avx512_vnni", "avx512f", "f16c", "fma"), "0.3.36")
+WRITTEN_ON = CpuFacts(("amx_bf16", "amx_int8", "amx_tile", "avx", "avx2", "avx512_bf16", "avx512_fp16", "avx512_vnni",
+                       "avx512bw", "avx512f", "avx512vbmi", "avx512vl", "avx_vnni", "f16c", "fma", "ssse3"), "0.3.36")
 
 
 @dataclass(frozen=True)
