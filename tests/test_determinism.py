@@ -24,6 +24,7 @@ from llamapool import default_model
 from llamapool.worker.scheduler import at_least_two
 
 from .conftest import Daemon, launch
+from .neighbours import Neighbours
 
 GEMMA, SMOL = "gemma-3-270m", "smollm2-135m-instruct"
 HISTORY = ("The history of the city begins in the twelfth century, when a small market grew up on the banks of "
@@ -84,50 +85,16 @@ def _alone(d: Daemon, **params: Any) -> list[str]:
         return [_ask(c, m, p, **params) for m, p in HELD]
 
 
-class Neighbours:
+LONG_PROMPT = " ".join(f"Line {i}: the river runs past the market and the mill." for i in range(100))
+
+
+def neighbours(d: Daemon) -> Neighbours:
     """Requests decoding beside the held ones on both models: constrained (a JSON schema), sampled, and a
     long prompt; started before them, so that the held prompts arrive mid-decode."""
-
-    def __init__(self, d: Daemon):
-        self.d, self.stop, self.errors = d, threading.Event(), list[BaseException]()
-        self.decoding = threading.Semaphore(0)
-        self.threads = [threading.Thread(target=self._run, args=(m, kind)) for m in (GEMMA, SMOL)
-                        for kind in ("constrained", "sampled", "long")]
-
-    def _run(self, model: str, kind: str) -> None:
-        long_prompt = " ".join(f"Line {i}: the river runs past the market and the mill." for i in range(100))
-        prompt = {"constrained": "A person, as JSON:", "sampled": "A recipe for bread:", "long": long_prompt}[kind]
-        params: dict[str, Any] = {"constrained": {"json_schema": SCHEMA, "temperature": 0.0, "max_tokens": 60},
-                                  "sampled": {"temperature": 0.9, "seed": 3, "max_tokens": 200, "ignore_eos": True},
-                                  "long": {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}}[kind]
-        signalled = False
-        try:
-            with self.d.client() as c:
-                while not self.stop.is_set():
-                    for chunk in c.stream(prompt, model=model, **params):
-                        if chunk.tokens >= 2 and not signalled:
-                            signalled = True
-                            self.decoding.release()
-                        if self.stop.is_set():
-                            break
-        except BaseException as e:
-            self.errors.append(e)
-        finally:
-            if not signalled:
-                self.decoding.release()
-
-    def __enter__(self) -> Neighbours:
-        for t in self.threads:
-            t.start()
-        for _ in self.threads:
-            assert self.decoding.acquire(timeout=120)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-        assert not self.errors, self.errors
+    return Neighbours(d, [job for m in (GEMMA, SMOL) for job in (
+        (m, "A person, as JSON:", {"json_schema": SCHEMA, "temperature": 0.0, "max_tokens": 60}),
+        (m, "A recipe for bread:", {"temperature": 0.9, "seed": 3, "max_tokens": 200, "ignore_eos": True}),
+        (m, LONG_PROMPT, {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}))])
 
 
 def _concurrently(d: Daemon, stagger: float = 0.0, **params: Any) -> list[str]:
@@ -157,9 +124,9 @@ def test_a_greedy_reply_depends_on_the_request_alone(daemons: tuple[Daemon, Daem
     assert all(first), first
     assert _alone(cached) == first, "a prompt on its cached prefix"
     assert _alone(plain) == first, "without a prefix cache"
-    with Neighbours(cached):  # beside constrained, sampled and long neighbours, arriving mid-decode
+    with neighbours(cached):  # beside constrained, sampled and long neighbours, arriving mid-decode
         assert _concurrently(cached) == first, "all at once, beside neighbours"
-    with Neighbours(plain):
+    with neighbours(plain):
         assert _concurrently(plain, stagger=0.3) == first, "one by one mid-decode, no prefix cache"
 
 
@@ -167,7 +134,7 @@ def test_a_sampled_reply_with_a_seed_is_the_same_every_time(daemons: tuple[Daemo
     cached, _ = daemons
     sampled = {"temperature": 0.9, "seed": 11, "max_tokens": 32}
     first = _alone(cached, **sampled)
-    with Neighbours(cached):
+    with neighbours(cached):
         assert _concurrently(cached, stagger=0.3, **sampled) == first
     with cached.client() as c:  # the seed decides: another seed, another reply
         assert [_ask(c, m, p, **{**sampled, "seed": 12}) for m, p in HELD[:2]] != first[:2]

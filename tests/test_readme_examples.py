@@ -30,7 +30,6 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import pytest
 from llamapool import default_model
 
 from .conftest import Daemon, free_port
+from .neighbours import Neighbours
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -187,46 +187,12 @@ def run_all(pool: Pool) -> dict[str, tuple[str, ...]]:
     return {ex.name: run(ex, pool, namespace) for ex in EXAMPLES}
 
 
-class Neighbours:
+def neighbours(pool: Pool) -> Neighbours:
     """Long sampled requests decoding on every worker (two on Gemma's two workers, one on SmolLM2's),
     started before the examples and stopped after them."""
-
-    def __init__(self, pool: Pool):
-        self.pool, self.stop, self.errors = pool, threading.Event(), list[BaseException]()
-        self.decoding = threading.Semaphore(0)
-        self.threads = [threading.Thread(target=self._run, args=(m,)) for m in
-                        ("gemma-3-270m", "gemma-3-270m", "smollm2-135m-instruct")]
-
-    def _run(self, model: str) -> None:
-        signalled = False
-        try:
-            with self.pool.daemon.client() as c:
-                while not self.stop.is_set():
-                    for chunk in c.stream("A recipe for bread:", model=model, temperature=0.9, max_tokens=400,
-                                          ignore_eos=True):
-                        if chunk.tokens >= 2 and not signalled:
-                            signalled = True
-                            self.decoding.release()
-                        if self.stop.is_set():
-                            break
-        except BaseException as e:
-            self.errors.append(e)
-        finally:
-            if not signalled:
-                self.decoding.release()
-
-    def __enter__(self) -> Neighbours:
-        for t in self.threads:
-            t.start()
-        for _ in self.threads:
-            assert self.decoding.acquire(timeout=120)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-        assert not self.errors, self.errors
+    params = {"temperature": 0.9, "max_tokens": 400, "ignore_eos": True}
+    return Neighbours(pool.daemon, [(m, "A recipe for bread:", params)
+                                    for m in ("gemma-3-270m", "gemma-3-270m", "smollm2-135m-instruct")])
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +208,7 @@ def printed(pool: Pool) -> dict[str, dict[str, tuple[str, ...]]]:
         second[ex.name], third[ex.name] = run(ex, pool, namespace), run(ex, pool, namespace)
     curl = next(e for e in EXAMPLES if e.kind == "curl")
     uncached = {curl.name: run(curl, pool, {}, cache_prompt=False)}
-    with Neighbours(pool):
+    with neighbours(pool):
         beside = run_all(pool)
     again = [run(curl, pool, {}) for _ in range(2)]  # an idle pool: both to one worker, the second a cache hit
     return {"first call": first, "second call": second, "third call": third, "cache_prompt false": uncached,
