@@ -16,7 +16,7 @@ from llamapool.protocol.endpoints import default_frontend as default_frontend
 from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
 from llamapool.protocol.endpoints import ipc_path as ipc_path
 from llamapool.protocol.endpoints import needs_curve as needs_curve
-from llamapool.worker.settings import SPECULATIVE, EngineSettings
+from llamapool.worker.settings import SPECULATIVE, EngineSettings, host_kv_bytes, parse_size, size_bytes
 from llamapool.worker.settings import step_budget as step_budget
 
 
@@ -42,7 +42,7 @@ class ServerConfig:
 
 Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
 Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | "remote" | [0, 1] | [[0, 1], [2, 3]]
-POOL_KEYS = ("devices", "cpu_workers", "slots", "threads")  # [workers] keys a model may override
+POOL_KEYS = ("devices", "cpu_workers", "slots", "threads", "kv_host")  # [workers] keys a model may override
 POOLINGS = ("", "mean", "cls", "last")  # model.pooling
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
 
@@ -107,6 +107,7 @@ class WorkersConfig:
     cpu_workers: int = 2
     slots: int = EngineSettings.slots
     threads: int = EngineSettings.threads  # CPU threads per worker; 0 -> split the cores between CPU workers
+    kv_host: str = EngineSettings.kv_host  # the host-RAM KV tier of each worker: "auto", "16GiB" or "0" (off)
     env: dict[str, str] = field(default_factory=dict)
     heartbeat_interval: float = 1.0
     heartbeat_liveness: int = 3  # missed heartbeats before a worker is dead
@@ -284,18 +285,16 @@ def ram_budget(text: str, total: int) -> int:
     """``[pool] ram_budget`` in bytes, given the machine's RAM: "16GiB", "12000MB", "75%"; "" -> 80 %."""
     if not text:
         return int(total * 0.8)
-    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-             "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-    parts = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|[a-zA-Z]*)\s*", text)
-    if parts is None or (parts.group(2) != "%" and parts.group(2).lower() not in units):
+    size = parse_size(text)
+    if size is None:
         raise ConfigError(f"pool.ram_budget: must be a size such as \"16GiB\" or \"12000MB\", or a share of "
                           f"the RAM such as \"75%\", got {text!r}")
-    number, unit = float(parts.group(1)), parts.group(2)
+    number, unit = size
     if unit == "%":
         if not 0 < number <= 100:
             raise ConfigError(f"pool.ram_budget: a share of the RAM must be > 0% and <= 100%, got {text!r}")
         return int(total * number / 100)
-    return int(number * units[unit.lower()])
+    return size_bytes(number, unit)
 
 
 def _pool(pool: PoolConfig) -> PoolConfig:
@@ -477,6 +476,10 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
     if m.speculative not in SPECULATIVE and not (m.speculative.startswith("draft:") and m.speculative[6:]):
         values = ", ".join(f'"{v}"' for v in SPECULATIVE)
         raise ConfigError(f"{key}.speculative: must be {values} or \"draft:<a GGUF path>\", got {m.speculative!r}")
+    try:
+        host_kv_bytes(m.kv_host, ram=1 << 30)
+    except ValueError as e:
+        raise ConfigError(f"{key}.{e}") from None
     from llamapool.worker.scheduler import StepTarget  # pure Python, no llama.cpp
 
     try:

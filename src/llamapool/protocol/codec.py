@@ -31,6 +31,7 @@ from llamapool.protocol.messages import (
     Generate,
     Heartbeat,
     Hello,
+    KVPart,
     Message,
     MetricsReply,
     MetricsRequest,
@@ -509,7 +510,7 @@ REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
 }
 REPLY_TYPES.update({c.TYPE: _with_logprobs(c) for c in (Chunk, Result)})
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown)
+    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown, KVPart)
 }
 # The router reads a step's logprob records as the arrays they travel as: it passes them on unread, and
 # making them records again would cost it 3 us a token (the client's codec does: REPLY_TYPES)
@@ -521,6 +522,7 @@ ROUTER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Abort.TYPE: _plain(Abort),
     Heartbeat.TYPE: _plain(Heartbeat),
     Shutdown.TYPE: _plain(Shutdown),
+    KVPart.TYPE: _plain(KVPart),
 }
 
 

@@ -318,6 +318,8 @@ class Heartbeat:
     # speculative decoding, cumulative: draft tokens verified, accepted, tokens sampled, (sequence, step)
     # pairs sampled ([] from an engine without it)
     speculation: list[int] = field(default_factory=list)
+    # the host KV tier's counters (worker/engine/hostkv.py TierStats; {} without a tier)
+    kv_host: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -407,6 +409,23 @@ class Shutdown:
     reason: str = ""
 
 
+@dataclass(slots=True)
+class KVPart:
+    """A draining worker's host KV tier entry, in parts: worker -> router -> a ready sibling worker of the
+    same model, which keeps it if it is its model's and build's (``identity``) and intact (``crc``, zlib's
+    crc32 of the whole state). ``tokens`` (int32 bytes) and the check fields come with part 0."""
+
+    TYPE: ClassVar[str] = "kv_part"
+    key: int  # the entry's number in its worker's handover
+    part: int
+    parts: int
+    data: bytes  # a piece of llama.cpp's serialized sequence state
+    tokens: bytes = b""
+    identity: bytes = b""
+    crc: int = 0
+    source: str = ""  # set by the router: the worker it came from (a receiver joins parts per source)
+
+
 Message = (
     Generate
     | Embed
@@ -431,4 +450,5 @@ Message = (
     | Abort
     | Step
     | Shutdown
+    | KVPart
 )

@@ -21,12 +21,13 @@ from llamapool.protocol.messages import (
     Failed,
     Heartbeat,
     Hello,
+    KVPart,
     Message,
     Run,
     Shutdown,
     Step,
 )
-from llamapool.router.fleet import SPECULATION
+from llamapool.router.fleet import HOST_COUNTERS, SPECULATION
 from llamapool.router.policy import pick_worker, remember
 from llamapool.router.tables import ENDINGS, LOG, Job, JobTable, RequestStatus, WorkerState
 from llamapool.router.tenants import FairQueue
@@ -93,11 +94,28 @@ class Backend(JobTable):
             w.steps, w.busy_for, w.decode_s, w.step_s = msg.steps, msg.busy_for, msg.decode_s, msg.step_s
             w.reused_tokens, w.kv_used, w.kv_total = msg.reused_tokens, msg.kv_used, msg.kv_total
             w.schedule = (msg.step_target, msg.step_budget, msg.step_cost)
-            w.speculation = msg.speculation
+            w.speculation, w.kv_host = msg.speculation, msg.kv_host
             if msg.draining and w.state == "ready":  # SIGTERM on its node: it finishes what it has
                 w.state = "retiring"
+        elif isinstance(msg, KVPart):
+            self._hand_over(w, msg)
         elif isinstance(msg, Shutdown):  # drained and leaving
             self._lose_worker(w, SHUT_DOWN)
+
+    def _hand_over(self, w: WorkerState, part: KVPart) -> None:
+        """A part of a draining worker's host KV tier, to one ready sibling of its model (the same one for all
+        its parts; dropped when there is none). The prefixes the router remembers of ``w`` go with the first
+        part, so that the sessions whose KV moved follow it there."""
+        sib = self.workers.get(w.handover_to) if w.handover_to else None
+        if sib is None or not sib.routable:
+            sibs = [s for s in self.workers.values() if s.model == w.model and s is not w and s.routable]
+            if not sibs:
+                return
+            sib = max(sibs, key=lambda s: (s.free, s.name))
+            w.handover_to = sib.name
+            remember(sib, tuple(w.prefixes))
+        part.source = w.name
+        self._send_worker(sib, part)
 
     def _on_step(self, w: WorkerState, step: Step) -> None:
         now = time.monotonic()
@@ -150,7 +168,9 @@ class Backend(JobTable):
             del self.workers[w.name]
             self.metrics.worker_gone(w.name, {"reused_tokens": w.reused_tokens, "decode_s": w.decode_s,
                                               "step_s": w.step_s, "steps": w.steps,
-                                              **dict(zip(SPECULATION, w.speculation, strict=False))})
+                                              **dict(zip(SPECULATION, w.speculation, strict=False)),
+                                              **{f"kv_host_{k}": v for k, v in w.kv_host.items()
+                                                 if k in HOST_COUNTERS}})
         if w.jobs:
             LOG.warning(f"worker {w.name} lost ({why}) with {len(w.jobs)} request(s)", worker=w.name,
                         requests=",".join(sorted(j.log_id for j in w.jobs.values())))

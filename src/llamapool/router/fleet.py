@@ -29,6 +29,25 @@ def schedule_view(schedule: Schedule) -> dict[str, Any]:
 
 
 SPECULATION = ("draft_tokens", "accepted_tokens", "sampled_tokens", "sampling_steps")
+# the host KV tier's cumulative counters (worker/engine/hostkv.py TierStats) and their help texts; its
+# other figures (bytes, entries, capacity) are what it holds now
+HOST_COUNTERS = {
+    "hits": "Prompts whose longest prefix was restored from the host KV tier",
+    "misses": "Prompts of at least a block that found nothing in the host KV tier",
+    "skipped": "Prompts that found an entry in the host KV tier but were cheaper to recompute",
+    "restores": "Host KV tier entries copied back into a slot",
+    "restored_tokens": "Prompt tokens restored from the host KV tier instead of computed",
+    "bytes_restored": "Bytes copied from the host KV tier into the KV cache",
+    "restore_seconds": "Seconds spent copying host KV tier entries into the KV cache",
+    "saves": "Sequences' KV copied into the host KV tier before their slot was overwritten",
+    "bytes_saved": "Bytes copied from the KV cache into the host KV tier",
+    "save_seconds": "Seconds spent copying KV into the host KV tier",
+    "evictions": "Host KV tier entries dropped for room (least recently used) or superseded by a longer one",
+    "failed": "Host KV tier entries llama.cpp would not restore (dropped; the prompt was recomputed)",
+    "handed_out": "Host KV tier entries handed to a sibling worker when this one drained",
+    "handed_in": "Host KV tier entries received from a draining sibling worker",
+    "refused": "Host KV tier entries received and dropped (another model or build, a bad checksum, no room)",
+}
 
 
 def speculation_view(counts: list[int]) -> dict[str, Any]:
@@ -66,6 +85,7 @@ class LiveWorker:
     kv_total: int = 0
     schedule: Schedule = ("", 0, [])
     speculation: list[int] = field(default_factory=list)  # SPECULATION's counts ([] without speculation)
+    kv_host: dict[str, float] = field(default_factory=dict)  # the host KV tier's counters ({}: no tier)
 
     @property
     def draft_tokens(self) -> int:
@@ -81,7 +101,7 @@ class LiveWorker:
                     visible_devices=self.visible_devices, steps=self.steps, n_vocab=self.n_vocab,
                     ctx_per_slot=self.ctx_per_slot, decode_s=round(self.decode_s, 3), step_s=round(self.step_s, 3),
                     reused_tokens=self.reused_tokens, node=self.node, **schedule_view(self.schedule),
-                    **speculation_view(self.speculation))
+                    kv_host=dict(self.kv_host), **speculation_view(self.speculation))
 
 
 @dataclass(frozen=True, slots=True)

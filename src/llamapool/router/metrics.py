@@ -24,7 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from llamapool.router.fleet import Fleet, FleetWorker
+from llamapool.router.fleet import HOST_COUNTERS, Fleet, FleetWorker
 
 # the supervisor's reasons for a worker's unexpected exit (``llamapool_worker_restarts_total``)
 RESTART_REASONS = ("exit", "signal", "heartbeat", "step_timeout", "start_timeout", "gpu_lost")
@@ -135,6 +135,7 @@ class _Snapshot(Collector):
         yield self._requests()
         yield from self._tokens()
         yield from self._engine_counters()
+        yield from self._host_tier()
         yield from self._latencies()
         yield GaugeMetricFamily("llamapool_queue_depth", "Prompts waiting in the router's queues (all models)",
                                 value=fleet.queued_total)
@@ -188,6 +189,26 @@ class _Snapshot(Collector):
                 value = self.m.engine_base[name][field] + (float(getattr(live, field)) if live else 0.0)
                 fam.add_metric([self._model_of(name), name, node_of(name)], value)
             yield fam
+
+    def _host_tier(self) -> Iterator[Metric]:
+        """Each worker's host KV tier: its counters (kept when its process leaves) and what it holds now."""
+        labels = ["model", "worker", "node"]
+        for key, help_text in HOST_COUNTERS.items():
+            fam = CounterMetricFamily(f"llamapool_kv_host_{key}", help_text, labels=labels)
+            for name in self.names:
+                live = self.rows[name].live
+                value = self.m.engine_base[name][f"kv_host_{key}"] + (live.kv_host.get(key, 0.0) if live else 0.0)
+                fam.add_metric([self._model_of(name), name, node_of(name)], value)
+            yield fam
+        for key, help_text in (("bytes", "Bytes of KV held in the host KV tier"),
+                               ("entries", "Sequences held in the host KV tier"),
+                               ("capacity", "The host KV tier's bound in bytes (workers.kv_host)")):
+            gauge = GaugeMetricFamily(f"llamapool_kv_host_{key}", help_text, labels=labels)
+            for name in self.names:
+                live = self.rows[name].live
+                if live is not None and live.kv_host:
+                    gauge.add_metric([self._model_of(name), name, node_of(name)], live.kv_host.get(key, 0.0))
+            yield gauge
 
     def _latencies(self) -> Iterator[Metric]:
         m = self.m

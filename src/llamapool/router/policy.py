@@ -8,9 +8,12 @@ from typing import Protocol, TypeVar
 
 from llamapool.protocol.messages import Prompt
 
-TEXT_PREFIXES = (64, 256, 1024, 4096)  # characters
-TOKEN_PREFIXES = (16, 64, 256, 1024)  # token ids
-MAX_REMEMBERED = 4096  # prefix keys remembered per worker
+TEXT_PREFIXES = (64, 256)  # characters: the short keys; then one a TEXT_BLOCK
+TOKEN_PREFIXES = (16, 64)  # token ids: the short keys; then one a TOKEN_BLOCK
+TEXT_BLOCK = 1024
+TOKEN_BLOCK = 256
+MAX_BLOCKS = 512  # block keys a prompt gets (128k tokens): past them its longest key stands for the rest
+MAX_REMEMBERED = 65536  # prefix keys remembered per worker (a worker's host KV tier holds many sessions)
 
 
 class Candidate(Protocol):
@@ -28,12 +31,23 @@ W = TypeVar("W", bound=Candidate)
 
 
 def prefix_keys(prompt: Prompt) -> tuple[int, ...]:
-    """Hashes of the prompt's leading pieces, shortest first (the router cannot tokenize)."""
+    """Hashes of the prompt's leading pieces, shortest first (the router cannot tokenize): a few short ones,
+    then a hash chain over whole blocks, so that an agent's returning turn (its previous prompt, the reply
+    and more) shares a key with its previous turn as long as most of that turn, not only a common system
+    prompt, and finds the worker whose KV (in a slot or its host tier) holds it."""
     if prompt and isinstance(prompt[0], dict):  # chat messages: the text they render from
         prompt = "".join(f"\x00{m['role']}\x00{m['content']}" for m in prompt)  # type: ignore[index]
+    seq: str | tuple[int, ...]
     if isinstance(prompt, str):
-        return tuple(hash(prompt[:n]) for n in TEXT_PREFIXES if len(prompt) >= n)
-    return tuple(hash(tuple(prompt[:n])) for n in TOKEN_PREFIXES if len(prompt) >= n)
+        seq, short, block = prompt, TEXT_PREFIXES, TEXT_BLOCK
+    else:
+        seq, short, block = tuple(prompt), TOKEN_PREFIXES, TOKEN_BLOCK  # type: ignore[arg-type]
+    keys = [hash(seq[:n]) for n in short if len(seq) >= n]
+    chained = 0
+    for i in range(min(len(seq) // block, MAX_BLOCKS)):
+        chained = hash((chained, seq[i * block:(i + 1) * block]))
+        keys.append(chained)
+    return tuple(keys)
 
 
 def pick_worker(workers: Iterable[W], keys: tuple[int, ...] = (), slack: int = 0) -> W | None:

@@ -162,6 +162,8 @@ class WorkerState:
     kv_total: int = 0
     schedule: tuple[str, int, list[float]] = ("", 0, [])  # its step target, last budget, fitted cost
     speculation: list[int] = field(default_factory=list)  # drafted, accepted, sampled, sampling steps
+    kv_host: dict[str, float] = field(default_factory=dict)  # its host KV tier's counters (Heartbeat.kv_host)
+    handover_to: str = ""  # the sibling its host KV tier goes to as it drains (Backend._hand_over)
     last_sent: float = 0.0
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     key: str = ""  # its CURVE public key (Z85) on a CURVE backend
@@ -180,7 +182,8 @@ class WorkerState:
         h = self.hello
         return LiveWorker(self.name, h.pid, h.device, self.state, h.slots, len(self.jobs), self.model, h.model,
                           h.visible_devices, h.n_vocab, h.ctx_per_slot, h.node, self.steps, self.decode_s, self.step_s,
-                          self.reused_tokens, self.kv_used, self.kv_total, self.schedule, self.speculation)
+                          self.reused_tokens, self.kv_used, self.kv_total, self.schedule, self.speculation,
+                          self.kv_host)
 
 
 class JobTable:

@@ -72,7 +72,7 @@ from llamapool.supervisor.gpuwatch import GpuWatch
 from llamapool.supervisor.lifecycle import State
 from llamapool.supervisor.listener import Listener
 from llamapool.supervisor.memory import fmt_bytes
-from llamapool.supervisor.pool import CPU, Pool
+from llamapool.supervisor.pool import CPU, Pool, host_kv_share
 from llamapool.supervisor.runlock import RunLock
 from llamapool.supervisor.sdnotify import Notifier, scrub_env
 from llamapool.worker.server import EXIT_PERMANENT, WorkerSpec
@@ -354,7 +354,8 @@ class Supervisor:
             name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             engine=m.engine, model_name=m.name, boot_id=self.boot_id, embedding=m.embedding, pooling=m.pooling,
-            **m.engine_settings(threads=threads, max_batch_tokens=budget), **curve,
+            **m.engine_settings(threads=threads, max_batch_tokens=budget, kv_host=str(host_kv_share(m, len(live)))),
+            **curve,
         )
 
     def _worker_log_env(self) -> dict[str, str]:

@@ -11,7 +11,6 @@ plan) are not the policy's: they only take memory on their devices.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -23,28 +22,41 @@ from llamapool.supervisor import gpus as gpumod
 from llamapool.supervisor import memory, placement
 from llamapool.supervisor.children import WorkerSlot
 from llamapool.supervisor.lifecycle import State
+from llamapool.worker.settings import host_kv_bytes, machine_ram
 
 LOG = logmod.Logger("supervisor")
 CPU = "cpu"  # the device id of the CPU workers' RAM budget
 MAX_BACKOFF = 600.0  # a failed model's back-off doubles up to this
-def machine_ram() -> int:
-    """The machine's RAM in bytes (the CPU budget's base)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def worker_need(m: ModelConfig, gpu: bool) -> tuple[int, str]:
+def worker_need(m: ModelConfig, gpu: bool, workers: int = 1) -> tuple[int, str]:
     """What one worker of ``m`` takes, its process included (bytes, and the sum in words); (0, why) when
-    the GGUF cannot be read (a Hugging Face file not downloaded yet, or not a GGUF: its load will say)."""
+    the GGUF cannot be read (a Hugging Face file not downloaded yet, or not a GGUF: its load will say).
+    A CPU worker's host KV tier (``kv_host``, :func:`host_kv_share`) counts in its RAM."""
     if m.engine != "llama" or not m.path:
         process = memory.GPU_PROCESS if gpu else memory.CPU_PROCESS
         return process, f"{memory.fmt_bytes(process)} process"
+    need = _estimate(m, gpu)
+    if isinstance(need, str):
+        return 0, need
+    if gpu:
+        return need.total, need.text()
+    host = host_kv_bytes(m.kv_host, need.kv, workers)
+    return need.total + host, need.text() + (f" + {memory.fmt_bytes(host)} host KV tier" if host else "")
+
+
+def host_kv_share(m: ModelConfig, workers: int) -> int:
+    """The bytes of host RAM a worker of ``m`` may keep KV in (``kv_host``; "auto": a share split between
+    the machine's ``workers``, at most 8x its KV cache): what its spec carries."""
+    need = _estimate(m, False) if m.engine == "llama" and m.path else "no model"
+    return host_kv_bytes(m.kv_host, need.kv if not isinstance(need, str) else 0, workers)
+
+
+def _estimate(m: ModelConfig, gpu: bool) -> memory.MemoryNeed | str:
     ubatch = memory.worker_ubatch(m.n_ubatch, step_budget(m.max_batch_tokens, m.slots, gpu), m.slots)
     try:
-        need = memory.estimate(m.path, m.slots, m.ctx_per_slot, ubatch, gpu=gpu, flash_attn=m.flash_attn)
+        return memory.estimate(m.path, m.slots, m.ctx_per_slot, ubatch, gpu=gpu, flash_attn=m.flash_attn)
     except (OSError, ValueError, KeyError) as e:
         LOG.warning(f"{m.name}: cannot estimate its memory from {m.path}: {e}", model=m.name)
-        return 0, f"unknown ({e})"
-    return need.total, need.text()
+        return f"unknown ({e})"
 
 
 @dataclass

@@ -6,10 +6,11 @@ counters for its heartbeats. Nothing else of an engine is used outside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Protocol
 
-from llamapool.protocol.messages import Run, Step
+from llamapool.protocol.messages import KVPart, Run, Step
+from llamapool.worker.handover import Received
 
 
 class Engine(Protocol):
@@ -67,6 +68,18 @@ class Engine(Protocol):
     def speculation(self) -> list[int]:
         """Cumulative draft tokens verified and accepted, tokens sampled, and (sequence, step) pairs sampled
         ([] without speculative decoding)."""
+        ...
+
+    def kv_host(self) -> dict[str, float]:
+        """The host KV tier's counters ({} without one: worker/engine/hostkv.py TierStats)."""
+        ...
+
+    def hand_out(self) -> Iterator[KVPart]:
+        """Once drained: the host KV tier's newest entries as parts for a sibling (none without a tier)."""
+        ...
+
+    def take_in(self, got: Received) -> None:
+        """An entry a draining sibling handed over, into the host KV tier (ignored without one)."""
         ...
 
     def scheduling(self) -> tuple[str, int, list[float]]:

@@ -9,9 +9,11 @@ for real serving.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from llamapool.protocol.messages import Delta, Done, Run, Step
+from llamapool.protocol.messages import Delta, Done, KVPart, Run, Step
+from llamapool.worker.handover import Received
 from llamapool.worker.scheduler import PromptWork, plan_step
 
 
@@ -94,6 +96,15 @@ class EchoEngine:
         if seq.generated >= seq.max_tokens:
             del self.active[slot]
             out.done.append(Done(seq.rid, "length", "x" * seq.generated, seq.prompt_tokens, seq.generated))
+
+    def kv_host(self) -> dict[str, float]:
+        return {}
+
+    def hand_out(self) -> Iterator[KVPart]:
+        return iter(())
+
+    def take_in(self, got: Received) -> None:
+        pass
 
     def speculation(self) -> list[int]:
         return []  # nothing drafted: nothing is computed

@@ -14,15 +14,16 @@ from __future__ import annotations
 import ctypes
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as L
 import numpy as np
 
-from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step
+from llamapool.protocol.messages import Done, ErrorCode, Failed, KVPart, Run, Step
 from llamapool.worker.engine import EngineConfig, EngineError, load_model
+from llamapool.worker.handover import Received
 from llamapool.worker.vocab import tokenize
 
 POOLING = {"mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS, "last": L.LLAMA_POOLING_TYPE_LAST}
@@ -96,6 +97,15 @@ class Embedder:
 
     def kv_cells(self) -> tuple[int, int]:
         return 0, 0  # nothing is kept between steps
+
+    def kv_host(self) -> dict[str, float]:
+        return {}
+
+    def hand_out(self) -> Iterator[KVPart]:
+        return iter(())
+
+    def take_in(self, got: Received) -> None:
+        pass
 
     def speculation(self) -> list[int]:
         return []  # no generation

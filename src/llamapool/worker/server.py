@@ -32,12 +32,14 @@ from llamapool.protocol.messages import (
     Abort,
     Heartbeat,
     Hello,
+    KVPart,
     Message,
     Run,
     Shutdown,
     Step,
 )
 from llamapool.worker.contract import Engine
+from llamapool.worker.handover import Assembler, Received
 from llamapool.worker.settings import EngineSettings
 
 EXIT_PERMANENT = 78  # EX_CONFIG: the supervisor must not restart this worker in a loop
@@ -90,7 +92,7 @@ class EngineLoop(threading.Thread):
     def __init__(self, engine: Engine, zctx: zmq.Context, out_addr: str, name: str = "worker"):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
-        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Message | Received] = queue.SimpleQueue()
         self._zctx, self._out_addr = zctx, out_addr
         self.step_started = 0.0  # monotonic start of the running step, 0 when idle
         self.steps = 0
@@ -143,6 +145,8 @@ class EngineLoop(threading.Thread):
                 pass
             if self.draining and not eng.busy:
                 self._send(out_sock, report)
+                for part in eng.hand_out():  # the host KV tier, to a sibling (bounded: handover.parts)
+                    out_sock.send(codec.encode(part))
                 if self.profile is not None:  # before the goodbye: the process ends soon after it
                     self.profile.disable()
                     self.profile.dump_stats(f"{os.environ['LLAMAPOOL_PROFILE']}.{os.getpid()}")
@@ -171,7 +175,7 @@ class EngineLoop(threading.Thread):
         report.done += part.done
         report.failed += part.failed
 
-    def _handle(self, msg: Message, report: Step) -> None:
+    def _handle(self, msg: Message | Received, report: Step) -> None:
         if isinstance(msg, Run):
             self.reqs[msg.rid] = msg.req
             if self.log.enabled("debug"):
@@ -182,6 +186,8 @@ class EngineLoop(threading.Thread):
             self.engine.abort(msg.rid, report)
         elif isinstance(msg, Shutdown):
             self.draining = True
+        elif isinstance(msg, Received):
+            self.engine.take_in(msg)
 
 
 def serve(spec: WorkerSpec) -> int:
@@ -296,6 +302,7 @@ class WorkerIO:
             visible_devices=seen, node=spec.node, model_name=spec.model_name, boot=spec.boot_id,
         ))
         self.bye = codec.encode(Shutdown())
+        self.assembler = Assembler()
         self.stop = False
         self.draining = False
         self.next_beat = 0.0
@@ -371,7 +378,7 @@ class WorkerIO:
             busy_for=(now - started) if started else 0.0,
             decode_s=engine.decode_s, step_s=engine.step_s, reused_tokens=engine.reused_tokens,
             kv_used=kv_used, kv_total=kv_total, step_target=target, step_budget=budget, step_cost=cost,
-            draining=self.draining, speculation=engine.speculation(),
+            draining=self.draining, speculation=engine.speculation(), kv_host=engine.kv_host(),
         )))
         if spec.node:  # the node's supervisor watches these (no router of its own to do it)
             lifeline.report("live", (now - started) if started else 0.0)
@@ -389,7 +396,7 @@ class WorkerIO:
         for frames in _waiting(self.sock):
             self.router_seen = time.monotonic()
             try:
-                msg = codec.decode(frames, codec.ROUTER_TYPES)
+                msg = codec.decode(frames, codec.ROUTER_TYPES, codec.TRANSPORT_MAX_FRAME)
             except codec.ProtocolError as e:
                 self.log.warning(f"bad router message: {e}")
                 continue
@@ -403,6 +410,11 @@ class WorkerIO:
                     lifeline.report("joined")
                 self.ever_joined = True
             if isinstance(msg, Run) and self.answer(msg):
+                continue
+            if isinstance(msg, KVPart):  # a draining sibling's host KV tier: joined and checked here
+                got = self.assembler.add(msg)
+                if got is not None:
+                    self.loop.inbox.put(got)
                 continue
             if not isinstance(msg, Heartbeat):
                 self.loop.inbox.put(msg)

@@ -9,10 +9,47 @@ and its default are written here alone. Pure Python: the config loads it without
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 SPECULATIVE = ("auto", "ngram", "off")  # model.speculative's values
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+HOST_KV_SHARE = 4  # kv_host = "auto": a quarter of the machine's RAM, shared by its workers ...
+HOST_KV_PER_SLOT_KV = 8  # ... and at most 8 times the worker's own KV cache
+
+
+def parse_size(text: str) -> tuple[float, str] | None:
+    """``"16GiB"`` -> (16, "GiB"), ``"75%"`` -> (75, "%"), bytes with no unit; None when it is no size."""
+    parts = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|[a-zA-Z]*)\s*", text)
+    if parts is None or (parts.group(2) != "%" and parts.group(2).lower() not in _UNITS):
+        return None
+    return float(parts.group(1)), parts.group(2)
+
+
+def size_bytes(number: float, unit: str) -> int:
+    return int(number * _UNITS[unit.lower()])
+
+
+def machine_ram() -> int:
+    """The machine's RAM in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_kv_bytes(setting: str, kv_bytes: int = 0, workers: int = 1, ram: int = 0) -> int:
+    """``kv_host`` in bytes: "0" (off), a size ("16GiB"), or "auto": a quarter of the RAM split between the
+    machine's ``workers``, at most 8x the worker's KV cache (``kv_bytes``; 0: unknown)."""
+    if setting.strip().lower() in ("0", "off"):
+        return 0
+    if setting.strip().lower() == "auto":
+        share = (ram or machine_ram()) // HOST_KV_SHARE // max(1, workers)
+        return min(share, HOST_KV_PER_SLOT_KV * kv_bytes) if kv_bytes > 0 else share
+    size = parse_size(setting)
+    if size is None or size[1] == "%":
+        raise ValueError(f"kv_host: must be \"auto\", \"0\" or a size such as \"16GiB\", got {setting!r}")
+    return size_bytes(*size)
 
 
 def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
@@ -58,6 +95,11 @@ class EngineSettings:
     parse_special_in_content: bool = False
     tensor_split: tuple[float, ...] = ()  # per GPU of a group; () -> llama.cpp's split (by free memory)
     grammar_cache_mb: int = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
+    # The host-RAM KV tier (worker/engine/hostkv.py): a slot's KV copied to RAM before it is overwritten and
+    # copied back when its prefix returns. "auto" (a quarter of the RAM split between the machine's
+    # workers, at most 8x the worker's KV cache), a size ("16GiB"), or "0" (off). A worker's spec carries
+    # the bytes, resolved by the supervisor (host_kv_bytes).
+    kv_host: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_split, tuple):  # a JSON or TOML list
@@ -73,4 +115,5 @@ class EngineSettings:
         return {n: changes.get(n, getattr(self, n)) for n in names}
 
 
-__all__ = ["SPECULATIVE", "EngineSettings", "step_budget"]
+__all__ = ["SPECULATIVE", "EngineSettings", "host_kv_bytes", "machine_ram", "parse_size", "size_bytes",
+           "step_budget"]

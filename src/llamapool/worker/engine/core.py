@@ -15,17 +15,18 @@ import ctypes
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import llama_cpp as L
 import numpy as np
 
-from llamapool.protocol.messages import Done, ErrorCode, Failed, Run, Step, TokenLogprob
+from llamapool.protocol.messages import Done, ErrorCode, Failed, KVPart, Run, Step, TokenLogprob
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
 from llamapool.worker.engine.batch import Batch, fill, fill_apart
 from llamapool.worker.engine.draft import DraftModel, draft_path
+from llamapool.worker.engine.hostkv import HostTier, model_identity
 from llamapool.worker.engine.kvcache import KVSlots
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
 from llamapool.worker.engine.output import PENDING, Deferred, Output
@@ -34,6 +35,7 @@ from llamapool.worker.engine.sequence import Sequence, Waiting
 from llamapool.worker.engine.spec import spec_mode
 from llamapool.worker.engine.speculator import Speculator, rows_per_seq
 from llamapool.worker.faults import FaultInjector, request_failure
+from llamapool.worker.handover import Received
 from llamapool.worker.sampling import RETRY, Sampling
 from llamapool.worker.scheduler import (
     ArrivalRate,
@@ -44,6 +46,7 @@ from llamapool.worker.scheduler import (
     plan_step,
     priority,
 )
+from llamapool.worker.settings import host_kv_bytes
 
 
 class Engine:
@@ -82,7 +85,8 @@ class Engine:
         # a GPU worker's kernels are batch-invariant themselves (GGML_CUDA_DETERMINISTIC, patch 0002): no plan
         self.deterministic = cfg.deterministic and not cfg.gpu
         self._prompt_turn = False  # deterministic mode: this step computes prompts (else decode tokens)
-        self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1)
+        self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1,
+                          host=self._host_tier(cfg), keep_output=not self.deterministic)
         self.waiting: list[Waiting] = []  # runs beyond the free slots, in arrival order
         self.active: dict[int, Sequence] = {}
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
@@ -124,6 +128,35 @@ class Engine:
         self._synced = 0.0  # when the last synchronize returned (0: none since the last launch)
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
+
+    def _host_tier(self, cfg: EngineConfig) -> HostTier | None:
+        """The host-RAM KV tier of ``workers.kv_host`` bytes (None: off)."""
+        capacity = host_kv_bytes(cfg.kv_host)
+        if capacity <= 0 or not cfg.prefix_cache:
+            return None
+        identity = model_identity(cfg.model_path, cfg.gpu, cfg.flash_attn and cfg.gpu, cfg.n_gpus)
+
+        def prefill_s(n: int) -> float | None:
+            return None if self.cost.coef is None else self.cost.coef[2] * n
+
+        return HostTier(self.ctx, capacity, identity, prefill_s)
+
+    def kv_host(self) -> dict[str, float]:
+        """The host tier's counters ({} without one)."""
+        return self.kv.host.stats.as_dict() if self.kv.host is not None else {}
+
+    def hand_out(self) -> Iterator[KVPart]:
+        """A drain, once nothing runs: every free slot's KV into the host tier, then its newest entries as
+        parts for a sibling worker (worker/handover.py)."""
+        if self.kv.host is None:
+            return iter(())
+        self.kv.save_all()
+        return self.kv.host.hand_out()
+
+    def take_in(self, got: Received) -> None:
+        """An entry a draining sibling handed over (checked by the I/O thread), into the host tier."""
+        if self.kv.host is not None:
+            self.kv.host.take_in(got)
 
     @property
     def free_ids(self) -> deque[int]:

@@ -1,4 +1,7 @@
-"""The KV cache's slots: which llama sequence ids are free, and the prompt prefixes their KV still holds."""
+"""The KV cache's slots: which llama sequence ids are free, and the token prefixes their KV still holds.
+
+With the host tier (``hostkv.py``), a free slot's KV is copied to host RAM before another sequence
+overwrites it, and a prompt whose prefix is longer there than in any slot has it copied back."""
 
 from __future__ import annotations
 
@@ -9,18 +12,26 @@ from typing import Any
 import llama_cpp as L
 import numpy as np
 
+from llamapool.worker.engine.hostkv import BLOCK, HostTier
 from llamapool.worker.engine.sequence import Sequence
 
 
 class KVSlots:
-    """Free sequence ids, the prefix cache (free id -> prompt tokens its KV still holds) and its counters."""
+    """Free sequence ids, the prefix cache (free id -> tokens its KV still holds), the host tier, counters.
 
-    def __init__(self, mem: Any, slots: int, prefix_cache: bool, computed: int = 1):
+    ``keep_output``: a finished sequence's generated tokens stay in its cached prefix too (an agent's
+    next turn starts with the reply); off in deterministic mode on the CPU, where a token decoded one row
+    at a time may differ in its last bits from the same token computed as a prompt."""
+
+    def __init__(self, mem: Any, slots: int, prefix_cache: bool, computed: int = 1,
+                 host: HostTier | None = None, keep_output: bool = True):
         self.mem = mem
         self.prefix_cache = prefix_cache
         self.computed = computed  # a prompt's last tokens always computed, never reused (at least its last)
+        self.host = host if prefix_cache else None
+        self.keep_output = keep_output
         self.free_ids: deque[int] = deque(range(slots))
-        self.cached: dict[int, np.ndarray] = {}  # free seq id -> prompt tokens its KV still holds
+        self.cached: dict[int, np.ndarray] = {}  # free seq id -> tokens its KV still holds
         self.reused_tokens = 0  # prompt tokens started sequences had from the cache
         self.copied_streams = 0  # prefix shares that copied a KV stream buffer
 
@@ -32,30 +43,28 @@ class KVSlots:
         slot is used in place; one held by a running sequence (in another KV stream) is shared
         by copying that stream into the new slot's (``llama_memory_seq_cp`` copies the whole
         stream buffer at the next decode, on the device) and trimming the copy to the prefix.
+        A longer prefix in the host tier is copied back into the least valuable free slot instead,
+        when that is cheaper than computing what it adds (``HostTier.lookup``).
         At least the last prompt token is always computed, for its logits; in deterministic mode the last
         two (``computed``): a prompt's tokens are then always computed at least two at a time, as without a
         prefix cache (docs/http.md#determinism).
         """
-        src, best = -1, 0
-        if self.prefix_cache and reuse:
-            in_kv = list(self.cached.items())
-            in_kv += [(s.seq_id, s.tokens[: s.n_past]) for s in running if s.n_past]
-            for sid, have in in_kv:
-                n = min(len(have), len(want) - self.computed)
-                if n <= best:
-                    continue
-                diff = np.flatnonzero(have[:n] != want[:n])
-                common = int(diff[0]) if diff.size else n
-                if common > best:
-                    src, best = sid, common
+        src, best = self._in_vram(want, running) if self.prefix_cache and reuse else (-1, 0)
+        if self.host is not None and reuse and len(want) - self.computed >= BLOCK:
+            eid, n = self.host.lookup(want, len(want) - self.computed, best)
+            if eid >= 0:
+                seq_id = self._evict(self._least_worth())
+                if self.host.restore(eid, seq_id, n):
+                    return seq_id, n
+                self.free_ids.appendleft(seq_id)  # emptied: the VRAM's prefixes are looked for again
+                src, best = self._in_vram(want, running) if self.prefix_cache else (-1, 0)
         if best and src in self.free_ids:
             seq_id = src
             self.free_ids.remove(seq_id)
+            if self.host is not None and len(self.cached[seq_id]) - best >= BLOCK:
+                self._save(seq_id)  # the part beyond the shared prefix is another session's
         else:
-            # the free slot whose cached prefix is least worth keeping, lowest id first
-            seq_id = min(self.free_ids, key=lambda i: (len(self.cached.get(i, ())), i))
-            self.free_ids.remove(seq_id)
-            L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            seq_id = self._evict(self._least_worth())
             if best:
                 L.llama_memory_seq_cp(self.mem, src, seq_id, -1, -1)
                 self.copied_streams += 1
@@ -64,6 +73,44 @@ class KVSlots:
         self.cached.pop(seq_id, None)
         return seq_id, best
 
+    def _in_vram(self, want: np.ndarray, running: Iterable[Sequence]) -> tuple[int, int]:
+        """(slot, tokens) of the longest prefix of ``want`` held in a slot, running or free ((-1, 0): none)."""
+        src, best = -1, 0
+        in_kv = list(self.cached.items())
+        in_kv += [(s.seq_id, s.tokens[: s.n_past]) for s in running if s.n_past]
+        for sid, have in in_kv:
+            n = min(len(have), len(want) - self.computed)
+            if n <= best:
+                continue
+            diff = np.flatnonzero(have[:n] != want[:n])
+            common = int(diff[0]) if diff.size else n
+            if common > best:
+                src, best = sid, common
+        return src, best
+
+    def _least_worth(self) -> int:
+        """The free slot whose cached prefix is least worth keeping, lowest id first."""
+        return min(self.free_ids, key=lambda i: (len(self.cached.get(i, ())), i))
+
+    def _evict(self, seq_id: int) -> int:
+        """Take free slot ``seq_id`` emptied, its cached prefix saved to the host tier first."""
+        self.free_ids.remove(seq_id)
+        self._save(seq_id)
+        L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        self.cached.pop(seq_id, None)
+        return seq_id
+
+    def _save(self, seq_id: int) -> None:
+        keep = self.cached.get(seq_id)
+        if self.host is not None and keep is not None and len(keep) >= BLOCK:
+            L.llama_memory_seq_rm(self.mem, seq_id, len(keep), -1)  # a padding token or a reply's last cells
+            self.host.save(seq_id, keep)
+
+    def save_all(self) -> None:
+        """Every free slot's cached prefix into the host tier (a drain, before the tier is handed over)."""
+        for seq_id in list(self.cached):
+            self._save(seq_id)
+
     def undo(self, seq_id: int) -> None:
         """Give back a slot just taken, its KV cleared (the sequence could not start)."""
         self.free_ids.appendleft(seq_id)
@@ -71,9 +118,11 @@ class KVSlots:
         L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
 
     def release(self, seq: Sequence) -> None:
-        """Free the sequence's slot, keeping its prompt's KV for a later request (with the prefix cache)."""
+        """Free the sequence's slot, keeping its KV for a later request (with the prefix cache): its prompt's
+        and, with ``keep_output``, its reply's computed tokens."""
         if self.prefix_cache and seq.n_past:
-            self.cached[seq.seq_id] = seq.tokens[: seq.n_past]
+            held = seq.history[: min(seq.n_past, seq.n_history)] if self.keep_output else seq.tokens[: seq.n_past]
+            self.cached[seq.seq_id] = held if len(held) else seq.tokens[: seq.n_past]
         else:
             L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
         self.free_ids.append(seq.seq_id)

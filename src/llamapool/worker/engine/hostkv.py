@@ -1,0 +1,283 @@
+"""The host-RAM KV tier: a sequence's KV copied out of its slot before the slot is overwritten, and copied
+back when a prompt that starts with the same tokens returns (an agent's next turn, a shared system prompt).
+
+An entry is one sequence's state as llama.cpp serializes it (``llama_state_seq_get_data_ext``: its cells'
+positions and every layer's K and V rows), with the tokens whose KV it holds. Entries are found by a hash
+chain over fixed-size token blocks (``BLOCK``; a block's hash covers every token before it, seeded with the
+model's identity), so a prompt that shares only the first blocks of an entry still finds it; the match is
+then checked token by token. Restoring copies the whole entry into a free slot and trims it to the shared
+prefix. The store is bounded in bytes and drops its least recently used entries first; an entry whose
+tokens a newer one extends (the same session one turn later) is dropped when the newer one is saved.
+
+Only the engine thread calls into :class:`HostTier` (the llama calls); :class:`HostStore` is plain Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from llamapool.protocol.messages import KVPart
+from llamapool.worker import handover
+from llamapool.worker.handover import Received
+
+BLOCK = 16  # tokens a block (the hash chain's step; llm-d's default block size)
+_FLAGS = 0  # LLAMA_STATE_SEQ_FLAGS_NONE: the whole sequence, in host memory
+
+
+def block_hashes(tokens: np.ndarray, seed: bytes, block: int = BLOCK) -> list[int]:
+    """The chained 64-bit hashes of the full blocks of ``tokens``: hash ``i`` stands for ``tokens[: (i+1)*block]``
+    (never 0; seeded with ``seed``, so two models never share a hash for different KV)."""
+    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+    out, prev, step = [], seed, 4 * block
+    for i in range(len(tokens) // block):
+        prev = hashlib.blake2b(prev + data[i * step:(i + 1) * step], digest_size=8).digest()
+        out.append(int.from_bytes(prev, "big") or 1)
+    return out
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(eq=False)
+class Entry:
+    """One saved sequence: the tokens its KV holds, llama.cpp's serialized state of them, their block hashes."""
+
+    tokens: np.ndarray  # int32
+    blob: np.ndarray  # uint8
+    hashes: list[int]
+    identity: bytes  # the model file and build it was computed by
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blob.nbytes)
+
+
+@dataclass
+class TierStats:
+    """The tier's counters (cumulative, but ``bytes`` and ``entries``: what it holds now)."""
+
+    bytes: int = 0
+    entries: int = 0
+    capacity: int = 0
+    hits: int = 0  # prompts that found a longer prefix here than in VRAM, and restored it
+    misses: int = 0  # prompts of at least a block that found nothing here
+    skipped: int = 0  # prompts that found an entry but recomputing was cheaper
+    restores: int = 0
+    restored_tokens: int = 0
+    bytes_restored: int = 0
+    restore_seconds: float = 0.0
+    saves: int = 0
+    bytes_saved: int = 0
+    save_seconds: float = 0.0
+    evictions: int = 0  # entries dropped for room (LRU) or superseded by a longer one
+    failed: int = 0  # entries llama.cpp would not restore, or mismatched ones: dropped, the prompt recomputed
+    handed_out: int = 0  # entries sent to a sibling worker (drain)
+    handed_in: int = 0  # entries received from one
+    refused: int = 0  # received entries dropped (another model or build, a bad checksum, no room)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class HostStore:
+    """Entries by id, least recently used first, a block hash -> ids index, and the byte bound."""
+
+    capacity: int
+    identity: bytes
+    stats: TierStats = field(default_factory=TierStats)
+    entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)
+    index: dict[int, dict[int, None]] = field(default_factory=dict)
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        self.stats.capacity = self.capacity
+
+    def find(self, tokens: np.ndarray, hashes: list[int]) -> tuple[int, int]:
+        """(entry id, tokens of ``tokens`` it holds) for the entry sharing the most blocks with the prompt; (-1, 0)."""
+        for k in range(len(hashes) - 1, -1, -1):
+            ids = self.index.get(hashes[k])
+            if ids:
+                best, n = -1, 0
+                for eid in ids:
+                    m = common_prefix(self.entries[eid].tokens, tokens)
+                    if m > n:
+                        best, n = eid, m
+                if best >= 0:
+                    return best, n
+        return -1, 0
+
+    def covers(self, tokens: np.ndarray, hashes: list[int]) -> bool:
+        """Whether an entry already holds all of ``tokens`` (it is touched as just used)."""
+        eid, n = self.find(tokens, hashes)
+        if eid >= 0 and n == len(tokens):
+            self.entries.move_to_end(eid)
+            return True
+        return False
+
+    def add(self, entry: Entry) -> bool:
+        """Keep ``entry``, dropping the entries it extends and then the least recently used until it fits."""
+        if entry.nbytes > self.capacity or not entry.hashes:
+            return False
+        for eid in list(self.index.get(entry.hashes[0], ())):
+            old = self.entries[eid]
+            if len(old.tokens) <= len(entry.tokens) and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
+                self.drop(eid)
+                self.stats.evictions += 1
+        while self.entries and self.stats.bytes + entry.nbytes > self.capacity:
+            self.drop(next(iter(self.entries)))
+            self.stats.evictions += 1
+        eid, self._next = self._next, self._next + 1
+        self.entries[eid] = entry
+        for h in entry.hashes:
+            self.index.setdefault(h, {})[eid] = None
+        self.stats.bytes += entry.nbytes
+        self.stats.entries = len(self.entries)
+        return True
+
+    def drop(self, eid: int) -> None:
+        entry = self.entries.pop(eid)
+        for h in entry.hashes:
+            ids = self.index.get(h)
+            if ids is not None:
+                ids.pop(eid, None)
+                if not ids:
+                    del self.index[h]
+        self.stats.bytes -= entry.nbytes
+        self.stats.entries = len(self.entries)
+
+    def newest(self, limit: int) -> list[Entry]:
+        """Up to ``limit`` bytes of entries, most recently used first (what a drain hands over)."""
+        out, total = [], 0
+        for entry in reversed(self.entries.values()):
+            if total + entry.nbytes > limit:
+                continue
+            out.append(entry)
+            total += entry.nbytes
+        return out
+
+
+class HostTier:
+    """The store, and the llama calls that fill it from a slot and restore a slot from it."""
+
+    def __init__(self, ctx: Any, capacity: int, identity: bytes, prefill_s: Callable[[int], float | None]):
+        self.ctx = ctx
+        self.store = HostStore(capacity, identity)
+        self.identity = identity
+        self.prefill_s = prefill_s  # the fitted seconds of computing n prompt tokens (None: not fitted yet)
+        self.s_per_byte: float | None = None  # restore cost, measured
+
+    @property
+    def stats(self) -> TierStats:
+        return self.store.stats
+
+    def hashes(self, tokens: np.ndarray) -> list[int]:
+        return block_hashes(tokens, self.identity)
+
+    def save(self, seq_id: int, tokens: np.ndarray) -> None:
+        """Copy slot ``seq_id``'s KV of ``tokens`` (its cells beyond them already removed) into the store."""
+        hashes = self.hashes(tokens)
+        if not hashes or self.store.covers(tokens, hashes):
+            return
+        t0 = time.perf_counter()
+        L.llama_synchronize(self.ctx)
+        size = L.llama_state_seq_get_size_ext(self.ctx, seq_id, _FLAGS)
+        if size <= 0 or size > self.store.capacity:
+            return
+        blob = np.empty(size, dtype=np.uint8)
+        wrote = L.llama_state_seq_get_data_ext(self.ctx, _ptr(blob), size, seq_id, _FLAGS)
+        if wrote != size:
+            return
+        if self.store.add(Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity)):
+            self.stats.saves += 1
+            self.stats.bytes_saved += size
+            self.stats.save_seconds += time.perf_counter() - t0
+
+    def lookup(self, tokens: np.ndarray, limit: int, vram: int) -> tuple[int, int]:
+        """(entry id, tokens to reuse) when restoring beats both the VRAM prefix ``vram`` and recomputing;
+        (-1, 0) otherwise. At most ``limit`` tokens are reused."""
+        hashes = self.hashes(tokens[:limit])
+        if not hashes:
+            return -1, 0
+        eid, n = self.store.find(tokens[:limit], hashes)
+        n = min(n, limit)
+        if eid < 0 or n <= vram:
+            self.stats.misses += eid < 0
+            return -1, 0
+        entry = self.store.entries[eid]
+        recompute = self.prefill_s(n - vram)
+        if recompute is not None and self.s_per_byte is not None and self.s_per_byte * entry.nbytes >= recompute:
+            self.stats.skipped += 1
+            return -1, 0
+        return eid, n
+
+    def restore(self, eid: int, seq_id: int, n: int) -> bool:
+        """Copy entry ``eid`` into the empty slot ``seq_id`` and keep its first ``n`` tokens; False (the slot
+        left empty, the entry dropped) when llama.cpp refuses it or it is not this model's."""
+        entry = self.store.entries[eid]
+        t0 = time.perf_counter()
+        ok = entry.identity == self.identity and \
+            L.llama_state_seq_set_data_ext(self.ctx, _ptr(entry.blob), entry.nbytes, seq_id, _FLAGS) == entry.nbytes
+        if not ok:
+            L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), seq_id, -1, -1)
+            self.store.drop(eid)
+            self.stats.failed += 1
+            return False
+        L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), seq_id, n, -1)
+        seconds = time.perf_counter() - t0
+        per = seconds / max(1, entry.nbytes)
+        self.s_per_byte = per if self.s_per_byte is None else 0.8 * self.s_per_byte + 0.2 * per
+        self.store.entries.move_to_end(eid)
+        s = self.stats
+        s.hits += 1
+        s.restores += 1
+        s.restored_tokens += n
+        s.bytes_restored += entry.nbytes
+        s.restore_seconds += seconds
+        return True
+
+    def take_in(self, got: Received) -> bool:
+        """An entry a draining sibling handed over: kept when it is this model's and build's and intact."""
+        hashes = self.hashes(got.tokens)
+        if got.identity != self.identity or not got.intact or self.store.covers(got.tokens, hashes) \
+                or not self.store.add(Entry(got.tokens, got.blob, hashes, got.identity)):
+            self.stats.refused += 1
+            return False
+        self.stats.handed_in += 1
+        return True
+
+    def hand_out(self) -> Iterator[KVPart]:
+        """The newest entries, as parts for a sibling (a drain; ``handover.parts`` bounds its time)."""
+        for part in handover.parts((e.tokens, e.blob, e.identity) for e in self.store.newest(self.store.capacity)):
+            self.stats.handed_out += part.part == part.parts - 1
+            yield part
+
+
+def _ptr(blob: np.ndarray) -> Any:
+    return blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+
+def model_identity(model_path: str, *facts: object) -> bytes:
+    """What an entry is tied to: the model file (path, size, mtime), llama.cpp's build, and the facts that
+    shape its KV (device kind, flash attention). Entries of another identity are never restored."""
+    st = os.stat(model_path)
+    build = getattr(L, "__version__", "")
+    info = L.llama_print_system_info()
+    text = repr((os.path.realpath(model_path), st.st_size, st.st_mtime_ns, build, info, facts))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+__all__ = ["BLOCK", "Entry", "HostStore", "HostTier", "TierStats", "block_hashes", "model_identity"]

@@ -1,0 +1,175 @@
+"""The host-RAM KV tier (worker/engine/hostkv.py): a session's KV outlives its slot.
+
+The store alone (its bound, LRU, superseding, block-prefix lookup), then the engine on the tiny model:
+a returning prompt whose slot another session took restores its KV and gives the greedy text a
+recomputed one gives; a mismatched or corrupt entry is dropped and the prompt recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from llamapool.protocol.messages import Run, SamplingParams, Step
+from llamapool.worker.engine import Engine, EngineConfig
+from llamapool.worker.engine.hostkv import BLOCK, Entry, HostStore, block_hashes
+from llamapool.worker.handover import Assembler, parts
+from llamapool.worker.settings import host_kv_bytes
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+ID = b"model-a"
+
+
+def _entry(tokens: list[int], nbytes: int = 100, identity: bytes = ID) -> Entry:
+    t = np.asarray(tokens, dtype=np.int32)
+    return Entry(t, np.zeros(nbytes, np.uint8), block_hashes(t, identity), identity)
+
+
+def test_the_store_never_holds_more_than_its_bound_and_drops_the_least_recently_used() -> None:
+    store = HostStore(capacity=350, identity=ID)
+    for i in range(6):
+        assert store.add(_entry([i] * 40))
+        assert store.stats.bytes <= 350
+    assert [int(e.tokens[0]) for e in store.entries.values()] == [3, 4, 5]
+    t3 = np.asarray([3] * 40, np.int32)
+    assert store.covers(t3, block_hashes(t3, ID))  # touched: now the most recently used
+    store.add(_entry([9] * 40))
+    assert [int(e.tokens[0]) for e in store.entries.values()] == [5, 3, 9]
+    assert store.stats.evictions == 4
+    assert not store.add(_entry([1] * 40, nbytes=351)), "an entry larger than the bound is never kept"
+
+
+def test_a_prompt_sharing_only_the_first_blocks_finds_the_entry_and_its_exact_common_prefix() -> None:
+    store = HostStore(capacity=10_000, identity=ID)
+    base = list(range(100, 100 + 5 * BLOCK))
+    store.add(_entry(base))
+    want = np.asarray(base[: 2 * BLOCK + 5] + [1] * 40, np.int32)
+    eid, n = store.find(want, block_hashes(want, ID))
+    assert eid >= 0 and n == 2 * BLOCK + 5
+    other = np.asarray([1] * 80, np.int32)
+    assert store.find(other, block_hashes(other, ID)) == (-1, 0)
+    # another model's hashes never meet this one's, even for the same tokens
+    same = np.asarray(base, np.int32)
+    assert set(block_hashes(same, b"model-b")).isdisjoint(block_hashes(same, ID))
+
+
+def test_a_sessions_next_turn_supersedes_its_previous_entry() -> None:
+    store = HostStore(capacity=10_000, identity=ID)
+    turn1 = list(range(1, 1 + 3 * BLOCK))
+    store.add(_entry(turn1))
+    store.add(_entry(list(range(500, 500 + 3 * BLOCK))))  # another session
+    store.add(_entry(turn1 + [7] * (2 * BLOCK)))
+    assert sorted(len(e.tokens) for e in store.entries.values()) == [3 * BLOCK, 5 * BLOCK]
+    assert store.stats.bytes == 200 and store.stats.entries == 2
+
+
+def test_kv_host_setting_is_off_a_size_or_a_share_of_the_ram() -> None:
+    assert host_kv_bytes("0") == 0
+    assert host_kv_bytes("16MiB") == 16 << 20
+    assert host_kv_bytes("auto", kv_bytes=0, workers=4, ram=64 << 30) == 4 << 30
+    assert host_kv_bytes("auto", kv_bytes=1 << 20, workers=1, ram=64 << 30) == 8 << 20
+    with pytest.raises(ValueError, match="kv_host"):
+        host_kv_bytes("lots")
+
+
+def test_a_handover_joins_its_parts_and_refuses_a_damaged_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llamapool.worker import handover
+
+    monkeypatch.setattr(handover, "PART_BYTES", 1000)
+    blob = np.random.default_rng(0).integers(0, 255, 3500, dtype=np.uint8)
+    sent = list(parts([(np.arange(40, dtype=np.int32), blob, ID)]))
+    assert len(sent) == 4
+    got = None
+    asm = Assembler()
+    for p in sent:
+        p.source = "cpu0"
+        got = asm.add(p) or got
+    assert got is not None and got.intact and got.identity == ID
+    assert np.array_equal(got.blob, blob) and np.array_equal(got.tokens, np.arange(40))
+    sent[2].data = b"x" * len(sent[2].data)  # damaged on the way
+    asm2 = Assembler()
+    results = [asm2.add(p) for p in sent]
+    assert results[-1] is not None and not results[-1].intact
+    assert Assembler().add(sent[1]) is None, "a part without its first is dropped"
+
+
+# ------------------------------------------------------------ the engine
+
+def _engine(model_path: str, kv_host: str, slots: int = 2, deterministic: bool = True) -> Engine:
+    return Engine(EngineConfig(model_path, slots=slots, ctx_per_slot=512, max_batch_tokens=256, n_ubatch=256,
+                               threads=2, kv_host=kv_host, deterministic=deterministic))
+
+
+def _run(eng: Engine, rid: int, tokens: list[int]) -> tuple[str, int]:
+    """The greedy text of one prompt alone, and the prompt tokens it reused."""
+    before = eng.reused_tokens
+    eng.submit(Run(rid, tokens, GREEDY, False), Step())
+    text = ""
+    while eng.busy:
+        step = eng.step()
+        assert not step.failed, step.failed
+        for done in step.done:
+            text = done[2]
+    return text, eng.reused_tokens - before
+
+
+def _sessions(n: int, length: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 500, 64).tolist()
+    return [system + rng.integers(3, 500, length).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiered(model_path: str) -> Iterator[Engine]:
+    eng = _engine(model_path, "64MiB")
+    yield eng
+    eng.close()
+
+
+def test_a_returning_session_whose_slot_was_taken_restores_its_kv_and_gives_the_recomputed_text(
+        model_path: str, tiered: Engine) -> None:
+    sessions = _sessions(6, 150)
+    first = [_run(tiered, i, s) for i, s in enumerate(sessions)]  # 6 sessions through 2 slots
+    assert tiered.kv_host()["saves"] >= 4
+    plain = _engine(model_path, "0")
+    try:
+        for i, s in enumerate(sessions):
+            turn2 = s + [7, 8, 9] * 10
+            text, reused = _run(tiered, 100 + i, turn2)
+            assert reused >= 0.9 * len(s), f"session {i}: {reused} of {len(s)} tokens reused"
+            assert text == _run(plain, 100 + i, turn2)[0], "a restored prefix gives the recomputed greedy text"
+        assert plain.kv_host() == {}
+    finally:
+        plain.close()
+    stats = tiered.kv_host()
+    assert stats["hits"] >= 4 and stats["restores"] == stats["hits"]
+    assert stats["bytes"] <= stats["capacity"]
+    assert first[0][1] == 0
+
+
+def test_an_entry_of_another_model_or_a_corrupt_one_is_dropped_and_the_prompt_recomputed(
+        model_path: str) -> None:
+    eng = _engine(model_path, "64MiB")
+    plain = _engine(model_path, "0")
+    try:
+        a, b, c = _sessions(3, 150, seed=2)
+        for i, s in enumerate((a, b, c)):  # a's KV goes to the tier when c takes its slot
+            _run(eng, i, s)
+        assert eng.kv.host is not None
+        store = eng.kv.host.store
+        victim = next(e for e in store.entries.values() if np.array_equal(e.tokens[: len(a)], a))
+        victim.identity = b"another model"
+        text, reused = _run(eng, 10, a + [5] * 20)
+        assert reused <= 64 and eng.kv_host()["failed"] == 1  # at most the shared system prompt, from a slot
+        assert text == _run(plain, 10, a + [5] * 20)[0]
+        _run(eng, 11, [*c, 1])  # b's KV goes to the tier
+        entry = next(e for e in store.entries.values() if np.array_equal(e.tokens[: len(b)], b))
+        entry.blob = np.zeros(16, np.uint8)  # not llama.cpp's state of anything
+        text, reused = _run(eng, 12, b + [5] * 20)
+        assert eng.kv_host()["failed"] == 2 and reused < len(b)
+        assert text == _run(plain, 12, b + [5] * 20)[0]
+    finally:
+        eng.close()
+        plain.close()
