@@ -75,16 +75,18 @@ class MemoryNeed:
     slots: int
     ctx_per_slot: int
     process: int = 0  # the worker process beside llama.cpp's buffers (CUDA context, or RAM of a CPU worker)
+    host: int = 0  # a CPU worker's host KV tier (workers.kv_host), in the same RAM
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.process
+        return self.weights + self.kv + self.compute + self.host + self.process
 
     def text(self) -> str:
         """``253 MiB weights + 36 MiB KV (8 x 2048 tokens) + 70 MiB compute + 96 MiB process = 455 MiB``."""
+        host = f" + {fmt_bytes(self.host)} host KV tier" if self.host else ""
         process = f" + {fmt_bytes(self.process)} process" if self.process else ""
         return (f"{fmt_bytes(self.weights)} weights + {fmt_bytes(self.kv)} KV ({self.slots} x {self.ctx_per_slot} "
-                f"tokens) + {fmt_bytes(self.compute)} compute{process} = {fmt_bytes(self.total)}")
+                f"tokens) + {fmt_bytes(self.compute)} compute{host}{process} = {fmt_bytes(self.total)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ plan) are not the policy's: they only take memory on their devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,10 +38,9 @@ def worker_need(m: ModelConfig, gpu: bool, workers: int = 1) -> tuple[int, str]:
     need = _estimate(m, gpu)
     if isinstance(need, str):
         return 0, need
-    if gpu:
-        return need.total, need.text()
-    host = host_kv_bytes(m.kv_host, need.kv, workers)
-    return need.total + host, need.text() + (f" + {memory.fmt_bytes(host)} host KV tier" if host else "")
+    if not gpu:
+        need = dataclasses.replace(need, host=host_kv_bytes(m.kv_host, need.kv, workers))
+    return need.total, need.text()
 
 
 def host_kv_share(m: ModelConfig, workers: int) -> int:
