@@ -1,5 +1,6 @@
 """The benchmark: workloads, the SDK driver against the real daemon, the HTTP driver against a fake
-peer that streams OpenAI-style and llama-server-style events, the CLI, the router-only bench."""
+peer that streams OpenAI-style and llama-server-style events, the CLI, the router-only bench, the
+agent scenario."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from llamapool.bench.drivers import Target, drive, measure, row
-from llamapool.bench.workloads import DEFAULT_CTX, FIXED, MIN_TOKENS, make_workload
+from llamapool.bench.workloads import DEFAULT_CTX, FIXED, MIN_TOKENS, AgentWorkload, make_workload
 
 # ---------------------------------------------------------------- workloads
 
@@ -111,7 +112,8 @@ def test_open_loop_bench_at_poisson_rates_against_the_daemon(start_daemon: Calla
 # ---------------------------------------------------------------- the HTTP driver, fake peer
 
 class FakePeer:
-    """An HTTP server that streams like llama-server: ``/v1/completions`` and ``/completion``.
+    """An HTTP server that streams like llama-server: ``/v1/completions`` and ``/completion``; its final
+    event says half of each prompt was cached.
 
     ``mode``: "ok"; "truncate" (the stream stops half way, no final event); "status" (HTTP 500);
     "holdback" (every 4th token is sent with the next one, as llama-server does inside a UTF-8
@@ -180,11 +182,13 @@ class FakePeer:
         if self.mode != "truncate":
             if openai:
                 final = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
-                         "usage": {"completion_tokens": sent, "prompt_tokens": len(body["prompt"])}}
+                         "usage": {"completion_tokens": sent, "prompt_tokens": len(body["prompt"]),
+                                   "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) // 2}}}
                 await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
             else:
                 final = {"index": 0, "content": "", "tokens": [], "stop": True, "tokens_predicted": sent,
-                         "timings": {"predicted_n": sent}, "prompt": "word " * 60_000}  # the prompt's text
+                         "timings": {"predicted_n": sent, "cache_n": len(body["prompt"]) // 2},
+                         "prompt": "word " * 60_000}  # the prompt's text
                 await resp.write(f": ping\n\ndata: {json.dumps(final)}\n\n".encode())
         await resp.write_eof()
         return resp
@@ -257,3 +261,76 @@ def test_router_only_bench_runs() -> None:
 
     r = run(requests=40, concurrency=8, gen_tokens=8, workers=1)
     assert r["bare_tok_s"] > 0 and r["daemon_tok_s"] > 0 and r["mode"] == "router-only"
+
+
+# ---------------------------------------------------------------- the agent scenario
+
+def test_agent_workload_prompts_grow_by_the_reply_and_new_tokens() -> None:
+    w = AgentWorkload(sessions=3, turns=4, shared=10, new=6, out=2, n_vocab=50, seed=1)
+    ctxs = w.contexts()
+    assert ctxs == w.contexts() and ctxs != AgentWorkload(3, 4, 10, 6, 2, 50, seed=2).contexts()
+    assert [w.prompt_len(k) for k in range(4)] == [16, 24, 32, 40] and w.longest == 42
+    assert w.prompt_tokens == 3 * (16 + 24 + 32 + 40)
+    assert all(len(c) == 10 + 4 * 8 and all(3 <= t < 50 for t in c) for c in ctxs)
+    assert ctxs[0][:10] == ctxs[1][:10] == ctxs[2][:10] and ctxs[0][10:16] != ctxs[1][10:16]
+    for bad in ({"sessions": 0}, {"turns": 0}, {"new": 0}, {"out": 0}, {"shared": -1}, {"n_vocab": 3}):
+        with pytest.raises(ValueError):
+            AgentWorkload(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", ["http-openai", "http-llama"])
+def test_agent_takes_sessions_round_robin_and_reads_the_cached_tokens(peer: FakePeer, transport: str) -> None:
+    from llamapool.bench.agent import measure_agent
+
+    peer.mode = "ok"
+    peer.bodies.clear()
+    work = AgentWorkload(sessions=3, turns=3, shared=8, new=4, out=3, n_vocab=100)
+    r = asyncio.run(measure_agent(Target(transport, peer.url, timeout=30), work, 1)).as_dict()
+    ctxs = work.contexts()
+    # one turn in flight: each session's first turn, then each one's second, ...; every body asks llama-server
+    # to reuse its cache, and every prompt is its session's context up to the turn
+    assert [tuple(b["prompt"]) for b in peer.bodies] == [
+        tuple(ctxs[s][:work.prompt_len(k)]) for k in range(3) for s in range(3)]
+    assert all(b["cache_prompt"] is True for b in peer.bodies)
+    assert (r["mode"], r["turns"], r["errors"], r["reply_tokens"], r["kv_host"]) == ("agent", 9, 0, "placeholder", None)
+    assert r["prompt_tokens_sent"] == work.prompt_tokens == 3 * (12 + 19 + 26)
+    assert r["prompt_tokens_cached"] == 3 * (12 // 2 + 19 // 2 + 26 // 2)
+    assert r["prompt_tokens_cached_return"] == 3 * (19 // 2 + 26 // 2)
+    assert r["ttft_first_p50_ms"] > 0 and r["ttft_return_p90_ms"] >= r["ttft_return_p50_ms"] > 0
+
+
+def test_cli_agent_against_the_daemon(start_daemon: Callable[..., Any], peer: FakePeer, tmp_path: Any) -> None:
+    """``--scenario agent`` against a real daemon: every turn counted, the prompt tokens the workload
+    defines, and returning turns served from the prefix cache; a run with errors exits 1. One worker (4
+    slots), so that no returning turn is routed away from the KV it left (with two, the router's prefix keys,
+    of 64 tokens at these lengths, cannot tell the sessions apart)."""
+    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1})
+    rows_file = tmp_path / "agent.jsonl"
+    out = _bench_cli("--endpoint", d.endpoint, "--scenario", "agent", "--sessions", "3", "--turns", "3",
+                     "--shared-tokens", "64", "--new-tokens", "32", "--out-tokens", "4", "-c", "2",
+                     "--out", str(rows_file))
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert [r] == [json.loads(x) for x in rows_file.read_text().splitlines()]
+    assert (r["mode"], r["transport"], r["sessions"], r["turns_per_session"]) == ("agent", "sdk", 3, 3)
+    assert r["concurrency"] == 2
+    assert (r["shared_tokens"], r["new_tokens"], r["out_tokens"], r["reply_tokens"]) == (64, 32, 4, "placeholder")
+    assert (r["turns"], r["errors"]) == (9, 0) and r["turns_s"] > 0 and r["wall_s"] > 0
+    assert r["prompt_tokens_sent"] == 3 * sum(64 + 32 * (k + 1) + 4 * k for k in range(3))
+    assert r["ttft_first_p90_ms"] >= r["ttft_first_p50_ms"] > 0
+    assert r["ttft_return_p90_ms"] >= r["ttft_return_p50_ms"] > 0
+    # a returning turn finds at least the shared tokens cached, at most its last prompt (the reply's
+    # placeholder tokens differ from the reply); today often just the shared ones: a first turn that
+    # arrives while a finished session's slot is free takes that slot for the shared tokens, in place
+    previous = 3 * sum(64 + 32 * (k + 1) + 4 * k for k in range(2))
+    assert 6 * 64 <= r["prompt_tokens_cached_return"] <= previous
+    assert r["prompt_tokens_cached"] >= r["prompt_tokens_cached_return"] + 64  # a first turn's shared tokens
+    assert r["kv_host"] is None or r["kv_host"].keys() >= {"hits", "misses", "restores", "saves"}
+    peer.mode = "truncate"
+    out = _bench_cli("--http", peer.url, "--api", "llama", "--scenario", "agent", "--sessions", "2", "--turns", "2",
+                     "--shared-tokens", "4", "--new-tokens", "4", "--out-tokens", "6")
+    assert out.returncode == 1 and "not a figure" in out.stderr
+    r = json.loads(out.stdout)
+    assert (r["turns"], r["errors"], r["transport"]) == (4, 4, "http-llama") and "stream ended" in r["error_samples"][0]
+    out = _bench_cli("--endpoint", d.endpoint, "--scenario", "agent", "--procs", "2")
+    assert out.returncode == 2 and "--scenario agent" in out.stderr

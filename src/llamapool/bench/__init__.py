@@ -7,6 +7,7 @@
 - :mod:`~llamapool.bench.ceiling`: the engine alone (llama.cpp, no service) on the same lengths;
 - :mod:`~llamapool.bench.router_only`: the router path with an echo engine against bare pyzmq;
 - :mod:`~llamapool.bench.scenarios`: a long prompt among streams, prompts sharing a prefix;
+- :mod:`~llamapool.bench.agent`: ``--scenario agent``, sessions whose context grows turn after turn;
 - :mod:`~llamapool.bench.command`: the ``llamapool bench`` command.
 
 Nothing here is imported by the daemon, and nothing here imports :mod:`llamapool.cli`.

@@ -1,6 +1,7 @@
 """``llamapool bench``: drive a running daemon (SDK) or an HTTP server (``--http``) with a named
 workload at C concurrent streams; optionally measure the engine ceiling (same model and lengths, no
-service) in the same run; or, with ``--router-only``, the router path without a model.
+service) in the same run; or, with ``--router-only``, the router path without a model; or, with
+``--scenario agent``, sessions whose context grows turn after turn (:mod:`llamapool.bench.agent`).
 
 Exits 1 when any request failed or came back short: a run with errors is not a figure.
 """
@@ -15,12 +16,13 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from llamapool.bench.workloads import DEFAULT_CTX, NAMES
+from llamapool.bench.workloads import DEFAULT_CTX, NAMES, AgentWorkload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--concurrency", type=int, nargs="+", default=[8],
-                   help="concurrent streaming clients; several values run one after another")
+    p.add_argument("-c", "--concurrency", type=int, nargs="+",
+                   help="concurrent streaming clients (default 8; --scenario agent: turns in flight, default "
+                        "16); several values run one after another")
     p.add_argument("-n", "--requests", type=int, default=0,
                    help="requests per run (default 4 x C; open loop: 20 s of arrivals, at least 64)")
     p.add_argument("--rate", type=float, nargs="+", metavar="R",
@@ -33,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="short: 128 prompt / 128 output tokens; rag: 1024/128; long: 4096/256; mixed: "
                         "log-normal lengths, median 512/128, sigma 0.8/0.6, clipped to --ctx")
     p.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length (mixed: its median)")
-    p.add_argument("--gen-tokens", type=int, help="override the workload's output length (mixed: its median)")
+    p.add_argument("--gen-tokens", "--out-tokens", type=int,
+                   help="override the workload's output length (mixed: its median; --scenario agent: each "
+                        f"turn's, default {AgentWorkload.out})")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
                    help=f"prompt + output budget per request (default {DEFAULT_CTX}); mixed is clipped to it")
     p.add_argument("--seed", type=int, default=0, help="same seed, same requests")
@@ -44,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the measured C streams run beside C streams of this workload (one wave more than "
                         "the measured ones, started a second before): e.g. -w short --beside json for what "
                         "constrained neighbours cost plain streams, against -w short --beside short")
+    _agent_arguments(p)
     p.add_argument("--n-vocab", type=int, default=0,
                    help="prompt ids are drawn below this (default: what the server reports)")
     p.add_argument("--http", metavar="URL",
@@ -66,10 +71,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
+def _agent_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=("agent",),
+                   help="a scenario instead of a workload: agent: sessions of turns whose prompt is the last "
+                        "turn's, its reply and new tokens, taken round-robin (one JSON line a run)")
+    p.add_argument("--sessions", type=int, default=AgentWorkload.sessions,
+                   help="--scenario agent: sessions")
+    p.add_argument("--turns", type=int, default=AgentWorkload.turns,
+                   help="--scenario agent: turns a session")
+    p.add_argument("--shared-tokens", type=int, default=AgentWorkload.shared,
+                   help="--scenario agent: tokens every session starts with")
+    p.add_argument("--new-tokens", type=int, default=AgentWorkload.new,
+                   help="--scenario agent: tokens each turn adds")
+
+
+def _agent(args: argparse.Namespace, target: Any, n_vocab: int, info: dict[str, int]) -> int:
+    """``--scenario agent``: one run per concurrency, each printed (and appended to ``--out``) as a JSON line."""
+    from llamapool.bench.agent import measure_agent
+
+    if args.rate or args.beside or args.ceiling or args.procs > 1:
+        print("llamapool bench: --scenario agent is a closed loop in one client process: no --rate, --beside, "
+              "--ceiling or --procs", file=sys.stderr)
+        return 2
+    try:
+        work = AgentWorkload(args.sessions, args.turns, args.shared_tokens, args.new_tokens,
+                             args.gen_tokens or AgentWorkload.out, n_vocab, args.seed)
+    except ValueError as e:
+        print(f"llamapool bench: {e}", file=sys.stderr)
+        return 2
+    slot = info.get("ctx_per_slot") or 0
+    if slot and work.longest > slot:
+        print(f"llamapool bench: warning: the last turns need {work.longest} tokens of context; the daemon has "
+              f"{slot} per slot (model.ctx_per_slot), so they will fail", file=sys.stderr)
+    errors = 0
+    for c in args.concurrency or [16]:
+        row = asyncio.run(measure_agent(target, work, c, not args.no_progress)).as_dict()
+        errors += row["errors"]
+        _append(args.out, [row])
+        print(json.dumps(row), flush=True)
+    if errors:
+        print(f"llamapool bench: {errors} turn(s) failed or came back short: not a figure", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _router_only(args: argparse.Namespace) -> int:
     from llamapool.bench.router_only import run as router_only
 
-    row = router_only(requests=args.requests or 400, concurrency=max(args.concurrency),
+    row = router_only(requests=args.requests or 400, concurrency=max(args.concurrency or [8]),
                       gen_tokens=args.gen_tokens or 64)
     print(json.dumps(row, indent=2) if args.json else
           f"router-only: daemon {row['daemon_tok_s']} tok/s vs bare pyzmq echo {row['bare_tok_s']} tok/s "
@@ -102,11 +151,13 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
     if not n_vocab:
         print("llamapool bench: the server did not say its vocabulary size; pass --n-vocab", file=sys.stderr)
         return 2
+    if args.scenario == "agent":
+        return _agent(args, target, n_vocab, info)
     if args.rate:
         return _open_loop(args, target, n_vocab)
     rows: list[dict[str, Any]] = []
     errors = 0
-    for c in args.concurrency:
+    for c in args.concurrency or [8]:
         try:
             work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=args.seed, ctx=args.ctx,
                                  prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,

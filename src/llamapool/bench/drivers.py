@@ -19,7 +19,9 @@ Every reply is counted. A request that fails, or ends with a token count other t
 for (generation ignores EOS), is an error; a row with errors is not a figure.
 
 Transports (the same requests and measurement for each; greedy, ``temperature: 0``, unless the workload
-gives a temperature):
+gives a temperature); each one's :meth:`~_Transport.reply` also says how many prompt tokens the server
+reports it took from its cache (the SDK's ``usage.cached_tokens``; over HTTP, OpenAI's
+``usage.prompt_tokens_details.cached_tokens`` or llama-server's ``timings.cache_n``), where it does:
 
 - ``sdk``: a llamapool daemon through :class:`llamapool.AsyncClient` (``stream``, ``ignore_eos``);
   a chunk carries the request's running token count, and the final result's ``completion_tokens`` is
@@ -140,6 +142,15 @@ class BenchRow:
 OnTokens = Callable[[int], None]
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What a finished request's reply says: its generated tokens, and the prompt tokens the server says
+    it served from its cache (None: the server does not say)."""
+
+    tokens: int
+    cached_tokens: int | None = None
+
+
 class _Transport:
     async def open(self) -> None:
         pass
@@ -147,9 +158,13 @@ class _Transport:
     async def close(self) -> None:
         pass
 
-    async def run(self, req: Request, on_tokens: OnTokens) -> int:
-        """Send ``req``; call ``on_tokens(running count)`` as tokens arrive; return the request's count."""
+    async def reply(self, req: Request, on_tokens: OnTokens) -> Reply:
+        """Send ``req``; call ``on_tokens(running count)`` as tokens arrive; return what its reply says."""
         raise NotImplementedError
+
+    async def run(self, req: Request, on_tokens: OnTokens) -> int:
+        """:meth:`reply`'s token count."""
+        return (await self.reply(req, on_tokens)).tokens
 
 
 class SdkTransport(_Transport):
@@ -166,7 +181,7 @@ class SdkTransport(_Transport):
         if self.client is not None:
             await self.client.close()
 
-    async def run(self, req: Request, on_tokens: OnTokens) -> int:
+    async def reply(self, req: Request, on_tokens: OnTokens) -> Reply:
         # the final result's completion_tokens also counts tokens whose text came in no chunk
         extra: dict[str, Any] = {} if req.json_schema is None else {"json_schema": req.json_schema}
         if req.top_logprobs >= 0:
@@ -181,7 +196,8 @@ class SdkTransport(_Transport):
                 counts[chunk.index] = chunk.tokens
                 on_tokens(sum(counts))
         assert stream.completion is not None  # a failed request raised instead
-        return sum(int(c.usage.completion_tokens) for c in stream.completions)
+        return Reply(sum(int(c.usage.completion_tokens) for c in stream.completions),
+                     int(stream.completion.usage.cached_tokens))  # the first choice's
 
 
 async def _sse(content: Any) -> AsyncIterator[str]:
@@ -228,12 +244,15 @@ def _event(data: str) -> dict[str, Any]:
 
 
 class HttpTransport(_Transport):
-    def __init__(self, url: str, transport: str, timeout: float):
+    """``extra_body``: fields every request body also carries (e.g. llama-server's ``cache_prompt``)."""
+
+    def __init__(self, url: str, transport: str, timeout: float, extra_body: dict[str, Any] | None = None):
         self.url = url.rstrip("/")
         if not any(self.url.endswith(p) for p in HTTP_PATHS.values()):
             self.url += HTTP_PATHS[transport]
         self.openai = transport == "http-openai"
         self.timeout = timeout
+        self.extra_body = extra_body or {}
         self.session: Any = None
 
     async def open(self) -> None:
@@ -250,7 +269,9 @@ class HttpTransport(_Transport):
             await self.session.close()
 
     def body(self, req: Request) -> dict[str, Any]:
-        extra: dict[str, Any] = {} if req.json_schema is None else {"json_schema": req.json_schema}  # both's field
+        extra: dict[str, Any] = dict(self.extra_body)
+        if req.json_schema is not None:
+            extra["json_schema"] = req.json_schema  # both's field
         if self.openai:
             if req.top_logprobs >= 0:
                 extra["logprobs"] = req.top_logprobs
@@ -261,7 +282,7 @@ class HttpTransport(_Transport):
         return {"prompt": list(req.prompt), "n_predict": req.max_tokens, "temperature": req.temperature, "stream": True,
                 "ignore_eos": True, **extra}
 
-    async def run(self, req: Request, on_tokens: OnTokens) -> int:
+    async def reply(self, req: Request, on_tokens: OnTokens) -> Reply:
         """A request of ``n`` choices is ``n`` requests at once (an HTTP server's one choice each)."""
         if req.n == 1:
             return await self._run_one(req, on_tokens)
@@ -274,17 +295,17 @@ class HttpTransport(_Transport):
             return seen
 
         done = await asyncio.gather(*(self._run_one(req, one(i)) for i in range(req.n)))
-        return sum(done)
+        return Reply(sum(r.tokens for r in done), done[0].cached_tokens)
 
-    async def _run_one(self, req: Request, on_tokens: OnTokens) -> int:
+    async def _run_one(self, req: Request, on_tokens: OnTokens) -> Reply:
         async with self.session.post(self.url, json=self.body(req)) as resp:
             if resp.status != 200:
                 raise ReplyError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             return await (self._openai(resp, on_tokens) if self.openai else self._llama(resp, on_tokens))
 
     @staticmethod
-    async def _openai(resp: Any, on_tokens: OnTokens) -> int:
-        counted, usage, finished = 0, None, False
+    async def _openai(resp: Any, on_tokens: OnTokens) -> Reply:
+        counted, usage, finished, cached = 0, None, False, None
         async for data in _sse(resp.content):
             if data.strip() == "[DONE]":
                 break
@@ -297,12 +318,13 @@ class HttpTransport(_Transport):
                 finished = finished or reason is not None
             if isinstance(ev.get("usage"), dict):
                 usage = ev["usage"].get("completion_tokens")
+            cached = _cached(ev) if cached is None else cached
         if not finished:
             raise ReplyError(f"stream ended after {counted} tokens without a finish_reason")
-        return int(usage) if usage is not None else counted
+        return Reply(int(usage) if usage is not None else counted, cached)
 
     @staticmethod
-    async def _llama(resp: Any, on_tokens: OnTokens) -> int:
+    async def _llama(resp: Any, on_tokens: OnTokens) -> Reply:
         last = 0
         async for data in _sse(resp.content):
             ev = _event(data)
@@ -310,17 +332,29 @@ class HttpTransport(_Transport):
             if n is None:
                 n = last + len(ev.get("tokens") or [0])
             if ev.get("stop"):
-                return int(n)
+                return Reply(int(n), _cached(ev))
             if n > last:
                 last = int(n)
                 on_tokens(last)
         raise ReplyError(f"stream ended after {last} tokens without its final event")
 
 
-def make_transport(target: Target) -> _Transport:
+def _cached(ev: dict[str, Any]) -> int | None:
+    """The prompt tokens an event says the server took from its cache: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``, else llama-server's ``timings.cache_n``; None if neither."""
+    usage = ev.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    if n is None and isinstance(ev.get("timings"), dict):
+        n = ev["timings"].get("cache_n")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def make_transport(target: Target, extra_body: dict[str, Any] | None = None) -> _Transport:
+    """``extra_body``: fields an HTTP transport adds to every request body (the SDK's ignores them)."""
     if target.transport == "sdk":
         return SdkTransport(target.address, target.timeout, target.keys)
-    return HttpTransport(target.address, target.transport, target.timeout)
+    return HttpTransport(target.address, target.transport, target.timeout, extra_body)
 
 
 # ---------------------------------------------------------------- the measurement core

@@ -19,6 +19,9 @@ distributions (``exp(N(ln median, sigma))``, rounded), and clips them so that ev
 context budget: output to ``[16, ctx - 16]``, prompt to ``[16, ctx - output]``. With the default
 budget (4,352 = 4,096 + 256) about 1 request in 250 has its prompt clipped; the mean prompt is about
 700 tokens and the mean output about 154.
+
+:class:`AgentWorkload` is the ``agent`` scenario's (:mod:`llamapool.bench.agent`): sessions whose
+prompts grow turn after turn, each turn's prompt a prefix of its session's :meth:`~AgentWorkload.contexts`.
 """
 
 from __future__ import annotations
@@ -132,3 +135,55 @@ def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = 
     reqs = tuple(Request(tuple(rng.randrange(FIRST_ID, n_vocab) for _ in range(p)), g, schema, top,
                          CHOICES.get(name, 1), temperature) for p, g in lengths)
     return Workload(name, reqs, seed, ctx)
+
+
+@dataclass(frozen=True)
+class AgentWorkload:
+    """The ``agent`` scenario's workload (:mod:`llamapool.bench.agent`): ``sessions`` of ``turns``; turn k's
+    prompt is ``shared`` tokens, then ``k + 1`` times ``new`` tokens with ``k`` replies of ``out`` tokens
+    between them. The same parameters always give the same prompts."""
+
+    sessions: int = 32
+    turns: int = 6
+    shared: int = 1024  # tokens every session's first prompt starts with
+    new: int = 768  # tokens each turn adds of its own
+    out: int = 32  # tokens each turn asks for
+    n_vocab: int = 32000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.turns < 1 or self.shared < 0 or self.new < 1 or self.out < 1:
+            raise ValueError(f"agent: sessions {self.sessions} and turns {self.turns} must be >= 1, shared "
+                             f"tokens {self.shared} >= 0, new tokens {self.new} and out tokens {self.out} >= 1")
+        if self.n_vocab <= FIRST_ID:
+            raise ValueError(f"n_vocab {self.n_vocab} leaves no ordinary token ids")
+
+    def prompt_len(self, turn: int) -> int:
+        """Turn ``turn``'s (0-based) prompt length."""
+        return self.shared + (turn + 1) * self.new + turn * self.out
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens all the turns send."""
+        return self.sessions * sum(self.prompt_len(k) for k in range(self.turns))
+
+    @property
+    def longest(self) -> int:
+        """The most context one turn needs: the last turn's prompt and its reply."""
+        return self.prompt_len(self.turns - 1) + self.out
+
+    def contexts(self) -> list[list[int]]:
+        """Each session's whole context: turn k's prompt is its first :meth:`prompt_len` (k) tokens."""
+        rng = random.Random(f"llamapool-bench/agent/{self.seed}")
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(FIRST_ID, self.n_vocab) for _ in range(n)]
+
+        shared = ids(self.shared)
+        out = []
+        for _ in range(self.sessions):
+            ctx = list(shared)
+            for _ in range(self.turns):
+                ctx += ids(self.new) + ids(self.out)  # the turn's new tokens, then its reply's placeholder
+            out.append(ctx)
+        return out
