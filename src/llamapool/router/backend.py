@@ -78,6 +78,7 @@ class Backend(JobTable):
                 LOG.warning(f"worker {name} serves model {model!r}, which is not in the pool "
                             f"({', '.join(self.models)}): no request can reach it", worker=name)
             self.workers[name] = WorkerState(name, ident, msg, now, model, key=key)
+            self._unpark(self.workers[name])
             if msg.node:
                 self.remote_lost.pop(name, None)
                 LOG.info(f"worker {name} of node {msg.node} joined (pid {msg.pid}, {msg.device}, {msg.slots} slots)",
@@ -106,16 +107,27 @@ class Backend(JobTable):
         """A part of a draining worker's host KV tier, to one ready sibling of its model (the same one for all
         its parts; dropped when there is none). The prefixes the router remembers of ``w`` go with the first
         part, so that the sessions whose KV moved follow it there."""
+        part.source = w.name
         sib = self.workers.get(w.handover_to) if w.handover_to else None
         if sib is None or not sib.routable:
             sibs = [s for s in self.workers.values() if s.model == w.model and s is not w and s.routable]
-            if not sibs:
+            if not sibs:  # kept for the model's next worker (router/handover.py)
+                self.parked.park(w.model, part, w.prefixes)
                 return
             sib = max(sibs, key=lambda s: (s.free, s.name))
             w.handover_to = sib.name
             remember(sib, tuple(w.prefixes))
-        part.source = w.name
         self._send_worker(sib, part)
+
+    def _unpark(self, w: WorkerState) -> None:
+        """A new worker of a model whose last worker's KV was parked: it gets the parts and the prefix keys."""
+        parts, prefixes = self.parked.take(w.model)
+        if parts:
+            LOG.info(f"worker {w.name}: {len(parts)} parked KV handover part(s) of model {w.model} sent to it",
+                     worker=w.name)
+            remember(w, tuple(prefixes))
+        for part in parts:
+            self._send_worker(w, part)
 
     def _on_step(self, w: WorkerState, step: Step) -> None:
         now = time.monotonic()

@@ -53,6 +53,7 @@ from llamapool.protocol.messages import (
     Shutdown,
 )
 from llamapool.router.backend import Backend
+from llamapool.router.handover import Parked
 from llamapool.router.intake import Intake
 from llamapool.router.metrics import RouterMetrics
 from llamapool.router.tables import Job, RequestStatus, RouterConfig, WorkerState
@@ -101,6 +102,7 @@ class Router(Intake, Backend):
         self.light: deque[Job] = deque()  # tokenize/detokenize jobs waiting for a worker (any model's)
         self.by_request: dict[tuple[bytes, str], list[Job]] = {}
         self.workers: dict[str, WorkerState] = {}
+        self.parked = Parked()
         self.remote_lost: dict[str, dict[str, Any]] = {}  # status rows of nodes' workers that left or were lost
         self._back_keys = cfg.curve is not None and needs_curve(cfg.backend)  # peers' keys (User-Id) readable
         self._peer: Any = None  # the last backend frame (its User-Id is the peer's key)

@@ -34,6 +34,7 @@ from llamapool.protocol.messages import (
     TokenizeReply,
 )
 from llamapool.router.fleet import Fleet, LiveWorker
+from llamapool.router.handover import Parked
 from llamapool.router.metrics import RouterMetrics
 from llamapool.router.tenants import DEFAULT_RANK, FLEX_RANK, FairQueue, Tenancy
 
@@ -209,6 +210,7 @@ class JobTable:
     draining: bool
     next_rid: int
     metrics: RouterMetrics
+    parked: Parked  # KV handover parts kept for a model's next worker (router/handover.py)
     _demand: control.Demand | None  # the demand the supervisor last heard
     _demand_now: bool  # a request waits for a model with no worker: tell the supervisor now
     _demand_soon: bool  # a model's queue emptied: tell the supervisor within DEMAND_SOON

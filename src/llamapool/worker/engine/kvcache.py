@@ -58,13 +58,13 @@ class KVSlots:
                     return seq_id, n
                 self.free_ids.appendleft(seq_id)  # emptied: the VRAM's prefixes are looked for again
                 src, best = self._in_vram(want, running) if self.prefix_cache else (-1, 0)
-        if best and src in self.free_ids:
+        if best and src in self.free_ids and not self._keep_apart(src, best):
             seq_id = src
             self.free_ids.remove(seq_id)
             if self.host is not None and len(self.cached[seq_id]) - best >= BLOCK:
                 self._save(seq_id)  # the part beyond the shared prefix is another session's
         else:
-            seq_id = self._evict(self._least_worth())
+            seq_id = self._evict(self._least_worth(besides=src))
             if best:
                 L.llama_memory_seq_cp(self.mem, src, seq_id, -1, -1)
                 self.copied_streams += 1
@@ -88,9 +88,16 @@ class KVSlots:
                 src, best = sid, common
         return src, best
 
-    def _least_worth(self) -> int:
-        """The free slot whose cached prefix is least worth keeping, lowest id first."""
-        return min(self.free_ids, key=lambda i: (len(self.cached.get(i, ())), i))
+    def _keep_apart(self, src: int, best: int) -> bool:
+        """Whether free slot ``src``, whose KV shares ``best`` tokens with a new prompt, holds another session's
+        context beyond them (a block or more) while a free slot holding less exists: the shared prefix is then
+        copied there, and ``src`` keeps its session's KV for its return."""
+        rest = len(self.cached[src]) - best
+        return rest >= BLOCK and any(len(self.cached.get(i, ())) < rest for i in self.free_ids if i != src)
+
+    def _least_worth(self, besides: int = -1) -> int:
+        """The free slot whose cached prefix is least worth keeping, lowest id first (not ``besides``)."""
+        return min((i for i in self.free_ids if i != besides), key=lambda i: (len(self.cached.get(i, ())), i))
 
     def _evict(self, seq_id: int) -> int:
         """Take free slot ``seq_id`` emptied, its cached prefix saved to the host tier first."""
