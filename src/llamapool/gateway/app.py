@@ -20,7 +20,7 @@ from starlette.routing import Route
 from llamapool.client.aio import AsyncClient
 from llamapool.gateway import GatewaySpec, anthropic, tokenizer_info, tokens
 from llamapool.gateway.errors import ANTHROPIC_PATH, ApiError, error_response, openai_error
-from llamapool.gateway.openai import chat, completions, embeddings, models, responses
+from llamapool.gateway.openai import chat, completions, embeddings, models, responses, stored
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
 from llamapool.gateway.pod import PodView
 from llamapool.gateway.serving import Door, Serving
@@ -61,6 +61,9 @@ class Gateway(Serving):
             ("/models", Door(models.handle_list), "GET"), ("/models/{model_id:path}", Door(models.handle_one), "GET"),
             ("/completions", Door(completions.handle), "POST"), ("/chat/completions", Door(chat.handle), "POST"),
             ("/responses", Door(responses.handle), "POST"), ("/embeddings", Door(embeddings.handle), "POST"),
+            ("/responses/{response_id:str}", Door(stored.handle_get), "GET"),
+            ("/responses/{response_id:str}", Door(stored.handle_delete), "DELETE"),
+            ("/responses/{response_id:str}/input_items", Door(stored.handle_input_items), "GET"),
         ]
         return Starlette(routes=[
             *self.pod.routes(),
