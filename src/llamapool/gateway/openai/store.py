@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -129,6 +130,8 @@ class ResponseStore:
             # one thread uses it at a time (the store's, or a caller's that never hands it over)
             db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False)
             try:
+                with contextlib.suppress(OSError):  # conversations: the owner's alone (WAL files follow its mode)
+                    os.chmod(self.path, 0o600)
                 db.execute("PRAGMA journal_mode = WAL")
                 db.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at each checkpoint, never corrupt
                 db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} COMMIT;")  # once, whichever process comes first

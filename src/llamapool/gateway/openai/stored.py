@@ -135,6 +135,11 @@ async def _get(s: Serving, call: Call) -> Stored:
     return got
 
 
+async def handle_one(s: Serving, call: Call) -> Response:
+    """``GET`` or ``DELETE /v1/responses/{id}``."""
+    return await (handle_delete(s, call) if call.request.method == "DELETE" else handle_get(s, call))
+
+
 async def handle_get(s: Serving, call: Call) -> Response:
     """``GET /v1/responses/{id}``: the response as it was served."""
     if call.request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
