@@ -551,7 +551,7 @@ def test_several_processes_write_one_store(tmp_path: Any) -> None:
 
 
 def test_the_store_forgets_what_is_older_than_its_ttl(tmp_path: Any) -> None:
-    from llamapool.gateway.openai.store import Owner, ResponseStore, Stored
+    from llamapool.gateway.openai.store import Owner, ResponseStore, Stored, StoreError
 
     store = ResponseStore(str(tmp_path / "responses.sqlite"), 0.5, 1 << 20)
     store.put(Owner(), Stored("resp_old", {"output": []}, []))
@@ -562,3 +562,6 @@ def test_the_store_forgets_what_is_older_than_its_ttl(tmp_path: Any) -> None:
     assert [r[0] for r in store._open().execute("SELECT id FROM responses")] == ["resp_new"]
     chained = store.chain(Owner(), "resp_new")
     assert chained is not None and chained.missing == "resp_old"
+    with pytest.raises(StoreError) as e:  # larger than the whole store: not stored, "full" (the caller serves it)
+        store.put(Owner(), Stored("resp_big", {"output": [], "text": "x" * (1 << 20)}, []))
+    assert e.value.reason == "full" and store.get(Owner(), "resp_new") is not None
