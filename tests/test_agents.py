@@ -105,7 +105,7 @@ def test_a_rolling_reload_hands_each_workers_tier_to_its_sibling(tmp_path: Path,
             d.proc.send_signal(signal.SIGHUP)
             d.wait_log("reload done", timeout=120)
             d.wait_ready(2)
-            cached = [c.generate(s + [9, 9, 9, 9], max_tokens=4, temperature=0.0).usage.cached_tokens
+            cached = [c.generate([*s, 9, 9, 9, 9], max_tokens=4, temperature=0.0).usage.cached_tokens
                       for s in sessions]
             metrics = c.metrics()
     finally:

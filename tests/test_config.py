@@ -88,6 +88,24 @@ def test_http_table_is_optional_and_checked(tmp_path: Path) -> None:
         from_dict({"model": {"path": "m"}, "http": {"api_keys_file": str(tmp_path / "empty")}})
 
 
+def test_the_responses_store_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[http] responses_store``, ``responses_ttl`` (seconds or a duration), ``responses_max_mb``; the
+    file is in $STATE_DIRECTORY (systemd's StateDirectory=), else the runtime dir."""
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    cfg = from_dict({"model": {"path": "m"}, "server": {"runtime_dir": str(tmp_path)},
+                     "http": {"responses_ttl": "2h", "responses_max_mb": 0.5}})
+    assert cfg.http is not None and cfg.http.responses_store and cfg.http.responses_ttl == 7200.0
+    assert cfg.http.responses_max_mb == 0.5 and cfg.responses_path == str(tmp_path / "responses.sqlite")
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/llamapool")
+    assert cfg.responses_path == "/var/lib/llamapool/responses.sqlite"
+    assert from_dict({"model": {"path": "m"}, "http": {"responses_store": False}}).responses_path == ""
+    assert from_dict({"model": {"path": "m"}}).responses_path == ""  # no gateway, no store
+    for key, value in (("responses_ttl", 0), ("responses_ttl", "soon"), ("responses_max_mb", -1),
+                       ("responses_store", "yes")):
+        with pytest.raises(ConfigError, match=f"http\\.{key}"):
+            from_dict({"model": {"path": "m"}, "http": {key: value}})
+
+
 # ---------------------------------------------------------------- [[models]]
 
 

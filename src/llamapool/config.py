@@ -150,6 +150,11 @@ class HttpConfig:
     max_connections: int = 0  # per gateway process; 0: the fd limit less 64, at most 4096. Past it the oldest idle goes
     send_timeout: float = 30.0  # seconds a client may read nothing of its reply; then it is cut, its request cancelled
     send_buffer_bytes: int = 256 * 1024  # a reply's unread bytes held for a client; past it: cut, request cancelled
+    # stored responses (POST /v1/responses with store, previous_response_id, GET/DELETE /v1/responses/{id}):
+    # an SQLite file in the state directory (Config.responses_path), every gateway process sharing it
+    responses_store: bool = True  # false: nothing is stored (store acts as false), previous_response_id is a 400
+    responses_ttl: float = 30 * 86400.0  # seconds a stored response is kept (OpenAI's 30 days); "720h"
+    responses_max_mb: float = 1024.0  # MiB the stored responses (their JSON) take at most: past it, the oldest go
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -234,6 +239,21 @@ class Config:
         return Path(self.server.runtime_dir) if self.server.runtime_dir else default_runtime_dir()
 
     @property
+    def state_dir(self) -> Path:
+        """What outlives a restart (the stored responses): systemd's STATE_DIRECTORY (the unit's
+        StateDirectory=, /var/lib/llamapool; its RuntimeDirectory= goes when the service stops), else
+        the runtime dir."""
+        given = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+        return Path(given) if given else self.runtime_dir
+
+    @property
+    def responses_path(self) -> str:
+        """The stored responses' SQLite file ("" when ``[http] responses_store`` is off or there is no gateway)."""
+        if self.http is None or not self.http.responses_store:
+            return ""
+        return str(self.state_dir / "responses.sqlite")
+
+    @property
     def frontend(self) -> str:
         return self.server.frontend or f"ipc://{self.runtime_dir / 'frontend.sock'}"
 
@@ -263,13 +283,13 @@ _POSITIVE = {
     "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
     "workers.flap_limit", "http.processes", "http.request_timeout", "http.idle_timeout", "http.read_timeout",
-    "http.send_timeout", "http.send_buffer_bytes",
+    "http.send_timeout", "http.send_buffer_bytes", "http.responses_ttl", "http.responses_max_mb",
 }
 
 
 _DURATIONS = {"server.rate_window", "server.flex_queue_timeout", "server.tenant_idle",
               "model.idle_unload", "pool.idle_unload", "pool.scale_up_wait", "pool.scale_down_idle",
-              "pool.min_residency", "pool.load_backoff"}
+              "pool.min_residency", "pool.load_backoff", "http.responses_ttl"}
 
 
 def _duration(key: str, value: str) -> float:

@@ -17,13 +17,13 @@ PARENT_PID_ENV = "LLAMAPOOL_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def report(event: str, busy_for: float = 0.0) -> None:
+def report(event: str, busy_for: float = 0.0, detail: str = "") -> None:
     """Tell the supervisor ``event`` (protocol/control.py ChildReport) on this process's output pipe."""
     from llamapool.protocol import codec
     from llamapool.protocol.control import ChildReport
 
     with contextlib.suppress(OSError):  # the supervisor is gone: it will not read it anyway
-        print(codec.report_line(ChildReport(event, busy_for)), file=sys.stderr, flush=True)
+        print(codec.report_line(ChildReport(event, busy_for, detail)), file=sys.stderr, flush=True)
 
 
 def parent_env() -> dict[str, str]:

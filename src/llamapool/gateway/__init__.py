@@ -42,6 +42,11 @@ class GatewaySpec:
     send_buffer_bytes: int = 256 * 1024
     min_ready_workers: int = 1  # /ready is 200 with this many workers serving (gateway/pod.py)
     vllm_metric_names: bool = False  # /metrics also names the pod's gauges as vLLM does ([metrics])
+    # the stored responses' SQLite file ("" -> none: [http] responses_store = false), how long one is kept
+    # and the most bytes they take ([http] responses_ttl, responses_max_mb; gateway/openai/store.py)
+    responses_store: str = ""
+    responses_ttl: float = 30 * 86400.0
+    responses_max_bytes: int = 1 << 30
     # the pool's models as configured: {"name", "path", "embedding", "ctx_per_slot", "chat_template"} each
     # (/v1/embeddings without a model takes the first embedding model; /tokenizer_info reads the GGUF)
     models: list[dict[str, Any]] = field(default_factory=list)

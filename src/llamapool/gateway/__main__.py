@@ -75,6 +75,8 @@ async def serve(spec: GatewaySpec) -> int:
         finally:
             watch.cancel()
             await gateway.pod.stop()
+            if gateway.responses is not None:
+                gateway.responses.close()
     return 0
 
 

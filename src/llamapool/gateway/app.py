@@ -20,7 +20,7 @@ from starlette.routing import Route
 from llamapool.client.aio import AsyncClient
 from llamapool.gateway import GatewaySpec, anthropic, tokenizer_info, tokens
 from llamapool.gateway.errors import ANTHROPIC_PATH, ApiError, error_response, openai_error
-from llamapool.gateway.openai import chat, completions, embeddings, models, responses
+from llamapool.gateway.openai import chat, completions, embeddings, models, responses, stored
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
 from llamapool.gateway.pod import PodView
 from llamapool.gateway.serving import Door, Serving
@@ -61,12 +61,14 @@ class Gateway(Serving):
             ("/models", Door(models.handle_list), "GET"), ("/models/{model_id:path}", Door(models.handle_one), "GET"),
             ("/completions", Door(completions.handle), "POST"), ("/chat/completions", Door(chat.handle), "POST"),
             ("/responses", Door(responses.handle), "POST"), ("/embeddings", Door(embeddings.handle), "POST"),
+            ("/responses/{response_id:str}", Door(stored.handle_one), "GET DELETE"),
+            ("/responses/{response_id:str}/input_items", Door(stored.handle_input_items), "GET"),
         ]
         return Starlette(routes=[
             *self.pod.routes(),
             Route("/models/{action:str}", api(Door(models.handle_action)), methods=["POST"]),  # llama-server's
-            *(Route(prefix + path, api(door), methods=[method])
-              for prefix in ("/v1", "") for path, door, method in openai_routes),
+            *(Route(prefix + path, api(door), methods=methods.split())
+              for prefix in ("/v1", "") for path, door, methods in openai_routes),
             Route(ANTHROPIC_PATH, api(anthropic.MESSAGES), methods=["POST"]),
             Route(ANTHROPIC_PATH + "/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),

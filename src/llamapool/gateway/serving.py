@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -27,6 +28,7 @@ from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
 from llamapool.gateway.errors import ApiError, Messages, from_llamapool, is_anthropic, openai_error
+from llamapool.gateway.openai.store import Owner, ResponseStore
 from llamapool.gateway.parsing import Generation, json_body, priority_class, ratelimit_headers, renamed
 from llamapool.log import Logger
 
@@ -59,6 +61,7 @@ class Call:
     # the disconnect watch of the streams open_streams opened: their event stream's response takes it over
     watch: Watch | None = None
     tenant: str | None = None  # who asks: the API key's tenant, or the trusted header's (None: the default)
+    owner: Owner = field(default_factory=Owner)  # whose stored responses it may see (gateway/openai/store.py)
     ratelimit: dict[str, Any] | None = None  # the tenant's rate-limit state the router sent (the headers)
 
     def api_error(self, e: LlamapoolError) -> ApiError:
@@ -107,6 +110,8 @@ class Serving:
         self.spec, self.client = spec, client
         self.keys = load_keys(spec.api_keys_file).keys if spec.api_keys_file else {}
         self.log = Logger(spec.name, prefix=f"llamapool gateway {spec.name}")
+        self.responses = ResponseStore(spec.responses_store, spec.responses_ttl, spec.responses_max_bytes) \
+            if spec.responses_store else None  # [http] responses_store
 
     def endpoint(self, door: Door) -> Callable[[Request], Awaitable[Response]]:
         """The Starlette endpoint of ``door``: the API key checked, and every error in the API's shape."""
@@ -114,7 +119,7 @@ class Serving:
             call = Call(request)
             response: Response | None = None
             try:
-                call.tenant = self.authorise(request)
+                call.tenant = self.authorise(request, call)
                 response = await door.handle(self, call)
                 response.headers.update(ratelimit_headers(call.ratelimit, request.url.path))
                 return response
@@ -134,10 +139,11 @@ class Serving:
                     call.watch.stop()  # no event stream takes it over
         return serve
 
-    def authorise(self, request: Request) -> str | None:
+    def authorise(self, request: Request, call: Call | None = None) -> str | None:
         """The request's tenant: the trusted header's name (``http.tenant_header``), else its API key's
-        (None: no keys, no header: the default tenant); a missing or wrong key is a 401."""
-        tenant = None
+        (None: no keys, no header: the default tenant); a missing or wrong key is a 401. ``call.owner``
+        becomes the key and the header's name."""
+        tenant, matched = None, b""
         if self.keys:
             auth = request.headers.get("authorization", "")
             given = auth[7:].strip().encode() if auth[:7].lower() == "bearer " else b""
@@ -145,7 +151,7 @@ class Serving:
                 given = request.headers.get("x-api-key", "").strip().encode()
             for key, name in self.keys.items():  # constant time for each key, and every key is compared
                 if hmac.compare_digest(given, key):
-                    tenant = name
+                    tenant, matched = name, key
             if tenant is None:
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' "
                                     "(or 'x-api-key: KEY')", code="invalid_api_key")
@@ -156,27 +162,31 @@ class Serving:
                 raise ApiError(400, f"header {header!r} must name a tenant (1 to 64 of A-Z a-z 0-9 _ . : -), got "
                                     f"{named!r:.80}", param=header, code="invalid_value")
             tenant = named
+        if call is not None:
+            call.owner = Owner(matched, named or "")
         return tenant
 
     async def body(self, call: Call) -> Any:
         """The request's JSON body."""
         return json_body(await read_body(call.request, self.spec.max_message_bytes))
 
-    async def generation(self, call: Call, parse: Callable[[Any], Generation]) -> Generation:
-        """The body parsed by ``parse``; one near the size limit is refused (413) when its message to
-        the router would pass it."""
+    async def generation(self, call: Call, parse: Callable[[Any], Generation | Awaitable[Generation]]) -> Generation:
+        """The body parsed by ``parse`` (which may await: a stored conversation); one near the size limit
+        is refused (413) when its message to the router would pass it."""
         raw = await read_body(call.request, self.spec.max_message_bytes)
         body = json_body(raw)
-        req = parse(body)
+        parsed = parse(body)
+        req = await parsed if inspect.isawaitable(parsed) else parsed
         req.priority, asked = priority_class(body, is_anthropic(call.request.url.path))
         call.n_prompts, call.renames = len(req.prompts), req.renames
         if asked not in (None, "priority"):  # the router's 'priority' errors name the field the body used
             call.renames = {**req.renames, "priority": asked}
         if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
-            self._check_encoded(req)
+            self.check_encoded(req)
         return req
 
-    def _check_encoded(self, req: Generation) -> None:
+    def check_encoded(self, req: Generation) -> None:
+        """A 413 when ``req``'s message to the router would pass ``server.max_message_bytes``."""
         t, limit = self.spec.request_timeout, self.spec.max_message_bytes
         if req.stream:  # a stream per prompt
             size = max(len(generate_frame(new_id(), [p], False, True, t, req.params, req.model)) for p in req.prompts)

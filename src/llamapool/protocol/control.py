@@ -128,10 +128,20 @@ class TenantTable:
     defaults: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class StoreFailed:
+    """A gateway could not store a response (it served it all the same): ``reason`` is ``full`` or
+    ``unwritable`` (``llamapool_responses_store_failures_total``)."""
+
+    TYPE: ClassVar[str] = "store_failed"
+    reason: str
+
+
 Command = (WorkerInfo | ForgetWorker | GpuRows | WorkerExited | RetireWorker | PoolModels | StartDrain
-           | CancelAll | StopRouter | ModelRows | ModelLoaded | ModelReply | TenantTable)
+           | CancelAll | StopRouter | ModelRows | ModelLoaded | ModelReply | TenantTable | StoreFailed)
 COMMANDS: tuple[type, ...] = (WorkerInfo, ForgetWorker, GpuRows, WorkerExited, RetireWorker, PoolModels,
-                              StartDrain, CancelAll, StopRouter, ModelRows, ModelLoaded, ModelReply, TenantTable)
+                              StartDrain, CancelAll, StopRouter, ModelRows, ModelLoaded, ModelReply, TenantTable,
+                              StoreFailed)
 
 # ---------------------------------------------------------------- child process -> supervisor
 
@@ -141,14 +151,17 @@ class ChildReport:
     """What a worker or a gateway tells its supervisor about itself, on its output pipe as one marked
     line (``codec.report_line``), never as log text: ``listening`` (a gateway serves), ``joining`` (a
     node's worker loaded its model), ``joined`` (the router accepted it), ``key_refused`` (the router
-    refuses the node's CURVE key), ``live`` (a node's worker's heartbeat, with its step's ``busy_for``)."""
+    refuses the node's CURVE key), ``live`` (a node's worker's heartbeat, with its step's ``busy_for``),
+    ``store_failed`` (a gateway could not store a response; ``detail``: why, :class:`StoreFailed`)."""
 
     TYPE: ClassVar[str] = "child_report"
     event: str
     busy_for: float = 0.0
+    detail: str = ""
 
 
-REPORT_EVENTS = ("listening", "joining", "joined", "key_refused", "live")
+REPORT_EVENTS = ("listening", "joining", "joined", "key_refused", "live", "store_failed")
+STORE_FAILURES = ("full", "unwritable")  # StoreFailed.reason
 
 # ---------------------------------------------------------------- router -> supervisor
 

@@ -41,6 +41,7 @@ from llamapool.protocol.control import (
     RetireWorker,
     StartDrain,
     StopRouter,
+    StoreFailed,
     TenantTable,
     WorkerExited,
     WorkerInfo,
@@ -262,6 +263,8 @@ class Router(Intake, Backend):
             self.model_rows = cmd.rows
         elif isinstance(cmd, ModelLoaded):
             self.metrics.model_loaded(cmd.model, cmd.seconds)
+        elif isinstance(cmd, StoreFailed):
+            self.metrics.store_failures[cmd.reason] += 1
         elif isinstance(cmd, ModelReply):
             self._reply(cmd.client, ModelActionReply(cmd.id, cmd.model, cmd.action, cmd.state, cmd.message)
                         if cmd.ok else Error(cmd.id, ErrorCode.INVALID_REQUEST, cmd.message, field="model"))

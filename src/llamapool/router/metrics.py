@@ -24,6 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from llamapool.protocol.control import STORE_FAILURES
 from llamapool.router.fleet import HOST_COUNTERS, Fleet, FleetWorker
 
 # the supervisor's reasons for a worker's unexpected exit (``llamapool_worker_restarts_total``)
@@ -88,6 +89,8 @@ class RouterMetrics:
         self.engine_base: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.latencies: dict[str, Latencies] = {}
         self.load_seconds: dict[str, Histogram] = {}  # by model: spawn to ready of its workers
+        # responses a gateway served but could not store, by reason (the supervisor relays its report)
+        self.store_failures: defaultdict[str, int] = defaultdict(int)
         self.extra: Callable[[], Iterator[Metric]] = lambda: iter(())  # the per-tenant series (router/tenants.py)
 
     def model_loaded(self, model: str, seconds: float) -> None:
@@ -143,7 +146,17 @@ class _Snapshot(Collector):
         yield from self._workers()
         yield from self._models()
         yield from _gpu_families(fleet.gpus, fleet.gpu_workers())
+        yield self._store_failures()
         yield from self.m.extra()
+
+    def _store_failures(self) -> Metric:
+        fam = CounterMetricFamily("llamapool_responses_store_failures", "Responses served but not stored (POST "
+                                  "/v1/responses with store), by reason: full (larger than http.responses_max_mb, "
+                                  "or the disk is full) or unwritable (the store cannot be opened or written)",
+                                  labels=["reason"])
+        for reason in STORE_FAILURES:
+            fam.add_metric([reason], self.m.store_failures.get(reason, 0))
+        return fam
 
     def _model_of(self, worker: str) -> str:
         row = self.rows[worker]

@@ -338,6 +338,8 @@ class Supervisor:
                               idle_timeout=http.idle_timeout, read_timeout=http.read_timeout,
                               max_connections=http.max_connections, send_timeout=http.send_timeout,
                               send_buffer_bytes=http.send_buffer_bytes,
+                              responses_store=self.cfg.responses_path, responses_ttl=http.responses_ttl,
+                              responses_max_bytes=int(http.responses_max_mb * (1 << 20)),
                               **self.curve.child_fields(self.cfg.frontend))
         return Launch("llamapool.gateway", spec_gw.to_json(),
                       {**scrub_env(os.environ), **log_env, **lifeline.parent_env()}, pass_fds=(listener.fd,))
@@ -371,9 +373,12 @@ class Supervisor:
         return ""
 
     def _on_report(self, slot: WorkerSlot, report: control.ChildReport) -> None:
-        """A child's report: a gateway that listens is ready (a worker is ready at its hello)."""
+        """A child's report: a gateway that listens is ready (a worker is ready at its hello); a gateway's
+        failure to store a response is counted by the router."""
         if report.event == "listening" and slot.state == State.STARTING:
             slot.state, slot.ready_at = State.READY, time.monotonic()
+        elif report.event == "store_failed" and report.detail in control.STORE_FAILURES:
+            self._command(control.StoreFailed(report.detail))
 
     def _reap(self, slot: WorkerSlot, proc: asyncio.subprocess.Process, code: int) -> None:
         """A child exited: the router hears of a worker's exit; a child that was to stop is stopped,

@@ -1,13 +1,17 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless.
+"""``POST /v1/responses``: OpenAI's Responses API.
 
-The request becomes a chat: ``instructions`` the first (system) message, ``input`` a string (one user
-message) or items (messages, ``function_call`` items as the assistant's calls, ``function_call_output``
-items as tool messages); function ``tools``, ``tool_choice``, ``text.format`` (``json_schema``,
-``json_object``), ``max_output_tokens``, ``temperature``, ``top_p`` become the contract's parameters.
-llamapool keeps nothing: ``store`` is accepted and acts as false (the response says ``"store": false``),
-and what needs a stored response (``previous_response_id``, ``conversation``, ``background``, a stored
-``prompt``, an ``item_reference``) is a 400 naming the field. The reply is a ``message`` item (its text)
-and a ``function_call`` item per call; streamed, the events come in the order OpenAI documents.
+The request becomes a chat: ``instructions`` the first (system) message, then the stored conversation
+``previous_response_id`` ends (its chain's input and output items, oldest first: gateway/openai/stored.py;
+the earlier responses' ``instructions`` are not carried over, as OpenAI documents), then ``input``, a
+string (one user message) or items (messages, ``function_call`` items as the assistant's calls,
+``function_call_output`` items as tool messages). A chained request is so the very chat of sending the
+whole history at once: the same tokens, whose prefix the worker finds warm. Function ``tools``,
+``tool_choice``, ``text.format`` (``json_schema``, ``json_object``), ``max_output_tokens``,
+``temperature``, ``top_p`` become the contract's parameters. With ``store`` (default true) the response
+and its input items are stored (gateway/openai/store.py); what needs state llamapool does not keep
+(``conversation``, ``background``, a stored ``prompt``, an ``item_reference``) is a 400 naming the field.
+The reply is a ``message`` item (its text) and a ``function_call`` item per call; streamed, the events
+come in the order OpenAI documents.
 """
 
 from __future__ import annotations
@@ -25,16 +29,20 @@ from llamapool.client.aio import AsyncStream
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway.errors import ApiError, bad, not_an_object, unsupported
+from llamapool.gateway.openai import stored
 from llamapool.gateway.openai.generation import cross_checked
+from llamapool.gateway.openai.store import Stored
 from llamapool.gateway.parsing import Generation, checked, limited, model_name, stream_flag
 from llamapool.gateway.serving import Call, Serving, closing, merge, sse
 from llamapool.protocol import limits
 from llamapool.protocol.messages import TokenLogprob, TopLogprob
 from llamapool.protocol.params import UNTIL_THE_END, SamplingParams
 
-NO_STATE = "llamapool keeps no state between requests (stateless Responses API): send the whole conversation in 'input'"
-# fields that need a stored response or conversation: refused when given (anything but null/false)
-STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
+NO_STATE = ("llamapool keeps no conversations, stored prompts or background responses: chain turns with "
+            "'previous_response_id', or send the whole conversation in 'input'")
+# fields that need state llamapool does not keep: refused when given (anything but null/false)
+STATEFUL = ("conversation", "background", "prompt")
+CHAINED = "previous_response_id"  # the field the stored conversation's messages came from (errors name it)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
@@ -45,6 +53,8 @@ class ResponsesRequest:
     gen: Generation
     fields: list[str]  # the body field each chat message came from (errors name it)
     echo: dict[str, Any] = field(default_factory=dict)
+    store: bool = False  # the response is to be stored
+    input: list[dict[str, Any]] = field(default_factory=list)  # its input items as stored
 
 
 def _refuse_state(body: dict[str, Any]) -> None:
@@ -105,10 +115,11 @@ def _output(item: dict[str, Any], at: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
 
 
-def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str]) -> None:
-    """``input`` items as chat messages; consecutive ``function_call`` items are one assistant turn."""
+def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str], named: str = "") -> None:
+    """``input`` items as chat messages; consecutive ``function_call`` items are one assistant turn.
+    ``named``: the field the items came from (a stored conversation's), else each is ``input[i]``."""
     for i, item in enumerate(items):
-        at = f"input[{i}]"
+        at = named or f"input[{i}]"
         if not isinstance(item, dict):
             raise bad(at, f"'{at}' must be an input item (a message, function_call or function_call_output)")
         kind = item.get("type", "message")
@@ -117,7 +128,7 @@ def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str]) 
         elif kind == "function_call":
             call = _call(item, at)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and fields[-1].startswith("input["):
+            if last is not None and last["role"] == "assistant" and fields[-1].startswith(("input[", CHAINED)):
                 last.setdefault("tool_calls", []).append(call)
                 continue
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
@@ -133,7 +144,8 @@ def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str]) 
         fields.append(at)
 
 
-def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+def _messages(body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The chat: ``instructions``, the stored conversation's items (``history``), ``input``."""
     messages: list[dict[str, Any]] = []
     fields: list[str] = []
     instructions = body.get("instructions")
@@ -142,6 +154,7 @@ def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
             raise bad("instructions", "'instructions' must be a string")
         messages.append({"role": "system", "content": instructions})
         fields.append("instructions")
+    _items(history, messages, fields, CHAINED)
     given = body.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
@@ -236,12 +249,14 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     return cross_checked(sent)
 
 
-def parse(body: Any) -> ResponsesRequest:
+def parse(body: Any, history: list[dict[str, Any]] | None = None, store: bool = False) -> ResponsesRequest:
+    """The request; ``history``: the items of the stored conversation it continues; ``store``: whether
+    it is to be stored (the body's ``store``, with a store to keep it in)."""
     if not isinstance(body, dict):
         raise not_an_object()
     _refuse_state(body)
     sent = _sampling(body)
-    messages, fields = _messages(body)
+    messages, fields = _messages(body, history or [])
     gen = Generation([messages], sent, stream_flag(body), False, model_name(body),  # type: ignore[list-item]
                      renames={"response_format.json_schema": "text.format", "response_format": "text.format",
                               "max_tokens": "max_output_tokens"})
@@ -251,8 +266,9 @@ def parse(body: Any) -> ResponsesRequest:
             "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
             "text": body.get("text") or {"format": {"type": "text"}},
             "metadata": body.get("metadata") or {}, "top_logprobs": body.get("top_logprobs"),
-            "user": body.get("user"), "service_tier": "default", "truncation": "disabled"}
-    return ResponsesRequest(gen, fields, echo)
+            "user": body.get("user"), "service_tier": "default", "truncation": "disabled",
+            "store": store, "previous_response_id": stored.previous_id(body)}
+    return ResponsesRequest(gen, fields, echo, store, stored.input_items(body["input"], f"resp_{gen.id}"))
 
 
 # ---------------------------------------------------------------- the response
@@ -318,8 +334,7 @@ def response_body(req: ResponsesRequest, ids: Ids, model: str, c: Completion | N
             "completed_at": None if c is None else int(time.time()), "status": state, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if state == "incomplete" else None,
             "model": model, "output": items, "usage": None if c is None else usage(c),
-            "store": False, "background": False, "previous_response_id": None, "reasoning": None,
-            **req.echo}
+            "background": False, "reasoning": None, **req.echo}
 
 
 def event(kind: str, seq: int, data: dict[str, Any]) -> bytes:
@@ -379,9 +394,9 @@ class EventWriter:
         self.index += 1
         return out
 
-    def end(self, c: Completion) -> bytes:
-        """The message item closed (an empty one for a reply without text or calls), the calls, and
-        the response."""
+    def end(self, c: Completion) -> tuple[bytes, dict[str, Any]]:
+        """The message item closed (an empty one for a reply without text or calls) and the calls; and
+        the response, which :meth:`finish` sends (once it is stored)."""
         out = []
         if not self.open and not c.tool_calls:
             out.append(self._open())
@@ -396,10 +411,12 @@ class EventWriter:
                     self._event("response.output_item.done", output_index=self.index, item=done)]
             self.index += 1
         items = output(self.ids, dataclasses.replace(c, text=self.text), self.lp)  # the text as streamed
-        body = response_body(self.req, self.ids, self.model, c, items)
+        return b"".join(out), response_body(self.req, self.ids, self.model, c, items)
+
+    def finish(self, c: Completion, body: dict[str, Any]) -> bytes:
+        """``response.completed`` (``response.incomplete``) with the whole response."""
         kind = "response.completed" if status(c) == "completed" else "response.incomplete"
-        out.append(self._event(kind, response=body))
-        return b"".join(out)
+        return self._event(kind, response=body)
 
     def error(self, e: ApiError) -> bytes:
         """An error that ends the stream (OpenAI's ``error`` event)."""
@@ -413,8 +430,15 @@ async def handle(s: Serving, call: Call) -> Response:
     """``POST /v1/responses``, answered whole or as the Responses event stream."""
     parsed: list[ResponsesRequest] = []
 
-    def parse_one(body: Any) -> Generation:
-        parsed.append(parse(body))
+    async def parse_one(body: Any) -> Generation:
+        history, keep = None, False
+        if isinstance(body, dict):
+            keep = stored.store_flag(body) and s.responses is not None
+            rid = stored.previous_id(body)
+            history = await stored.chain(s, call, rid) if rid is not None else None
+        parsed.append(parse(body, history, keep))
+        if history:  # the body is small, its conversation need not be
+            s.check_encoded(parsed[0].gen)
         return parsed[0].gen
 
     gen = await s.generation(call, parse_one)
@@ -425,12 +449,22 @@ async def handle(s: Serving, call: Call) -> Response:
         return sse(call, _events(s, call, req, streams[0], first))
     c = (await s.generate(call, gen))[0]
     ids = Ids(gen)
-    return JSONResponse(response_body(req, ids, s.model(gen.model, c), c, output(ids, c, c.logprobs)))
+    body = response_body(req, ids, s.model(gen.model, c), c, output(ids, c, c.logprobs))
+    await _keep(s, call, req, body)
+    return JSONResponse(body)
+
+
+async def _keep(s: Serving, call: Call, req: ResponsesRequest, body: dict[str, Any]) -> None:
+    """Store the response (with ``store``); one the store could not keep says ``"store": false``."""
+    if req.store and not await stored.keep(s, call, Stored(body["id"], body, req.input,
+                                                           body["previous_response_id"])):
+        body["store"] = False
 
 
 async def _events(s: Serving, call: Call, req: ResponsesRequest, stream: AsyncStream,
                   first: list[Any]) -> AsyncIterator[bytes]:
-    """The event stream; leaving it (the client went away) cancels the request."""
+    """The event stream; leaving it (the client went away) cancels the request. The response is stored
+    before its last event, so a client that chains it at once finds it."""
     w = EventWriter(req, s.model(req.gen.model))
     async with closing([stream]):
         yield w.start()
@@ -442,4 +476,7 @@ async def _events(s: Serving, call: Call, req: ResponsesRequest, stream: AsyncSt
                 if item.text or item.logprobs:
                     yield w.delta(item.text, item.logprobs)
                 continue
-            yield w.end(item)
+            events, body = w.end(item)
+            yield events
+            await _keep(s, call, req, body)
+            yield w.finish(item, body)
