@@ -173,3 +173,17 @@ def test_an_entry_of_another_model_or_a_corrupt_one_is_dropped_and_the_prompt_re
     finally:
         eng.close()
         plain.close()
+
+
+def test_a_tier_that_finds_nothing_saves_only_a_sample(model_path: str) -> None:
+    """Prompts that never return (random documents): after the warm-up most slots' KV is not copied out."""
+    eng = _engine(model_path, "64MiB")
+    try:
+        rng = np.random.default_rng(9)
+        for i in range(120):
+            _run(eng, i, rng.integers(3, 500, 40).tolist())
+        stats = eng.kv_host()
+    finally:
+        eng.close()
+    assert stats["unsaved"] > stats["saves"] > 0, stats
+    assert stats["hits"] == 0

@@ -40,6 +40,7 @@ HOST_COUNTERS = {
     "bytes_restored": "Bytes copied from the host KV tier into the KV cache",
     "restore_seconds": "Seconds spent copying host KV tier entries into the KV cache",
     "saves": "Sequences' KV copied into the host KV tier before their slot was overwritten",
+    "unsaved": "Slots' KV not copied into the host KV tier: it lately found few prompts (saves sampled)",
     "bytes_saved": "Bytes copied from the KV cache into the host KV tier",
     "save_seconds": "Seconds spent copying KV into the host KV tier",
     "evictions": "Host KV tier entries dropped for room (least recently used) or superseded by a longer one",

@@ -31,6 +31,11 @@ from llamapool.worker import handover
 from llamapool.worker.handover import Received
 
 BLOCK = 16  # tokens a block (the hash chain's step; llm-d's default block size)
+# Saving costs a copy out of the KV cache on the engine thread (8B: ~128 KiB a token). Where the tier finds
+# nothing (prompts that never come back: a RAG load of random documents) saves cost steps for nothing, so
+# after WARMUP saves with fewer than one hit in RARE, only one save in SAMPLE is made (the tier keeps probing).
+WARMUP, RARE, SAMPLE = 32, 16, 16
+DECAY = 0.98  # the saves' and hits' weights halve in ~35 events
 _FLAGS = 0  # LLAMA_STATE_SEQ_FLAGS_NONE: the whole sequence, in host memory
 
 
@@ -80,6 +85,7 @@ class TierStats:
     bytes_restored: int = 0
     restore_seconds: float = 0.0
     saves: int = 0
+    unsaved: int = 0  # slots' KV not saved: the tier lately found nothing for prompts (sampled saves)
     bytes_saved: int = 0
     save_seconds: float = 0.0
     evictions: int = 0  # entries dropped for room (LRU) or superseded by a longer one
@@ -179,6 +185,8 @@ class HostTier:
         self.identity = identity
         self.prefill_s = prefill_s  # the fitted seconds of computing n prompt tokens (None: not fitted yet)
         self.s_per_byte: float | None = None  # restore cost, measured
+        self.recent_saves = self.recent_hits = 0.0  # decayed counts (WARMUP, RARE, SAMPLE)
+        self._sampled = 0
 
     @property
     def stats(self) -> TierStats:
@@ -190,7 +198,7 @@ class HostTier:
     def save(self, seq_id: int, tokens: np.ndarray) -> None:
         """Copy slot ``seq_id``'s KV of ``tokens`` (its cells beyond them already removed) into the store."""
         hashes = self.hashes(tokens)
-        if not hashes or self.store.covers(tokens, hashes):
+        if not hashes or self.store.covers(tokens, hashes) or not self._worth_saving():
             return
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
@@ -202,9 +210,20 @@ class HostTier:
         if wrote != size:
             return
         if self.store.add(Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity)):
+            self.recent_saves = DECAY * self.recent_saves + 1
+            self.recent_hits *= DECAY
             self.stats.saves += 1
             self.stats.bytes_saved += size
             self.stats.save_seconds += time.perf_counter() - t0
+
+    def _worth_saving(self) -> bool:
+        """False for all but one save in SAMPLE once the tier has lately found less than one prompt in RARE."""
+        if self.stats.saves < WARMUP or self.recent_hits * RARE >= self.recent_saves:
+            return True
+        self._sampled = (self._sampled + 1) % SAMPLE
+        if self._sampled:
+            self.stats.unsaved += 1
+        return not self._sampled
 
     def lookup(self, tokens: np.ndarray, limit: int, vram: int) -> tuple[int, int]:
         """(entry id, tokens to reuse) when restoring beats both the VRAM prefix ``vram`` and recomputing;
@@ -241,6 +260,7 @@ class HostTier:
         per = seconds / max(1, entry.nbytes)
         self.s_per_byte = per if self.s_per_byte is None else 0.8 * self.s_per_byte + 0.2 * per
         self.store.entries.move_to_end(eid)
+        self.recent_hits += 1
         s = self.stats
         s.hits += 1
         s.restores += 1
