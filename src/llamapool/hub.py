@@ -15,7 +15,8 @@ endpoint that accepts connections and never answers is a :class:`HubError` namin
 - :func:`fetch` asks the Hub which file a reference names and downloads what the cache lacks; when
   the Hub cannot be reached it falls back to the cache, else raises :class:`HubError` naming the reference.
 
-:func:`gguf_info` reads a GGUF file's header (architecture, context length, chat template family).
+:func:`gguf_info` reads the few keys of a GGUF file's header that ``llamapool models`` shows (architecture,
+context length, chat template family).
 """
 
 from __future__ import annotations
@@ -320,15 +321,22 @@ def template_family(template: str) -> str:
     return next((family for marker, family in _FAMILIES if marker in template), "other")
 
 
-def gguf_info(path: str | os.PathLike[str]) -> GgufInfo:
-    """Read the header of a GGUF file (memory-mapped: no weights are read)."""
-    from gguf import GGUFReader
+_INFO_KEYS = ("general.architecture", "general.name", "general.size_label", "tokenizer.chat_template")
 
-    reader = GGUFReader(path)
+
+def gguf_info(path: str | os.PathLike[str]) -> GgufInfo:
+    """Read the keys of a GGUF header that :class:`GgufInfo` shows (``gguf_header.py``: the tokenizer's
+    long arrays are skipped, no weights are read; it stops once it has them all)."""
+    from llamapool.gguf_header import read_fields
+
+    def complete(f: dict[str, Any]) -> bool:
+        return all(k in f for k in _INFO_KEYS) and f"{f['general.architecture']}.context_length" in f
+
+    fields = read_fields(path, until=complete)
 
     def field(key: str) -> Any:
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
+        v = fields.get(key)
+        return v if isinstance(v, str | int | float) else None
 
     arch = str(field("general.architecture") or "?")
     ctx = field(f"{arch}.context_length")

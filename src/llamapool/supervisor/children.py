@@ -1,8 +1,9 @@
 """The supervisor's child processes, workers and gateways alike: the slot that a succession of processes
 serves, how one is spawned, how its output is relayed, how it is stopped and reaped.
 
-What differs between a worker and a gateway is only what :class:`Launch` runs; the arbiter spawns,
-reads and reaps both the same way (gunicorn's ``spawn_worker`` / ``reap_workers``).
+What differs between a worker and a gateway is only what :class:`Launch` runs (``launch.py``);
+``processes.py`` spawns, reads, reaps and restarts both the same way (gunicorn's ``spawn_worker`` /
+``reap_workers``).
 """
 
 from __future__ import annotations

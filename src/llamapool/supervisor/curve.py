@@ -54,6 +54,13 @@ class Curve:
             return {}
         return {"server_key": self.key.public.decode(), "key_file": self.internal_key_file}
 
+    def client_keys(self, endpoint: str) -> dict[str, Any] | None:
+        """The keys a client inside the supervisor (the ``[metrics]`` listener's) connects to ``endpoint``
+        with: the internal key on tcp:// with CURVE, else None."""
+        fields = self.child_fields(endpoint)
+        return {"server_public_key": fields["server_key"].encode(), "client_key": fields["key_file"]} \
+            if fields else None
+
     def read_allowed(self, new: Config) -> dict[bytes, str] | None:
         """The new config's authorized keys (raises ConfigError), or None when nothing is to change."""
         if self.allow is None or not new.security.authorized_keys:

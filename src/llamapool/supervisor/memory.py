@@ -1,6 +1,6 @@
 """What a worker of a model needs in memory, estimated from its GGUF header (no llama.cpp here).
 
-:func:`estimate` reads the header (memory-mapped: no weights are read; well under a second) and adds
+:func:`estimate` reads the header (``gguf_header.py``: no weights are read; well under a second) and adds
 the three buffers llama.cpp allocates when a worker loads the model with ``slots`` sequences of
 ``ctx_per_slot`` tokens and micro-batches of ``n_ubatch`` tokens (engine/model.py's parameters):
 
@@ -40,13 +40,12 @@ measured with llama.cpp's CUDA build).
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from llamapool.gguf_header import Header, Skipped, read_header
 
 CPU_PROCESS = 96 << 20  # a CPU worker's RSS beside llama.cpp's buffers (see above)
 GPU_PROCESS = 768 << 20  # a GPU worker's device memory beside llama.cpp's buffers: the CUDA context (see above)
@@ -113,99 +112,7 @@ def _parts(path: str) -> list[str]:
     return [path[:m.start()] + f"-{i:05d}-of-{m.group(2)}.gguf" for i in range(1, int(m.group(2)) + 1)]
 
 
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_SMALL = 4096  # arrays longer than this (the tokenizer's) are skipped, their length kept
-
-
-@dataclass(frozen=True, slots=True)
-class _Skipped:
-    """A long array of the header, not read: its length."""
-
-    length: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Header:
-    fields: dict[str, Any]
-    tensors: list[tuple[str, int, int]]  # name, elements, ggml type
-    data_offset: int  # where the tensor data starts
-
-
-def _read_header(path: str) -> _Header:
-    """The key/value fields and tensor infos of a GGUF file, read with ``struct`` from a memory map.
-
-    gguf's own ``GGUFReader`` builds a numpy view of every value, the tokenizer's strings included: over
-    a minute for Gemma 3's 262,144-token vocabulary on a busy two-core machine; this takes well under a
-    second. Long arrays are skipped (``_Skipped``), strings of a long string array walked, not decoded."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        pos = 0
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            (v,) = struct.unpack_from(fmt, mm, pos)
-            pos += struct.calcsize(fmt)
-            return v
-
-        def count() -> int:
-            n = int(take("<Q"))
-            if n > len(mm) - pos:
-                raise struct.error  # more than the file holds: a corrupt or truncated header
-            return n
-
-        def text() -> str:
-            nonlocal pos
-            n = count()
-            pos += n
-            return bytes(mm[pos - n:pos]).decode("utf-8", "replace")
-
-        def value(vtype: int) -> Any:
-            nonlocal pos
-            if vtype == _STRING:
-                return text()
-            if vtype == _ARRAY:
-                etype, n = take("<I"), count()
-                if n > _SMALL:
-                    if etype == _STRING:
-                        for _ in range(n):
-                            pos += 8 + count()
-                    elif etype in _SCALAR:
-                        pos += n * struct.calcsize(_SCALAR[etype])
-                    else:
-                        raise ValueError(f"{path}: an array of arrays is too long to skip")
-                    return _Skipped(n)
-                return [value(etype) for _ in range(n)]
-            if vtype not in _SCALAR:
-                raise ValueError(f"{path}: unknown GGUF value type {vtype} at byte {pos}")
-            return take(_SCALAR[vtype])
-
-        try:
-            if bytes(mm[:4]) != b"GGUF":
-                raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
-            pos = 4
-            version, n_tensors, n_kv = take("<I"), take("<Q"), take("<Q")
-            if version < 2:
-                raise ValueError(f"{path}: GGUF version {version} is too old")
-            fields: dict[str, Any] = {}
-            for _ in range(n_kv):
-                key = text()
-                fields[key] = value(take("<I"))
-            tensors = []
-            for _ in range(n_tensors):
-                name = text()
-                n_dims = take("<I")
-                elements = 1
-                for _ in range(n_dims):
-                    elements *= take("<Q")
-                tensors.append((name, elements, take("<I")))
-                take("<Q")  # its offset in the data
-        except struct.error:
-            raise ValueError(f"{path}: a truncated GGUF header") from None
-        align = int(fields.get("general.alignment", 32))
-        return _Header(fields, tensors, _pad(pos, align))
-
-
-def _tensor_bytes(path: str, h: _Header) -> int:
+def _tensor_bytes(path: str, h: Header) -> int:
     """The bytes of the tensors' data: from their types' block sizes; the file past the header for a type
     this gguf package does not know."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -223,14 +130,14 @@ def _tensor_bytes(path: str, h: _Header) -> int:
 def read_shape(path: str | os.PathLike[str]) -> Shape:
     """The header of a GGUF file; ValueError naming the file and the key when one is missing or odd."""
     path = str(path)
-    h = _read_header(path)
+    h = read_header(path)
     arch = h.fields.get("general.architecture")
     if not arch:
         raise ValueError(f"{path}: not a model GGUF (no general.architecture)")
 
     def number(key: str, default: int | None = None) -> int:
         v = h.fields.get(f"{arch}.{key}")
-        if v is None or isinstance(v, _Skipped):
+        if v is None or isinstance(v, Skipped):
             if default is None:
                 raise ValueError(f"{path}: the GGUF header has no {arch}.{key}")
             return default
@@ -257,10 +164,10 @@ def read_shape(path: str | os.PathLike[str]) -> Shape:
     vocab = number("vocab_size", 0)
     if not vocab:
         tokens = h.fields.get("tokenizer.ggml.tokens")
-        vocab = tokens.length if isinstance(tokens, _Skipped) else len(tokens or ())
+        vocab = tokens.length if isinstance(tokens, Skipped) else len(tokens or ())
     weights = _tensor_bytes(path, h)
     for part in _parts(path)[1:]:
-        weights += _tensor_bytes(part, _read_header(part))
+        weights += _tensor_bytes(part, read_header(part))
     return Shape(str(arch), weights, n_layer, n_embd, number("feed_forward_length", 4 * n_embd), n_head, heads_kv,
                  number("attention.key_length", head_dim), number("attention.value_length", head_dim), vocab)
 

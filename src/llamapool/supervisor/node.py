@@ -37,6 +37,7 @@ from llamapool.supervisor.children import kill, stop
 from llamapool.supervisor.lifecycle import State
 from llamapool.worker.server import WorkerSpec
 
+LOG = logmod.Logger("supervisor")
 REFUSED_HINT_EVERY = 30.0  # seconds between two "what to do" lines about a refused node key
 
 
@@ -44,6 +45,7 @@ class NodeSupervisor(Supervisor):
     """The :class:`Supervisor`'s worker lifecycle for workers that join a remote router."""
 
     exit_when_all_failed = True  # a name clash, a missing model, flapping: even after workers had joined
+    serves_http = False  # the router's host runs the gateways
 
     def __init__(self, config: Config, nvml: Any | None = None, use_nvml: bool = True):
         if config.node is None:
@@ -65,13 +67,13 @@ class NodeSupervisor(Supervisor):
     # ------------------------------------------------------------ no router here
 
     def _start_router(self) -> bool:
-        node = self.node
-        if self.cfg.http is not None or self.cfg.metrics is not None:
-            self._log("WARNING: [http] and [metrics] are ignored by `llamapool node`: the router's host serves them")
+        node, cfg = self.node, self.state.cfg
+        if cfg.http is not None or cfg.metrics is not None:
+            LOG.info("WARNING: [http] and [metrics] are ignored by `llamapool node`: the router's host serves them")
         how = (f"CURVE, node key {security.load_key_file(node.key, secret=False).fingerprint}, router key "
                f"{security.fingerprint(self.router_key)}" if self.router_key else "no CURVE")
-        self._log(f"node {node.name}: workers join the router at {node.join} ({how}); model {self.cfg.model.path}")
-        self._spawn_task(self._watch_workers())
+        LOG.info(f"node {node.name}: workers join the router at {node.join} ({how}); model {cfg.model.path}")
+        self.state.spawn(self._watch_workers())
         return True
 
     async def _stop_router(self) -> None:
@@ -84,7 +86,7 @@ class NodeSupervisor(Supervisor):
         """What the router does for its own workers, which it cannot do for a node's: kill a worker
         whose liveness lines stopped (frozen: SIGSTOP, a wedged process) or whose engine step runs
         past ``workers.step_timeout`` (a hung GPU call); the supervisor then restarts it."""
-        w = self.cfg.workers
+        w = self.state.cfg.workers
         silent_after = w.heartbeat_interval * w.heartbeat_liveness
         while not self._stop.is_set():
             now = time.monotonic()
@@ -95,15 +97,12 @@ class NodeSupervisor(Supervisor):
                     continue
                 since = now - slot.live_at
                 if since > silent_after:
-                    self._spawn_task(kill(slot, proc.pid, f"no liveness line for {since:.1f}s (workers."
+                    self.state.spawn(kill(slot, proc.pid, f"no liveness line for {since:.1f}s (workers."
                                           f"heartbeat_interval x heartbeat_liveness = {silent_after:g}s)"))
                 elif slot.busy_for > w.step_timeout:
-                    self._spawn_task(kill(slot, proc.pid, f"engine step running for {slot.busy_for:.1f}s "
+                    self.state.spawn(kill(slot, proc.pid, f"engine step running for {slot.busy_for:.1f}s "
                                           f"> workers.step_timeout={w.step_timeout:g}s"))
             await asyncio.sleep(min(0.5, w.heartbeat_interval / 2))
-
-    def _start_gateways(self) -> None:
-        return None
 
     # ------------------------------------------------------------ workers named and connected for the node
 
@@ -124,8 +123,8 @@ class NodeSupervisor(Supervisor):
     def _worker_log_env(self) -> dict[str, str]:
         # the workers log at info at least: their "joining"/"joined" lines are how the node follows them
         # (their lines are filtered again at the node's own level when it re-emits them)
-        level = self.cfg.log.level if self.cfg.log.level == "debug" else "info"
-        return logmod.child_env(self.cfg.log.format, level)
+        log = self.state.cfg.log
+        return logmod.child_env(log.format, log.level if log.level == "debug" else "info")
 
     def _on_report(self, slot: WorkerSlot, report: control.ChildReport) -> None:
         """A node's worker's reports: liveness, loaded (joining), accepted by the router (ready), and a
@@ -138,7 +137,7 @@ class NodeSupervisor(Supervisor):
             self._ready(slot)
         elif report.event == "joining" and slot.state == State.STARTING:
             slot.state = State.JOINING  # loaded: no start_timeout now, it waits for the router to accept it
-            self._publish(slot)
+            self.state.publish(slot)
         elif report.event == "key_refused":
             self._refused_hint()
 
@@ -157,10 +156,10 @@ class NodeSupervisor(Supervisor):
             fp = " " + security.load_key_file(key, secret=False).fingerprint
         except security.KeyFileError:  # changed on disk since it was checked: the workers use the old one
             fp = ""
-        self._log(f"node {node.name}: the router at {node.join} refuses this node's key{fp}: to let this node "
+        LOG.error(f"node {node.name}: the router at {node.join} refuses this node's key{fp}: to let this node "
                   f"in, copy {what} into the router's [security] authorized_keys directory and send the router "
                   f"SIGHUP (`systemctl reload llamapool`); the workers keep dialling and join without a "
-                  f"restart", "error")
+                  f"restart")
 
     # ------------------------------------------------------------ what the router's control socket did
 
@@ -169,10 +168,10 @@ class NodeSupervisor(Supervisor):
         a retired worker (reload) gets SIGTERM, which makes it finish its requests and leave."""
         if isinstance(cmd, WorkerInfo):
             ready = sum(1 for s in self.slots if s.state == State.READY)
-            if ready != self._ready_workers or not self._announced_ready:
+            if ready != self.readiness.workers or not self.readiness.announced:
                 self._on_router(ReadyCount(ready, 0))
         elif isinstance(cmd, RetireWorker):
-            slot = self._slot(cmd.name)
+            slot = self.state.slot(cmd.name)
             if slot is not None and slot.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.terminate()
@@ -182,22 +181,22 @@ class NodeSupervisor(Supervisor):
         ``server.drain_timeout``) and leaves; then the node exits 0."""
         if not self._begin_drain():
             return
-        await stop([s for s in self.slots if s.proc is not None], self.cfg.server.drain_timeout)
+        await stop([s for s in self.slots if s.proc is not None], self.state.cfg.server.drain_timeout)
         self._stop.set()
 
     async def reload(self) -> None:
         """SIGHUP: as the supervisor's (the workers replaced one at a time), with the new [node] keys checked."""
-        if self.stopping or not self.cfg.source:
+        if self.state.stopping or not self.state.cfg.source:
             return
         from llamapool.config import load_config
 
         try:
-            new = load_config(self.cfg.source)
+            new = load_config(self.state.cfg.source)
             if new.node is None:
                 raise ConfigError("node: the new config has no [node] table")
             self._check_keys(new)
         except ConfigError as e:
-            self._log(f"reload refused, keeping the running config: {e}", "error")
+            LOG.error(f"reload refused, keeping the running config: {e}")
             return
         self.node = new.node
         await super().reload()

@@ -3,8 +3,8 @@ supervisor, memory from the GGUFs and NVML, and the operator's commands.
 
 :class:`Pool` keeps what outlives one decision (each managed model's pin, failed loads and their
 back-off, counters) and turns the supervisor's slots into the views of :mod:`placement`, whose
-:func:`~llamapool.supervisor.placement.plan` decides. The arbiter carries the actions out through its
-one spawn path and its one retire path. Models with ``load = "always"`` and no ``replicas`` (a fixed
+:func:`~llamapool.supervisor.placement.plan` decides. ``placer.py`` carries the actions out through the
+one spawn path and the one retire path. Models with ``load = "always"`` and no ``replicas`` (a fixed
 plan) are not the policy's: they only take memory on their devices.
 """
 
@@ -211,7 +211,7 @@ class Pool:
     # ------------------------------------------------------------ the operator
 
     def command(self, action: str, model: str, slots: list[WorkerSlot]) -> tuple[bool, str]:
-        """An operator's load, unload, pin or unpin: (accepted, what it did, for a person). The arbiter
+        """An operator's load, unload, pin or unpin: (accepted, what it did, for a person). The placer
         drains the workers of an unloaded model."""
         rec = self.models.get(model)
         if rec is None:
