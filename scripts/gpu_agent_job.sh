@@ -52,11 +52,12 @@ unserve() {
 
 if [ "$PHASE" = llamapool ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1; nproc >> "$OUT/gpu.txt"
-  for mode in on off; do
-    kv=$([ $mode = on ] && echo auto || echo 0)
-    serve $mode $kv
+  for mode in on off ${VARIANTS:-}; do  # a variant: "step" (the tier on, target_step = "off")
+    kv=$([ $mode = off ] && echo 0 || echo auto)
+    serve $mode $kv "$([ $mode = step ] && echo 'target_step = "off"')"
     timeout 200 python3 -m llamapool.cli bench --config /tmp/lp-$mode/c.toml $AGENT --out "$OUT/agent-$SHAPE-lp-$mode.jsonl" \
       > "$OUT/logs/agent-$mode.txt" 2>&1; el "agent $mode rc=$?"
+    [ $mode = step ] && { unserve $mode; continue; }
     for w in short rag; do
       timeout 90 python3 -m llamapool.cli bench --config /tmp/lp-$mode/c.toml -w $w -c 16 -n 64 --no-progress \
         --out "$OUT/$w-$SHAPE-lp-$mode.jsonl" > "$OUT/logs/$w-$mode.txt" 2>&1; el "$w $mode rc=$?"

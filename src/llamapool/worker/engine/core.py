@@ -139,7 +139,7 @@ class Engine:
         def prefill_s(n: int) -> float | None:
             return None if self.cost.coef is None else self.cost.coef[2] * n
 
-        return HostTier(self.ctx, capacity, identity, prefill_s)
+        return HostTier(self.ctx, capacity, identity, prefill_s, gpu=cfg.gpu)
 
     def kv_host(self) -> dict[str, float]:
         """The host tier's counters ({} without one)."""
@@ -220,6 +220,8 @@ class Engine:
         self.grammars.close()
         self.spec.close()
         self.sampling.close()
+        if self.kv.host is not None:
+            self.kv.host.close()
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)
 

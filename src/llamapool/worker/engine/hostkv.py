@@ -28,6 +28,7 @@ import numpy as np
 
 from llamapool.protocol.messages import KVPart
 from llamapool.worker import handover
+from llamapool.worker.engine.pinned import HostBuffers
 from llamapool.worker.handover import Received
 
 BLOCK = 16  # tokens a block (the hash chain's step; llm-d's default block size)
@@ -104,6 +105,7 @@ class HostStore:
 
     capacity: int
     identity: bytes
+    on_drop: Callable[[np.ndarray], None] = lambda blob: None  # an entry's state is no longer used
     stats: TierStats = field(default_factory=TierStats)
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)
     index: dict[int, dict[int, None]] = field(default_factory=dict)
@@ -138,14 +140,7 @@ class HostStore:
         """Keep ``entry``, dropping the entries it extends and then the least recently used until it fits."""
         if entry.nbytes > self.capacity or not entry.hashes:
             return False
-        for eid in list(self.index.get(entry.hashes[0], ())):
-            old = self.entries[eid]
-            if len(old.tokens) <= len(entry.tokens) and common_prefix(old.tokens, entry.tokens) == len(old.tokens):
-                self.drop(eid)
-                self.stats.evictions += 1
-        while self.entries and self.stats.bytes + entry.nbytes > self.capacity:
-            self.drop(next(iter(self.entries)))
-            self.stats.evictions += 1
+        self.make_room(entry.tokens, entry.hashes, entry.nbytes)
         eid, self._next = self._next, self._next + 1
         self.entries[eid] = entry
         for h in entry.hashes:
@@ -154,8 +149,20 @@ class HostStore:
         self.stats.entries = len(self.entries)
         return True
 
+    def make_room(self, tokens: np.ndarray, hashes: list[int], nbytes: int) -> None:
+        """Drop the entries that ``tokens`` extend, then the least recently used until ``nbytes`` more fit."""
+        for eid in list(self.index.get(hashes[0], ())) if hashes else ():
+            old = self.entries[eid]
+            if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
+                self.drop(eid)
+                self.stats.evictions += 1
+        while self.entries and self.stats.bytes + nbytes > self.capacity:
+            self.drop(next(iter(self.entries)))
+            self.stats.evictions += 1
+
     def drop(self, eid: int) -> None:
         entry = self.entries.pop(eid)
+        self.on_drop(entry.blob)
         for h in entry.hashes:
             ids = self.index.get(h)
             if ids is not None:
@@ -179,9 +186,11 @@ class HostStore:
 class HostTier:
     """The store, and the llama calls that fill it from a slot and restore a slot from it."""
 
-    def __init__(self, ctx: Any, capacity: int, identity: bytes, prefill_s: Callable[[int], float | None]):
+    def __init__(self, ctx: Any, capacity: int, identity: bytes, prefill_s: Callable[[int], float | None],
+                 gpu: bool = False):
         self.ctx = ctx
-        self.store = HostStore(capacity, identity)
+        self.buffers = HostBuffers(gpu, capacity + capacity // 8)  # page-locked on a GPU (pinned.py)
+        self.store = HostStore(capacity, identity, self.buffers.give)
         self.identity = identity
         self.prefill_s = prefill_s  # the fitted seconds of computing n prompt tokens (None: not fitted yet)
         self.s_per_byte: float | None = None  # restore cost, measured
@@ -205,11 +214,15 @@ class HostTier:
         size = L.llama_state_seq_get_size_ext(self.ctx, seq_id, _FLAGS)
         if size <= 0 or size > self.store.capacity:
             return
-        blob = np.empty(size, dtype=np.uint8)
+        self.store.make_room(tokens, hashes, size)  # before the buffer: a dropped entry's is reused
+        blob = self.buffers.get(size)
         wrote = L.llama_state_seq_get_data_ext(self.ctx, _ptr(blob), size, seq_id, _FLAGS)
         if wrote != size:
+            self.buffers.give(blob)
             return
-        if self.store.add(Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity)):
+        if not self.store.add(Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity)):
+            self.buffers.give(blob)
+        else:
             self.recent_saves = DECAY * self.recent_saves + 1
             self.recent_hits *= DECAY
             self.stats.saves += 1
@@ -278,6 +291,11 @@ class HostTier:
             return False
         self.stats.handed_in += 1
         return True
+
+    def close(self) -> None:
+        """Let go of the page-locked memory (the engine is closing)."""
+        self.store.entries.clear()
+        self.buffers.close()
 
     def hand_out(self) -> Iterator[KVPart]:
         """The newest entries, as parts for a sibling (a drain; ``handover.parts`` bounds its time)."""
