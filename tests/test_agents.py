@@ -107,6 +107,7 @@ def test_a_rolling_reload_hands_each_workers_tier_to_its_sibling(tmp_path: Path,
             d.wait_ready(2)
             cached = [c.generate([*s, 9, 9, 9, 9], max_tokens=4, temperature=0.0).usage.cached_tokens
                       for s in sessions]
+            time.sleep(1.2)  # a heartbeat brings the new workers' counters
             metrics = c.metrics()
     finally:
         d.stop()

@@ -139,7 +139,7 @@ class Engine:
         def prefill_s(n: int) -> float | None:
             return None if self.cost.coef is None else self.cost.coef[2] * n
 
-        return HostTier(self.ctx, capacity, identity, prefill_s, gpu=cfg.gpu)
+        return HostTier(self.ctx, capacity, identity, prefill_s, gpu=cfg.gpu, max_tokens=cfg.ctx_per_slot)
 
     def kv_host(self) -> dict[str, float]:
         """The host tier's counters ({} without one)."""

@@ -65,10 +65,11 @@ class Entry:
     blob: np.ndarray  # uint8
     hashes: list[int]
     identity: bytes  # the model file and build it was computed by
+    held: int = 0  # bytes it takes of the bound (a page-locked slab: pinned.py); 0: its state's own
 
     @property
     def nbytes(self) -> int:
-        return int(self.blob.nbytes)
+        return self.held or int(self.blob.nbytes)
 
 
 @dataclass
@@ -187,9 +188,9 @@ class HostTier:
     """The store, and the llama calls that fill it from a slot and restore a slot from it."""
 
     def __init__(self, ctx: Any, capacity: int, identity: bytes, prefill_s: Callable[[int], float | None],
-                 gpu: bool = False):
+                 gpu: bool = False, max_tokens: int = 0):
         self.ctx = ctx
-        self.buffers = HostBuffers(gpu, capacity + capacity // 8)  # page-locked on a GPU (pinned.py)
+        self.buffers = HostBuffers(gpu, capacity, max_tokens)  # page-locked slabs on a GPU (pinned.py)
         self.store = HostStore(capacity, identity, self.buffers.give)
         self.identity = identity
         self.prefill_s = prefill_s  # the fitted seconds of computing n prompt tokens (None: not fitted yet)
@@ -214,13 +215,15 @@ class HostTier:
         size = L.llama_state_seq_get_size_ext(self.ctx, seq_id, _FLAGS)
         if size <= 0 or size > self.store.capacity:
             return
-        self.store.make_room(tokens, hashes, size)  # before the buffer: a dropped entry's is reused
+        held = self.buffers.bound(size, len(tokens))
+        self.store.make_room(tokens, hashes, held)  # before the buffer: a dropped entry's slab is reused
         blob = self.buffers.get(size)
         wrote = L.llama_state_seq_get_data_ext(self.ctx, _ptr(blob), size, seq_id, _FLAGS)
         if wrote != size:
             self.buffers.give(blob)
             return
-        if not self.store.add(Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity)):
+        entry = Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity, self.buffers.held(blob))
+        if not self.store.add(entry):
             self.buffers.give(blob)
         else:
             self.recent_saves = DECAY * self.recent_saves + 1
