@@ -187,3 +187,30 @@ def test_a_tier_that_finds_nothing_saves_only_a_sample(model_path: str) -> None:
         eng.close()
     assert stats["unsaved"] > stats["saves"] > 0, stats
     assert stats["hits"] == 0
+
+
+def test_a_restore_that_must_first_save_its_slot_into_a_full_tier_keeps_its_entry(model_path: str) -> None:
+    """Two slots hold B and C, the tier (room for one session) holds A. A returns: emptying a slot for it
+    saves that slot's session, which needs A's room; A is kept for the restore, the other save waits."""
+    a, b, c = _sessions(3, 150, seed=11)
+    probe = _engine(model_path, "64MiB")
+    try:
+        for i, s in enumerate((a, b, c)):
+            _run(probe, i, s)
+        one = max(e.nbytes for e in probe.kv.host.store.entries.values())  # type: ignore[union-attr]
+    finally:
+        probe.close()
+    eng = _engine(model_path, f"{int(one * 1.5)}B")
+    plain = _engine(model_path, "0")
+    try:
+        for i, s in enumerate((a, b, c)):
+            _run(eng, i, s)
+        assert eng.kv_host()["entries"] == 1
+        text, reused = _run(eng, 10, a + [5] * 20)
+        assert reused >= len(a) - 2, reused
+        assert text == _run(plain, 10, a + [5] * 20)[0]
+        stats = eng.kv_host()
+        assert stats["hits"] == 1 and stats["failed"] == 0 and stats["bytes"] <= stats["capacity"], stats
+    finally:
+        eng.close()
+        plain.close()

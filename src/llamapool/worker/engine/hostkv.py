@@ -110,6 +110,7 @@ class HostStore:
     stats: TierStats = field(default_factory=TierStats)
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)
     index: dict[int, dict[int, None]] = field(default_factory=dict)
+    kept: int = -1  # an entry about to be restored: never dropped to make room (HostTier.hold)
     _next: int = 0
 
     def __post_init__(self) -> None:
@@ -142,6 +143,8 @@ class HostStore:
         if entry.nbytes > self.capacity or not entry.hashes:
             return False
         self.make_room(entry.tokens, entry.hashes, entry.nbytes)
+        if self.stats.bytes + entry.nbytes > self.capacity:  # the kept entry leaves no room
+            return False
         eid, self._next = self._next, self._next + 1
         self.entries[eid] = entry
         for h in entry.hashes:
@@ -154,11 +157,15 @@ class HostStore:
         """Drop the entries that ``tokens`` extend, then the least recently used until ``nbytes`` more fit."""
         for eid in list(self.index.get(hashes[0], ())) if hashes else ():
             old = self.entries[eid]
-            if len(old.tokens) <= len(tokens) and common_prefix(old.tokens, tokens) == len(old.tokens):
+            if eid != self.kept and len(old.tokens) <= len(tokens) \
+                    and common_prefix(old.tokens, tokens) == len(old.tokens):
                 self.drop(eid)
                 self.stats.evictions += 1
-        while self.entries and self.stats.bytes + nbytes > self.capacity:
-            self.drop(next(iter(self.entries)))
+        while self.stats.bytes + nbytes > self.capacity:
+            victim = next((eid for eid in self.entries if eid != self.kept), None)
+            if victim is None:
+                break
+            self.drop(victim)
             self.stats.evictions += 1
 
     def drop(self, eid: int) -> None:
@@ -254,18 +261,27 @@ class HostTier:
             return -1, 0
         entry = self.store.entries[eid]
         recompute = self.prefill_s(n - vram)
-        if recompute is not None and self.s_per_byte is not None and self.s_per_byte * entry.nbytes >= recompute:
+        if recompute is not None and self.s_per_byte is not None and self.s_per_byte * entry.blob.nbytes >= recompute:
             self.stats.skipped += 1
             return -1, 0
         return eid, n
 
+    def hold(self, eid: int) -> None:
+        """Keep entry ``eid`` (-1: none) from being dropped while a slot is emptied for its restore (emptying
+        it saves that slot's KV, which may need room)."""
+        self.store.kept = eid
+
     def restore(self, eid: int, seq_id: int, n: int) -> bool:
         """Copy entry ``eid`` into the empty slot ``seq_id`` and keep its first ``n`` tokens; False (the slot
         left empty, the entry dropped) when llama.cpp refuses it or it is not this model's."""
-        entry = self.store.entries[eid]
+        entry = self.store.entries.get(eid)
+        if entry is None:  # dropped meanwhile (not expected: ``hold`` keeps it)
+            L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), seq_id, -1, -1)
+            return False
+        size = int(entry.blob.nbytes)
         t0 = time.perf_counter()
         ok = entry.identity == self.identity and \
-            L.llama_state_seq_set_data_ext(self.ctx, _ptr(entry.blob), entry.nbytes, seq_id, _FLAGS) == entry.nbytes
+            L.llama_state_seq_set_data_ext(self.ctx, _ptr(entry.blob), size, seq_id, _FLAGS) == size
         if not ok:
             L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), seq_id, -1, -1)
             self.store.drop(eid)
@@ -273,7 +289,7 @@ class HostTier:
             return False
         L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), seq_id, n, -1)
         seconds = time.perf_counter() - t0
-        per = seconds / max(1, entry.nbytes)
+        per = seconds / max(1, entry.blob.nbytes)
         self.s_per_byte = per if self.s_per_byte is None else 0.8 * self.s_per_byte + 0.2 * per
         self.store.entries.move_to_end(eid)
         self.recent_hits += 1
@@ -281,7 +297,7 @@ class HostTier:
         s.hits += 1
         s.restores += 1
         s.restored_tokens += n
-        s.bytes_restored += entry.nbytes
+        s.bytes_restored += entry.blob.nbytes
         s.restore_seconds += seconds
         return True
 

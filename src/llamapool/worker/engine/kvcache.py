@@ -53,7 +53,11 @@ class KVSlots:
         if self.host is not None and reuse and len(want) - self.computed >= BLOCK:
             eid, n = self.host.lookup(want, len(want) - self.computed, best)
             if eid >= 0:
-                seq_id = self._evict(self._least_worth())
+                self.host.hold(eid)  # saving the emptied slot's KV must not drop the entry it will take
+                try:
+                    seq_id = self._evict(self._least_worth())
+                finally:
+                    self.host.hold(-1)
                 if self.host.restore(eid, seq_id, n):
                     return seq_id, n
                 self.free_ids.appendleft(seq_id)  # emptied: the VRAM's prefixes are looked for again
