@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 import signal
 import threading
@@ -117,6 +118,7 @@ class Supervisor:
         self._queued = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reload_lock = asyncio.Lock()  # one SIGHUP at a time: a second one waits for the first
+        self.kv_events: Any = None  # [kv_events]: the pod's KV-cache event publisher (supervisor/kvevents.py)
 
     # ------------------------------------------------------------ the lifecycle
 
@@ -151,6 +153,8 @@ class Supervisor:
             await self._stop_gateways(self.cfg.server.drain_timeout + 5)
             await self._shutdown_workers()
             await self._stop_router()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.zctx.term()
         self.gpu_watch.shutdown()
         self._log("stopped")
@@ -236,10 +240,30 @@ class Supervisor:
                                                  local_key=self.curve.local_public(), boot_id=self.boot_id),
                              self.zctx, "inproc://llamapool-control", on_event=self._from_router_thread)
         self.router.bind()
+        if not self._start_kv_events():
+            return False
         self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
         self.router_thread.start()
         self._log(f"frontend {self.cfg.frontend}; models " + ", ".join(
             f"{m.name} ({m.path})" for m in self.cfg.models))
+        return True
+
+    def _start_kv_events(self) -> bool:
+        """``[kv_events]``: the pod's KV-cache event publisher, its series in the router's metrics."""
+        kv = self.cfg.kv_events
+        if kv is None:
+            return True
+        from llamapool.supervisor import kvevents
+
+        port = self.cfg.http.host_port[1] if self.cfg.http is not None else None
+        self.kv_events = kvevents.start(self.zctx, kv, str(self.cfg.runtime_dir), port, self.cfg.model_names)
+        if self.kv_events.error:
+            self._log(f"FATAL: {self.kv_events.error}", "error")
+            return False
+        before, pub = self.router.metrics.extra, self.kv_events
+        self.router.metrics.extra = lambda: itertools.chain(before(), pub.metrics())
+        self._log(f"kv_events: publishing on {kv.endpoint}" + (f", replay on {kv.replay_endpoint}"
+                                                              if kv.replay_endpoint else "") + f" (topic {pub.topic})")
         return True
 
     @staticmethod
@@ -356,6 +380,8 @@ class Supervisor:
             name=slot.name, backend=self.cfg.backend, device=slot.device, model_path=m.path,
             heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
             engine=m.engine, model_name=m.name, boot_id=self.boot_id, embedding=m.embedding, pooling=m.pooling,
+            kv_events=self.kv_events.inbox if self.kv_events is not None else "",
+            kv_events_block=self.cfg.kv_events.block_size if self.cfg.kv_events is not None else 16,
             **m.engine_settings(threads=threads, max_batch_tokens=budget, kv_host=str(host_kv_share(m, len(live)))),
             **curve,
         )
@@ -387,6 +413,8 @@ class Supervisor:
         slot.last_exit, slot.proc = how, None
         if slot.is_worker:
             self._command(WorkerExited(slot.name, proc.pid, how))
+            if self.kv_events is not None:  # its KV is gone: its blocks are removed
+                self.kv_events.worker_gone(f"{slot.name}:{proc.pid}")
         if slot.state in (State.RETIRING, State.STOPPED) or self.stopping:
             self._log(f"{slot.name}: pid {proc.pid} exited ({how})")
             if slot.state == State.RETIRING:

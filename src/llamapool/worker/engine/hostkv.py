@@ -28,6 +28,7 @@ import numpy as np
 
 from llamapool.protocol.messages import KVPart
 from llamapool.worker import handover
+from llamapool.worker.engine.kvevents import BlockTracker
 from llamapool.worker.handover import Received
 
 BLOCK = 16  # tokens a block (the hash chain's step; llm-d's default block size)
@@ -102,6 +103,7 @@ class HostStore:
     entries: OrderedDict[int, Entry] = field(default_factory=OrderedDict)
     index: dict[int, dict[int, None]] = field(default_factory=dict)
     _next: int = 0
+    events: BlockTracker | None = None  # kv-events: the entries' blocks, CPU medium (worker/engine/kvevents.py)
 
     def __post_init__(self) -> None:
         self.stats.capacity = self.capacity
@@ -146,6 +148,8 @@ class HostStore:
             self.index.setdefault(h, {})[eid] = None
         self.stats.bytes += entry.nbytes
         self.stats.entries = len(self.entries)
+        if self.events is not None:  # kv-events
+            self.events.stored(eid, entry.tokens)
         return True
 
     def drop(self, eid: int) -> None:
@@ -158,6 +162,8 @@ class HostStore:
                     del self.index[h]
         self.stats.bytes -= entry.nbytes
         self.stats.entries = len(self.entries)
+        if self.events is not None:  # kv-events
+            self.events.dropped(eid)
 
     def newest(self, limit: int) -> list[Entry]:
         """Up to ``limit`` bytes of entries, most recently used first (what a drain hands over)."""
