@@ -153,7 +153,7 @@ class Publisher(threading.Thread):
         self.counters = Counters()
         self.seq = 0
         self._gone: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._ready = threading.Event()
         self.error: str = ""
 
@@ -171,7 +171,7 @@ class Publisher(threading.Thread):
         self._gone.put(worker)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.join(timeout=5)
 
     def run(self) -> None:
@@ -190,7 +190,7 @@ class Publisher(threading.Thread):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 for s, _ in poller.poll(POLL_MS):
                     if s is pull:
                         self._reports(pull, pub)
