@@ -73,7 +73,7 @@ def test_the_pod_announces_a_block_of_two_workers_once_and_removes_a_dead_worker
     assert isinstance(ev, Stored)
     pod = PodBlocks()
     assert pod.apply("w0:1", "m", [ev]) == [ev]
-    longer = Stored(ev.hashes + (12345,), None, ev.tokens + tuple(range(B)), B, GPU)
+    longer = Stored((*ev.hashes, 12345), None, ev.tokens + tuple(range(B)), B, GPU)
     (run,) = pod.apply("w1:2", "m", [longer])  # only the block the pod lacked, its parent the last held
     assert isinstance(run, Stored) and run.hashes == (12345,) and run.parent == ev.hashes[-1]
     assert run.tokens == tuple(range(B))
