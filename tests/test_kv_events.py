@@ -80,6 +80,7 @@ def test_the_pod_announces_a_block_of_two_workers_once_and_removes_a_dead_worker
     assert pod.apply("w0:1", "m", [Removed(ev.hashes, GPU)]) == []  # w1 still holds them
     (gone,) = pod.gone("w1:2")  # w1 died
     assert isinstance(gone, Removed) and set(gone.hashes) == {*ev.hashes, 12345} and not pod.count
+    assert pod.blocks() == {GPU: 0}
 
 
 def _publisher(ctx: zmq.Context, name: str, hwm: int = 100_000) -> Publisher:

@@ -45,6 +45,7 @@ class PodBlocks:
 
     count: dict[Key, int] = field(default_factory=dict)
     of: dict[str, set[Key]] = field(default_factory=dict)  # worker ("name:pid") -> the blocks it holds
+    held: dict[str, int] = field(default_factory=dict)  # blocks the pod holds, by medium (kept as they change)
 
     def apply(self, worker: str, model: str, events: list[Event]) -> list[Event]:
         """A worker's events as the pod's: the blocks the pod newly holds, the ones it no longer holds."""
@@ -77,6 +78,7 @@ class PodBlocks:
                     mine.add(key)
                     fresh = self.count.get(key, 0) == 0
                     self.count[key] = self.count.get(key, 0) + 1
+                    self.held[e.medium] = self.held.get(e.medium, 0) + fresh
             if fresh and run < 0:
                 run = i
             elif not fresh and run >= 0:
@@ -92,6 +94,7 @@ class PodBlocks:
             self.count[key] = left
             return False
         self.count.pop(key, None)
+        self.held[key[1]] = self.held.get(key[1], 1) - 1
         return True
 
     def gone(self, worker: str, keep: bool = False) -> list[Event]:
@@ -108,11 +111,8 @@ class PodBlocks:
         return {k[0] for k in self.of.get(worker, ())}
 
     def blocks(self) -> dict[str, int]:
-        """Blocks the pod holds, by medium."""
-        out: dict[str, int] = {}
-        for _, medium, _ in self.count:
-            out[medium] = out.get(medium, 0) + 1
-        return out
+        """Blocks the pod holds, by medium (read from another thread: a copy of a small dict)."""
+        return dict(self.held)
 
 
 def pod_name(pod: str, http_port: int | None) -> str:
@@ -289,12 +289,12 @@ class Publisher(threading.Thread):
                                   "socket past its high-water mark (a stalled subscriber; kept for replay), or by "
                                   "a worker's socket to the publisher (then resent as a snapshot)", labels=["where"])
         fam.add_metric(["publisher"], c.dropped)
-        fam.add_metric(["worker"], sum(c.worker_dropped.values()))
+        fam.add_metric(["worker"], sum(list(c.worker_dropped.values())))
         yield fam
         yield CounterMetricFamily("llamapool_kv_events_replays", "Replay requests answered", value=c.replays)
         gauge = GaugeMetricFamily("llamapool_kv_events_blocks", "Blocks the pod announces, by medium",
                                   labels=["medium"])
-        for medium, n in sorted(self.pod.blocks().items()):
+        for medium, n in sorted(self.pod.blocks().items()):  # GPU, CPU: two keys, never resized mid-copy
             gauge.add_metric([medium], n)
         yield gauge
 
