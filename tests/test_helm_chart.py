@@ -155,6 +155,9 @@ def test_the_config_map_is_a_config_llamapool_loads(tools: Path, values: str, mo
     (("modelArtifacts.uri=hf://a/b:Q4_K_M", "replicas=2"), "additional properties 'replicas' not allowed"),
     (("modelArtifacts.uri=hf://a/b:Q4_K_M", "engineType=vllm", "metrics.vllmCompatibleNames=false"),
      "metrics.vllmCompatibleNames"),
+    (("kvEvents.enabled=true", "kvEvents.port=8000"), "kvEvents.port, kvEvents.replayPort and service.port"),
+    (("kvEvents.enabled=true", "modelArtifacts.name="), "kvEvents.enabled needs modelArtifacts.name"),
+    (("kvEvents.port=0",), "/kvEvents/port"),
 ])
 def test_a_value_that_makes_no_sense_fails_at_template_naming_it(tools: Path, sets: tuple[str, ...],
                                                                  named: str) -> None:
@@ -190,3 +193,35 @@ def test_the_epp_config_names_the_gauges_llamapool_exports(tools: Path) -> None:
         named = {engine[k] for k in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec")}
         assert named == {n[0] for n in NAMES.values()}
     assert theirs["plugins"] == ours["plugins"]
+
+
+def test_kv_events_open_the_pods_ports_and_the_epp_routes_by_them(tools: Path, model_path: str) -> None:
+    """kvEvents.enabled: the pod's config publishes on the port the container declares, the topic's pod is the
+    pod's IP, and the EndpointPickerConfig scores by the pods' KV events (precise prefix cache: its socket
+    ports, block size, and the pods' render endpoints as its tokenizer)."""
+    objs = render(tools, "values-gie.yaml", "--set", "kvEvents.enabled=true", "--set", "kvEvents.blockSize=32")
+    for o in objs:
+        if o["kind"] in CORE_KINDS:
+            kubernetes_validate.validate(o, K8S_VERSION, strict=True)
+    (dep,) = of_kind(objs, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "kv-events": 5557, "kv-replay": 5558}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    cms = {k: v for o in of_kind(objs, "ConfigMap") for k, v in o["data"].items()}
+    raw = tomllib.loads(cms["llamapool.toml"])
+    raw["model"]["path"] = model_path
+    kv = from_dict(raw).kv_events
+    assert kv is not None and kv.endpoint == "tcp://*:5557" and kv.replay_endpoint == "tcp://*:5558"
+    assert kv.block_size == 32
+    epp = yaml.safe_load(cms["llamapool-plugins.yaml"])
+    plugins = {p["type"]: p.get("parameters", {}) for p in epp["plugins"]}
+    producer = plugins["precise-prefix-cache-producer"]
+    assert producer["tokenProcessorConfig"]["blockSize"] == 32
+    assert producer["kvEventsConfig"]["podDiscoveryConfig"] == {"socketPort": 5557, "replaySocketPort": 5558}
+    assert plugins["prefix-cache-scorer"]["prefixMatchInfoProducerName"] == "precise-prefix-cache-producer"
+    assert plugins["token-producer"]["modelName"] == raw["model"]["name"]
+    assert plugins["token-producer"]["vllm"]["url"].endswith(":8000")
+    sources = {s["pluginRef"]: [e["pluginRef"] for e in s["extractors"]] for s in epp["dataLayer"]["sources"]}
+    assert sources["endpoint-notification-source"] == ["precise-prefix-cache-producer"]

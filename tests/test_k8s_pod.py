@@ -55,6 +55,7 @@ class Pod:
     container: dict[str, Any]
     grace: int
     engine: dict[str, str]
+    kv_port: int = 0  # the pod's KV-events port (kvEvents.enabled, a free port here)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
@@ -79,8 +80,11 @@ def slow_worker_path(folder: Path) -> str:
 
 @pytest.fixture
 def pod(tools: Path, tmp_path: Path, model_path: str) -> Iterator[Pod]:  # noqa: F811 (the imported fixture)
+    kv_port, replay_port = free_port(), free_port()
     objs = render(tools, "values-cpu.yaml", "--set", "inferencePool.enabled=true",
-                  "--set", "inferencePool.httpRoute.enabled=false", "--set", f"llamapool.slots={SLOTS}")
+                  "--set", "inferencePool.httpRoute.enabled=false", "--set", f"llamapool.slots={SLOTS}",
+                  "--set", "kvEvents.enabled=true", "--set", f"kvEvents.port={kv_port}",
+                  "--set", f"kvEvents.replayPort={replay_port}")
     (dep,) = [o for o in objs if o["kind"] == "Deployment"]
     cms = {o["metadata"]["name"]: o["data"] for o in objs if o["kind"] == "ConfigMap"}
     config = next(d["llamapool.toml"] for d in cms.values() if "llamapool.toml" in d)
@@ -109,7 +113,8 @@ def pod(tools: Path, tmp_path: Path, model_path: str) -> Iterator[Pod]:  # noqa:
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "llamapool.cli", *argv], stdout=fh, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env, "PYTHONPATH": slow_worker_path(tmp_path / "slow")})
-    p = Pod(proc, f"http://127.0.0.1:{port}", log, container, spec["terminationGracePeriodSeconds"], engine)
+    assert {p["containerPort"] for p in container["ports"]} == {8000, kv_port, replay_port}
+    p = Pod(proc, f"http://127.0.0.1:{port}", log, container, spec["terminationGracePeriodSeconds"], engine, kv_port)
     yield p
     if proc.poll() is None:
         proc.send_signal(signal.SIGQUIT)
@@ -217,6 +222,13 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     assert seen[0] == (503, "loading") and seen[-1] == (200, "ready"), seen
     assert {s for s in seen[:-1]} == {(503, "loading")}, seen
     model = httpx.get(pod.url + "/v1/models").json()["data"][0]["id"]
+    import msgpack
+    import zmq
+
+    zctx = zmq.Context()
+    kv_sub = zctx.socket(zmq.SUB)  # as the endpoint picker's precise prefix-cache producer: the pod's KV events
+    kv_sub.connect(f"tcp://127.0.0.1:{pod.kv_port}")
+    kv_sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
 
     mp = multiprocessing.get_context("spawn")
     stop, drained, accepted = mp.Event(), mp.Event(), mp.Value("i", -1)
@@ -277,6 +289,13 @@ def test_the_pod_as_its_kubelet_and_its_endpoint_picker_see_it(pod: Pod) -> None
     t_exit = time.monotonic()
 
     assert code == 0, pod.log_text()
+    stored = []
+    while kv_sub.poll(0):
+        topic, _seq, payload = kv_sub.recv_multipart()
+        stored += [(topic, e) for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
+    kv_sub.close(linger=0)
+    zctx.term()
+    assert stored and all(t.endswith(f"@{model}".encode()) for t, _ in stored), stored[:3]
     assert set(during) == {(503, 200)}, during  # draining: not ready, alive
     assert results == [("length", TOKENS)] * STREAMS, sorted(set(results))  # every stream accepted ran to its end
     assert not scrapes.problems, scrapes.problems[:5]

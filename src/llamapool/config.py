@@ -179,6 +179,21 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """``[kv_events]``: KV-cache events for llm-d's precise prefix-cache scorer (supervisor/kvevents.py,
+    docs/kubernetes.md), as vLLM's ``--kv-events-config``. No table (or ``enable = false``): none."""
+
+    enable: bool = False
+    endpoint: str = "tcp://*:5557"  # the pod's PUB socket: bound with a wildcard (or ipc://), else connected
+    replay_endpoint: str = ""  # a ROUTER socket replaying buffered batches (e.g. "tcp://*:5558"); "": none
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (batches); past it a batch is dropped and counted
+    topic: str = "kv@{pod}@{model}"  # llm-d's "kv@<pod>@<model>"; {pod} and {model} are filled in
+    pod: str = ""  # {pod}: "" -> "$POD_IP:<http port>" (else the host name), the address the picker knows
+    block_size: int = 16  # tokens a block (the EPP's tokenProcessorConfig.blockSize should match)
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     """CURVE for tcp:// sockets (docs/security.md). Paths are relative to the config file."""
 
@@ -217,6 +232,7 @@ class Config:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     log: LogConfig = field(default_factory=LogConfig)
     node: NodeConfig | None = None  # [node]: this config is for `llamapool node`
+    kv_events: KVEventsConfig | None = None  # [kv_events]: KV-cache events (None or enable = false: none)
     source: str = ""
     models_table: bool = False  # the models came from [[models]] (worker names carry the model's name)
 
@@ -284,6 +300,7 @@ _POSITIVE = {
     "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
     "workers.flap_limit", "http.processes", "http.request_timeout", "http.idle_timeout", "http.read_timeout",
     "http.send_timeout", "http.send_buffer_bytes", "http.responses_ttl", "http.responses_max_mb",
+    "kv_events.buffer_steps", "kv_events.hwm", "kv_events.block_size",
 }
 
 
@@ -546,12 +563,13 @@ def _check_overlap(named: list[tuple[str, Any]], models: list[ModelConfig]) -> N
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
     sections = {"server": ServerConfig, "workers": WorkersConfig, "pool": PoolConfig, "http": HttpConfig,
-                "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig}
+                "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig,
+                "kv_events": KVEventsConfig}
     for key in raw:
         if key not in sections and key not in ("model", "models"):
             raise ConfigError(f"{key}: unknown section (known: server, models, model, {', '.join(list(sections)[1:])})")
     parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()
-             if name in raw or name not in ("http", "metrics", "node")}
+             if name in raw or name not in ("http", "metrics", "node", "kv_events")}
     if "http" in parts:
         parts["http"] = _http(parts["http"], base_dir)
     if "metrics" in parts and parts["metrics"].listen:
@@ -560,6 +578,8 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             raise ConfigError(f"metrics.listen: must be \"host:port\" (or \"\" for none), "
                               f"got {parts['metrics'].listen!r}")
     parts["pool"] = _pool(parts["pool"])
+    if "kv_events" in parts:
+        parts["kv_events"] = _kv_events(parts["kv_events"])
     log: LogConfig = parts["log"]
     if log.format not in ("text", "json"):
         raise ConfigError(f"log.format: must be \"text\" or \"json\", got {log.format!r}")
@@ -574,6 +594,20 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
             raise ConfigError(f"devices: \"remote\" (model {remote[0]!r}) is for a router's config; "
                               f"a node runs the workers of its models itself")
     return Config(source=source, models=models, models_table="models" in raw, **parts)
+
+
+def _kv_events(kv: KVEventsConfig) -> KVEventsConfig | None:
+    """``[kv_events]``: None unless enabled; endpoints ZeroMQ can take; a topic naming the model."""
+    if not kv.enable:
+        return None
+    for key, value in (("endpoint", kv.endpoint), ("replay_endpoint", kv.replay_endpoint)):
+        if (value or key == "endpoint") and not re.fullmatch(r"(tcp|ipc|inproc)://\S+", value):
+            raise ConfigError(f"kv_events.{key}: must be a ZeroMQ endpoint such as \"tcp://*:5557\", got {value!r}")
+    if kv.replay_endpoint and kv.replay_endpoint == kv.endpoint:
+        raise ConfigError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
+    if "{model}" not in kv.topic:
+        raise ConfigError(f"kv_events.topic: must contain {{model}} (each model has its own topic), got {kv.topic!r}")
+    return kv
 
 
 def _node(node: NodeConfig, sec: SecurityConfig, base_dir: Path | None) -> NodeConfig:

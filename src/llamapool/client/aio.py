@@ -442,6 +442,16 @@ class AsyncClient:
         return (await self._task(lambda rid, t: Tokenize(rid, text, add_special, parse_special, with_pieces, t,
                                                          model), 1, timeout)).tokens()
 
+    async def render(self, prompt: str | list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                     model: str | None = None, timeout: float | None = None) -> list[int]:
+        """The tokens a generation of ``prompt`` (a text, or chat messages with ``tools``) puts in the KV cache,
+        BOS and chat template included: what vLLM's render endpoints answer."""
+        model = self.model if model is None else model
+        messages = prompt if isinstance(prompt, list) else None
+        text = prompt if isinstance(prompt, str) else ""
+        return (await self._task(lambda rid, t: Tokenize(rid, text, timeout=t, model=model, render=True,
+                                                         messages=messages, tools=tools), 1, timeout)).tokens()
+
     async def detokenize(self, tokens: Sequence[int], *, model: str | None = None,
                          timeout: float | None = None) -> str:
         """The text of ``tokens`` (see :meth:`llamapool.Client.detokenize`)."""

@@ -20,7 +20,16 @@ from starlette.routing import Route
 from llamapool.client.aio import AsyncClient
 from llamapool.gateway import GatewaySpec, anthropic, tokenizer_info, tokens
 from llamapool.gateway.errors import ANTHROPIC_PATH, ApiError, error_response, openai_error
-from llamapool.gateway.openai import chat, completions, embeddings, models, responses, stored
+from llamapool.gateway.openai import (
+    chat,
+    chat_render,
+    completions,
+    completions_render,
+    embeddings,
+    models,
+    responses,
+    stored,
+)
 from llamapool.gateway.origins import OriginGuard, OriginPolicy
 from llamapool.gateway.pod import PodView
 from llamapool.gateway.serving import Door, Serving
@@ -60,6 +69,8 @@ class Gateway(Serving):
         openai_routes = [  # served at /v1/... and, as llama-server and vLLM do, without the /v1
             ("/models", Door(models.handle_list), "GET"), ("/models/{model_id:path}", Door(models.handle_one), "GET"),
             ("/completions", Door(completions.handle), "POST"), ("/chat/completions", Door(chat.handle), "POST"),
+            ("/completions/render", Door(completions_render.handle), "POST"),  # vLLM's (issue 53)
+            ("/chat/completions/render", Door(chat_render.handle), "POST"),
             ("/responses", Door(responses.handle), "POST"), ("/embeddings", Door(embeddings.handle), "POST"),
             ("/responses/{response_id:str}", Door(stored.handle_one), "GET DELETE"),
             ("/responses/{response_id:str}/input_items", Door(stored.handle_input_items), "GET"),

@@ -105,6 +105,10 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         d["input"] = d.pop("inputs")
     if isinstance(msg, (Generate, Embed, Tokenize, Detokenize)) and msg.model is None:
         del d["model"]
+    if isinstance(msg, Tokenize):
+        for key in ("render", "messages", "tools"):
+            if not d[key]:
+                del d[key]
     if isinstance(msg, Generate):
         for key in ("tenant", "priority"):
             if d[key] is None:
@@ -402,8 +406,21 @@ def _embed(d: dict[str, Any], rid: str) -> Embed:
 
 def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
     _check_keys(d, frozenset({"v", "type", "id", "content", "add_special", "parse_special", "with_pieces",
-                              "timeout", "model"}))
-    content = d.get("content")
+                              "timeout", "model", "render", "messages", "tools"}))
+    if d.get("render") is not None and not isinstance(d["render"], bool):
+        raise _invalid("render", "must be a boolean")
+    messages = d.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages or not d.get("render"):
+            raise _invalid("messages", "must be a non-empty list of chat messages (with render)")
+        messages = _messages(messages, "messages")
+    tools = None
+    if d.get("tools") is not None:
+        try:
+            tools = params.check_tools("tools", d["tools"])
+        except params.ParamError as e:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, e.message, e.field) from None
+    content = "" if messages is not None and "content" not in d else d.get("content")
     if not isinstance(content, str):
         raise _invalid("content", "is missing" if content is None
                        else f"must be a string, got {type(content).__name__}")
@@ -414,7 +431,8 @@ def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
             raise _invalid(key, "must be a boolean")
         flags[key] = flag
     timeout, model = _timeout_model(d)
-    return Tokenize(rid, content, flags["add_special"], flags["parse_special"], flags["with_pieces"], timeout, model)
+    return Tokenize(rid, content, flags["add_special"], flags["parse_special"], flags["with_pieces"], timeout, model,
+                    bool(d.get("render")), messages, tools)
 
 
 def _detokenize(d: dict[str, Any], rid: str) -> Detokenize:

@@ -103,6 +103,12 @@ class Tokenize:
     with_pieces: bool = False  # each token as {"id", "piece"}
     timeout: float | None = None
     model: str | None = None
+    # render (vLLM's /v1/completions/render, /v1/chat/completions/render): the tokens a generation of this
+    # prompt puts in KV: ``content`` as a text prompt (BOS as the model wants, special text read as text), or
+    # ``messages`` (and ``tools``) through the model's chat template; the flags above are then not used
+    render: bool = False
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)

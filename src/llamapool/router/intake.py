@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -115,12 +116,16 @@ class Intake(JobTable):
     def _on_task(self, client: bytes, msg: Embed | Tokenize | Detokenize) -> None:
         """An embed (a job per input, each taking a slot of an embedding model's worker), or a tokenize
         or detokenize (one job that takes no slot: the first worker of the model answers it at once)."""
+        inputs: list[Any]
+        options: dict[str, Any] | None
         if isinstance(msg, Embed):
             task, inputs, options = "embed", list(msg.inputs), None
         elif isinstance(msg, Tokenize):
-            task, inputs = "tokenize", [msg.content]
+            task, inputs = "tokenize", [msg.messages if msg.messages else msg.content]
             options = {"add_special": msg.add_special, "parse_special": msg.parse_special,
                        "with_pieces": msg.with_pieces}
+            if msg.render:  # the tokens a generation of the prompt puts in KV (worker/tasks.py)
+                options = {"render": True, "tools": msg.tools}
         else:
             task, inputs, options = "detokenize", [msg.tokens], None
         model = self.models[0] if msg.model is None else msg.model

@@ -143,6 +143,8 @@ class Supervisor:
             await self.gateways.stop(self.state.cfg.server.drain_timeout + 5)
             await self._shutdown_workers()
             await self._stop_router()
+        if self.state.kv_events is not None:
+            self.state.kv_events.stop()
         self.zctx.term()
         self.gpu_watch.shutdown()
         LOG.info("stopped")
@@ -201,6 +203,13 @@ class Supervisor:
                                                  local_key=self.curve.local_public(), boot_id=self.boot_id),
                              self.zctx, "inproc://llamapool-control", on_event=from_router_thread)
         self.router.bind()
+        if cfg.kv_events is not None:  # the pod's KV-cache event publisher, its series in the router's metrics
+            from llamapool.supervisor import kvevents
+
+            self.state.kv_events = kvevents.attach(self.zctx, cfg, self.router.metrics)
+            if self.state.kv_events.error:
+                LOG.error(f"FATAL: {self.state.kv_events.error}")
+                return False
         self.router_thread = threading.Thread(target=self.router.run, name="router", daemon=True)
         self.router_thread.start()
         LOG.info(f"frontend {cfg.frontend}; models " + ", ".join(f"{m.name} ({m.path})" for m in cfg.models))
@@ -226,7 +235,9 @@ class Supervisor:
     # ------------------------------------------------------------ children: what they run, what they say
 
     def _spec(self, slot: WorkerSlot) -> WorkerSpec:
-        return launch.worker_spec(self.state.cfg, slot, self.slots, self.curve, self.boot_id)
+        kv = self.state.kv_events
+        return launch.worker_spec(self.state.cfg, slot, self.slots, self.curve, self.boot_id,
+                                  kv.inbox if kv is not None else "")
 
     def _worker_log_env(self) -> dict[str, str]:
         return logmod.child_env(self.state.cfg.log.format, self.state.cfg.log.level)

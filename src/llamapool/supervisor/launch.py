@@ -21,8 +21,10 @@ from llamapool.supervisor.sdnotify import scrub_env
 from llamapool.worker.server import WorkerSpec
 
 
-def worker_spec(cfg: Config, slot: WorkerSlot, slots: list[WorkerSlot], curve: Curve, boot_id: str) -> WorkerSpec:
-    """The spec of ``slot``'s worker; its threads share the machine's cores with the other live ``slots``."""
+def worker_spec(cfg: Config, slot: WorkerSlot, slots: list[WorkerSlot], curve: Curve, boot_id: str,
+                kv_events: str = "") -> WorkerSpec:
+    """The spec of ``slot``'s worker; its threads share the machine's cores with the other live ``slots``;
+    ``kv_events``: the pod publisher's inbox its KV-cache events go to ("" : none)."""
     m, w = slot.model or cfg.model, cfg.workers
     live = [s for s in slots if s.state not in (State.STOPPED, State.RETIRING)] or [slot]
     # the cores are split between every CPU worker of every model (a model's threads overrides)
@@ -34,6 +36,7 @@ def worker_spec(cfg: Config, slot: WorkerSlot, slots: list[WorkerSlot], curve: C
         name=slot.name, backend=cfg.backend, device=slot.device, model_path=m.path,
         heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
         engine=m.engine, model_name=m.name, boot_id=boot_id, embedding=m.embedding, pooling=m.pooling,
+        kv_events=kv_events, kv_events_block=cfg.kv_events.block_size if cfg.kv_events is not None else 16,
         **m.engine_settings(threads=threads, max_batch_tokens=budget, kv_host=str(host_kv_share(m, len(live)))),
         **fields,
     )

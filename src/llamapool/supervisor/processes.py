@@ -61,6 +61,8 @@ class Processes:
         slot.last_exit, slot.proc = how, None
         if slot.is_worker:
             self.state.command(WorkerExited(slot.name, proc.pid, how))
+            if self.state.kv_events is not None:  # its KV is gone: its blocks are removed
+                self.state.kv_events.worker_gone(f"{slot.name}:{proc.pid}")
         if slot.state in (State.RETIRING, State.STOPPED) or self.state.stopping:
             LOG.info(f"{slot.name}: pid {proc.pid} exited ({how})")
             if slot.state == State.RETIRING:

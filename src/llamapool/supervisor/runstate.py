@@ -26,6 +26,7 @@ class RunState:
         self.slots: list[WorkerSlot] = []  # the workers (gateways are the Gateways' own)
         self.stopping = False  # a drain or a fast stop is under way: nothing new starts
         self.command = command  # to the router thread (llamapool node: handled in the process)
+        self.kv_events: Any = None  # [kv_events]: the pod's KV-cache event publisher (supervisor/kvevents.py)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def publish(self, slot: WorkerSlot) -> None:

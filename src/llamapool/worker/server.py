@@ -72,6 +72,8 @@ class WorkerSpec(EngineSettings):
     boot_id: str = ""  # its daemon's incarnation, said in its Hello (the router refuses other daemons' workers)
     embedding: bool = False  # an embedding model (model.embedding): worker/embedder.py, not the generation engine
     pooling: str = ""  # model.pooling: "mean" | "cls" | "last"; "" -> the GGUF's own
+    kv_events: str = ""  # [kv_events]: the supervisor's publisher inbox (ipc://) its KV-cache events go to; "": off
+    kv_events_block: int = 16  # [kv_events] block_size
 
     @property
     def n_gpus(self) -> int:
@@ -89,9 +91,11 @@ class WorkerSpec(EngineSettings):
 class EngineLoop(threading.Thread):
     """The one thread that calls llama.cpp: admits, steps, aborts, reports."""
 
-    def __init__(self, engine: Engine, zctx: zmq.Context, out_addr: str, name: str = "worker"):
+    def __init__(self, engine: Engine, zctx: zmq.Context, out_addr: str, name: str = "worker",
+                 events: tuple[str, str] | None = None):
         super().__init__(name="engine", daemon=True)
         self.engine = engine
+        self.events = KVEventsLink(zctx, *events, f"{name}:{os.getpid()}") if events else None
         self.inbox: queue.SimpleQueue[Message | Received] = queue.SimpleQueue()
         self._zctx, self._out_addr = zctx, out_addr
         self.step_started = 0.0  # monotonic start of the running step, 0 when idle
@@ -147,6 +151,8 @@ class EngineLoop(threading.Thread):
                 self._send(out_sock, report)
                 for part in eng.hand_out():  # the host KV tier, to a sibling (bounded: handover.parts)
                     out_sock.send(codec.encode(part))
+                if self.events is not None:  # its KV is let go: every block removed
+                    self.events.send(eng, final=True)
                 if self.profile is not None:  # before the goodbye: the process ends soon after it
                     self.profile.disable()
                     self.profile.dump_stats(f"{os.environ['LLAMAPOOL_PROFILE']}.{os.getpid()}")
@@ -167,7 +173,11 @@ class EngineLoop(threading.Thread):
             report.active = len(eng.active) + len(eng.waiting)
             if report.deltas or report.done or report.failed:
                 self._send(out_sock, report)
+            if self.events is not None:
+                self.events.send(eng)
         out_sock.close(linger=1000)
+        if self.events is not None:
+            self.events.close()
 
     @staticmethod
     def _merge(report: Step, part: Step) -> None:
@@ -190,6 +200,46 @@ class EngineLoop(threading.Thread):
             self.engine.take_in(msg)
 
 
+class KVEventsLink:
+    """The engine thread's PUSH socket to the pod's KV-event publisher (supervisor/kvevents.py): each step's
+    events as one batch ``[worker, model, payload, dropped]``. It never blocks: past its high-water mark a batch
+    is dropped and counted (``dropped``, which the publisher exports), and once the socket takes batches again
+    a snapshot of what the KV holds goes first (the publisher replaces what it knew of this worker)."""
+
+    HWM = 10_000
+
+    def __init__(self, zctx: zmq.Context, addr: str, model: str, worker: str):
+        self.sock = zctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, self.HWM)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(addr)
+        self.head = [worker.encode(), model.encode()]
+        self.dropped = 0
+        self.lost = False
+
+    def send(self, eng: Engine, final: bool = False) -> None:
+        kv_events = getattr(eng, "kv_events", None)
+        if kv_events is None:
+            return
+        events = kv_events(final)
+        if self.lost:
+            events = eng.kv_snapshot()  # type: ignore[attr-defined]
+        if not events:
+            return
+        from llamapool.protocol.kvevents import encode_batch
+
+        try:
+            self.sock.send_multipart([*self.head, encode_batch(events), self.dropped.to_bytes(8, "big")],
+                                     zmq.NOBLOCK)
+            self.lost = False
+        except zmq.Again:
+            self.dropped += 1
+            self.lost = True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def serve(spec: WorkerSpec) -> int:
     """Load the model, say hello, and serve until told to shut down."""
     gpu = spec.device != "cpu"
@@ -203,6 +253,7 @@ def serve(spec: WorkerSpec) -> int:
     # deterministic CPU workers do not speculate: a draft's rows are computed as a prompt's, not one at a time
     speculative = "off" if spec.deterministic and not gpu else spec.speculative
     cfg = EngineConfig(spec.model_path, gpu=gpu, n_gpus=max(1, spec.n_gpus),
+                       kv_events_block=spec.kv_events_block if spec.kv_events and not spec.embedding else 0,
                        **spec.engine_settings(speculative=speculative))
     try:
         if spec.embedding:
@@ -295,7 +346,8 @@ class WorkerIO:
         self.pull = self.zctx.socket(zmq.PULL)
         out_addr = f"inproc://engine-out-{os.getpid()}"
         self.pull.bind(out_addr)
-        self.loop = EngineLoop(engine, self.zctx, out_addr, spec.name)
+        events = (spec.kv_events, spec.model_name) if spec.kv_events and not spec.embedding else None
+        self.loop = EngineLoop(engine, self.zctx, out_addr, spec.name, events)
         self.hello = codec.encode(Hello(
             worker=spec.name, pid=os.getpid(), device=spec.device, model=engine.desc,
             slots=spec.slots, ctx_per_slot=spec.ctx_per_slot, n_vocab=engine.n_vocab,
@@ -427,7 +479,8 @@ class WorkerIO:
         from llamapool.worker.tasks import io_answer
 
         controls = getattr(getattr(self.engine, "chat", None), "controls", None)
-        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, self.spec.embedding, controls)
+        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, self.spec.embedding, controls,
+                           getattr(self.engine, "prompts", None))
         if report is None:
             return False
         for _rid, _code, message, _fld in report.failed:

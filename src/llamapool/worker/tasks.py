@@ -20,9 +20,10 @@ from llamapool.worker.vocab import tokenize
 
 
 def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool,
-              controls: ControlTexts | None = None) -> Step | None:
+              controls: ControlTexts | None = None, prompts: Any = None) -> Step | None:
     """The answer to ``run`` given on the I/O path, or None when the engine thread runs it (``controls``:
-    the vocabulary's control tokens, for a text holding many)."""
+    the vocabulary's control tokens, for a text holding many; ``prompts``: the engine's
+    ``worker.engine.prompt.Prompts``, which renders a prompt as a generation would)."""
     entry: Done | Failed | None = None
     if run.task == "embed" and not embedding:
         entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is a generation model: it does not "
@@ -34,6 +35,8 @@ def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool,
         if vocab is None:
             entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} has no tokenizer (echo engine)",
                            "model")
+        elif run.task == "tokenize" and (run.options or {}).get("render"):
+            entry = _render(run, prompts)
         elif run.task == "tokenize":
             entry = _tokenize(run, vocab, controls)
         else:
@@ -41,6 +44,19 @@ def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool,
     if entry is None:
         return None
     return Step(done=[entry]) if isinstance(entry, Done) else Step(failed=[entry])
+
+
+def _render(run: Run, prompts: Any) -> Done | Failed:
+    """The tokens a generation of the prompt would put in KV (render, issue 53): the engine's own
+    ``Prompts.tokens``, BOS and chat template included; a prompt that could not run fails as it would."""
+    if prompts is None:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, "this model's worker does not render prompts", "model")
+    chat = isinstance(run.prompt, list) and bool(run.prompt) and isinstance(run.prompt[0], dict)
+    try:
+        ids = prompts.tokens(run.prompt, (run.options or {}).get("tools"))
+    except ValueError as e:
+        return Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e), "messages" if chat else "prompt")
+    return Done(run.rid, "stop", "", 0, 0, tokens=list(ids))
 
 
 def _tokenize(run: Run, vocab: Any, controls: ControlTexts | None) -> Done:

@@ -64,6 +64,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.engineType "vllm") (not .Values.metrics.vllmCompatibleNames) }}
 {{- fail "engineType \"vllm\" needs metrics.vllmCompatibleNames: true (the endpoint picker would find none of vLLM's gauges)" }}
 {{- end }}
+{{- with .Values.kvEvents }}
+{{- if and .enabled (or (eq (int .port) (int $.Values.service.port)) (eq (int .port) (int .replayPort)) (eq (int .replayPort) (int $.Values.service.port))) }}
+{{- fail "kvEvents.port, kvEvents.replayPort and service.port must differ" }}
+{{- end }}
+{{- if and .enabled (not $.Values.modelArtifacts.name) }}
+{{- fail "kvEvents.enabled needs modelArtifacts.name: the model's name in the KV events' topic and the EPP's token-producer" }}
+{{- end }}
+{{- end }}
 {{- if and (hasPrefix "pvc://" .Values.modelArtifacts.uri) .Values.modelArtifacts.authSecretName }}
 {{- fail "modelArtifacts.authSecretName is for hf:// models; modelArtifacts.uri is a pvc:// one" }}
 {{- end }}
@@ -76,7 +84,32 @@ kind: EndpointPickerConfig
 plugins:
   - type: queue-scorer
   - type: kv-cache-utilization-scorer
+  {{- if .Values.kvEvents.enabled }}
+  # precise prefix routing: the pods' KV events (kvEvents), prompts tokenized by the pods' render endpoints
+  - type: token-producer
+    parameters:
+      modelName: {{ .Values.modelArtifacts.name | quote }}
+      vllm:
+        url: http://{{ include "llamapool.fullname" . }}:{{ int .Values.service.port }}
+  - type: endpoint-notification-source
+  - type: precise-prefix-cache-producer
+    parameters:
+      tokenProcessorConfig:
+        blockSize: {{ int .Values.kvEvents.blockSize }}
+      kvEventsConfig:
+        topicFilter: "kv@"
+        discoverPods: true
+        podDiscoveryConfig:
+          socketPort: {{ int .Values.kvEvents.port }}
+          {{- if .Values.kvEvents.replayPort }}
+          replaySocketPort: {{ int .Values.kvEvents.replayPort }}
+          {{- end }}
   - type: prefix-cache-scorer
+    parameters:
+      prefixMatchInfoProducerName: precise-prefix-cache-producer
+  {{- else }}
+  - type: prefix-cache-scorer
+  {{- end }}
   - type: metrics-data-source
     parameters:
       scheme: http
@@ -92,6 +125,16 @@ plugins:
           cacheInfoSpec: "llamapool:cache_config_info"
           cacheBlockSizeLabelName: block_size
           cacheNumBlocksLabelName: num_gpu_blocks
+{{- if .Values.kvEvents.enabled }}
+dataLayer:
+  sources:
+    - pluginRef: metrics-data-source
+      extractors:
+        - pluginRef: core-metrics-extractor
+    - pluginRef: endpoint-notification-source  # pods come and go: a KV-events subscriber each
+      extractors:
+        - pluginRef: precise-prefix-cache-producer
+{{- end }}
 schedulingProfiles:
   - name: default
     plugins:

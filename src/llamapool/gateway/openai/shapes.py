@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -144,3 +145,13 @@ class ChunkWriter:
         return f"data: {json.dumps(e.body())}\n\n".encode()
 
     DONE = b"data: [DONE]\n\n"
+
+
+def generate_request(req: Generation, tokens: list[int], prefix: str, model: str) -> dict[str, Any]:
+    """vLLM's ``GenerateRequest`` (what its ``/render`` endpoints answer): the prompt's token ids as a
+    generation puts them in KV, with the request's sampling parameters (issue 53)."""
+    p = dataclasses.asdict(req.params)
+    sampling = {k: v for k, v in p.items() if v is not None and k not in ("tools", "tool_choice", "logit_bias")}
+    return {"request_id": f"{prefix}-{req.id}", "token_ids": tokens, "sampling_params": sampling, "model": model,
+            "stream": req.stream, "stream_options": {"include_usage": True} if req.include_usage else None,
+            "cache_salt": None, "priority": 0, "kv_transfer_params": None, "features": None, "token_offsets": None}

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import llama_cpp as L
 import numpy as np
 
+from llamapool.protocol.kvevents import Event
 from llamapool.protocol.messages import Done, ErrorCode, Failed, KVPart, Run, Step, TokenLogprob
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
@@ -28,6 +29,7 @@ from llamapool.worker.engine.batch import Batch, fill, fill_apart
 from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.hostkv import HostTier, model_identity
 from llamapool.worker.engine.kvcache import KVSlots
+from llamapool.worker.engine.kvevents import BlockTracker
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
@@ -85,8 +87,7 @@ class Engine:
         # a GPU worker's kernels are batch-invariant themselves (GGML_CUDA_DETERMINISTIC, patch 0002): no plan
         self.deterministic = cfg.deterministic and not cfg.gpu
         self._prompt_turn = False  # deterministic mode: this step computes prompts (else decode tokens)
-        self.kv = KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1,
-                          host=self._host_tier(cfg), keep_output=not self.deterministic)
+        self.kv = self._kv_slots(cfg)
         self.waiting: list[Waiting] = []  # runs beyond the free slots, in arrival order
         self.active: dict[int, Sequence] = {}
         self._eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
@@ -129,6 +130,16 @@ class Engine:
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
 
+    def _kv_slots(self, cfg: EngineConfig) -> KVSlots:
+        """The KV cache's slots, with the host tier and, with [kv_events], the block tracker of both."""
+        events = BlockTracker(model_identity(cfg.model_path, "kv-events"), cfg.kv_events_block) \
+            if cfg.kv_events_block > 0 else None  # [kv_events]: what the KV holds (worker/engine/kvevents.py)
+        host = self._host_tier(cfg)
+        if host is not None:
+            host.store.events = events
+        return KVSlots(self.mem, cfg.slots, cfg.prefix_cache, 2 if self.deterministic else 1,
+                       host=host, keep_output=not self.deterministic, events=events)
+
     def _host_tier(self, cfg: EngineConfig) -> HostTier | None:
         """The host-RAM KV tier of ``workers.kv_host`` bytes (None: off)."""
         capacity = host_kv_bytes(cfg.kv_host)
@@ -144,6 +155,22 @@ class Engine:
     def kv_host(self) -> dict[str, float]:
         """The host tier's counters ({} without one)."""
         return self.kv.host.stats.as_dict() if self.kv.host is not None else {}
+
+    def kv_events(self, final: bool = False) -> list[Event]:
+        """The KV-cache events since the last call ([kv_events]; [] when off). ``final``: the worker leaves, its
+        KV is let go (every block removed)."""
+        if self.kv.events is None:
+            return []
+        if final:
+            self.kv.events.clear_all()
+        return self.kv.events.take()
+
+    def kv_snapshot(self) -> list[Event]:
+        """Every block the KV holds, after ``AllBlocksCleared`` (the events since the last call are dropped)."""
+        if self.kv.events is None:
+            return []
+        self.kv.events.take()
+        return self.kv.events.snapshot()
 
     def hand_out(self) -> Iterator[KVPart]:
         """A drain, once nothing runs: every free slot's KV into the host tier, then its newest entries as
@@ -356,6 +383,7 @@ class Engine:
                 self._echo_logprobs(out)
                 self._emit_ready(self._take_all(order, out), out)
         out.active = len(self.active)
+        self.kv.grown(self.active.values())  # kv-events: blocks the step completed
         self.step_s += time.perf_counter() - t_step
         return out
 

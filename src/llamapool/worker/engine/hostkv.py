@@ -28,6 +28,7 @@ import numpy as np
 
 from llamapool.protocol.messages import KVPart
 from llamapool.worker import handover
+from llamapool.worker.engine.kvevents import BlockTracker
 from llamapool.worker.engine.pinned import HostBuffers
 from llamapool.worker.handover import Received
 
@@ -112,6 +113,7 @@ class HostStore:
     index: dict[int, dict[int, None]] = field(default_factory=dict)
     kept: int = -1  # an entry about to be restored: never dropped to make room (HostTier.hold)
     _next: int = 0
+    events: BlockTracker | None = None  # kv-events: the entries' blocks, CPU medium (worker/engine/kvevents.py)
 
     def __post_init__(self) -> None:
         self.stats.capacity = self.capacity
@@ -151,6 +153,8 @@ class HostStore:
             self.index.setdefault(h, {})[eid] = None
         self.stats.bytes += entry.nbytes
         self.stats.entries = len(self.entries)
+        if self.events is not None:  # kv-events
+            self.events.stored(eid, entry.tokens)
         return True
 
     def make_room(self, tokens: np.ndarray, hashes: list[int], nbytes: int) -> None:
@@ -179,6 +183,8 @@ class HostStore:
                     del self.index[h]
         self.stats.bytes -= entry.nbytes
         self.stats.entries = len(self.entries)
+        if self.events is not None:  # kv-events
+            self.events.dropped(eid)
 
     def newest(self, limit: int) -> list[Entry]:
         """Up to ``limit`` bytes of entries, most recently used first (what a drain hands over)."""

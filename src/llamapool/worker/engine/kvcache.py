@@ -13,6 +13,7 @@ import llama_cpp as L
 import numpy as np
 
 from llamapool.worker.engine.hostkv import BLOCK, HostTier
+from llamapool.worker.engine.kvevents import BlockTracker
 from llamapool.worker.engine.sequence import Sequence
 
 
@@ -24,7 +25,7 @@ class KVSlots:
     at a time may differ in its last bits from the same token computed as a prompt."""
 
     def __init__(self, mem: Any, slots: int, prefix_cache: bool, computed: int = 1,
-                 host: HostTier | None = None, keep_output: bool = True):
+                 host: HostTier | None = None, keep_output: bool = True, events: BlockTracker | None = None):
         self.mem = mem
         self.prefix_cache = prefix_cache
         self.computed = computed  # a prompt's last tokens always computed, never reused (at least its last)
@@ -34,6 +35,7 @@ class KVSlots:
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> tokens its KV still holds
         self.reused_tokens = 0  # prompt tokens started sequences had from the cache
         self.copied_streams = 0  # prefix shares that copied a KV stream buffer
+        self.events = events  # kv-events: what the slots hold, in blocks (worker/engine/kvevents.py); None: off
 
     def take(self, want: np.ndarray, running: Iterable[Sequence], reuse: bool = True) -> tuple[int, int]:
         """A free sequence id for the prompt ``want`` and how many of its leading tokens are already in KV.
@@ -59,6 +61,7 @@ class KVSlots:
                 finally:
                     self.host.hold(-1)
                 if self.host.restore(eid, seq_id, n):
+                    self._held(seq_id, want[:n])  # kv-events
                     return seq_id, n
                 self.free_ids.appendleft(seq_id)  # emptied: the VRAM's prefixes are looked for again
                 src, best = self._in_vram(want, running) if self.prefix_cache else (-1, 0)
@@ -75,6 +78,7 @@ class KVSlots:
         if best:
             L.llama_memory_seq_rm(self.mem, seq_id, best, -1)
         self.cached.pop(seq_id, None)
+        self._held(seq_id, want[:best])  # kv-events
         return seq_id, best
 
     def _in_vram(self, want: np.ndarray, running: Iterable[Sequence]) -> tuple[int, int]:
@@ -127,6 +131,7 @@ class KVSlots:
         self.free_ids.appendleft(seq_id)
         self.cached.pop(seq_id, None)
         L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        self._held(seq_id, None)  # kv-events
 
     def release(self, seq: Sequence) -> None:
         """Free the sequence's slot, keeping its KV for a later request (with the prefix cache): its prompt's
@@ -136,7 +141,30 @@ class KVSlots:
             self.cached[seq.seq_id] = held if len(held) else seq.tokens[: seq.n_past]
         else:
             L.llama_memory_seq_rm(self.mem, seq.seq_id, -1, -1)
+        self._held(seq.seq_id, self.cached.get(seq.seq_id))  # kv-events
         self.free_ids.append(seq.seq_id)
+
+    # ---- kv-events (issue 53): what the slots hold, for worker/engine/kvevents.py; nothing when it is off
+
+    def _held(self, seq_id: int, tokens: np.ndarray | None) -> None:
+        """Slot ``seq_id`` now holds ``tokens`` (None: nothing)."""
+        if self.events is not None:
+            if tokens is None:
+                self.events.clear(seq_id)
+            else:
+                self.events.hold(seq_id, tokens)
+
+    def grown(self, running: Iterable[Sequence]) -> None:
+        """Once a step: the running sequences whose computed tokens completed a block since the last
+        announcement have it announced (their prompt's and reply's tokens up to ``n_past``; a verified draft's
+        tokens count once kept, in ``history``)."""
+        ev = self.events
+        if ev is None:
+            return
+        for s in running:
+            n = min(s.n_past, s.n_history)
+            if n // ev.block > ev.held(s.seq_id):
+                ev.hold(s.seq_id, s.history[:n], extends=True)
 
     def cells(self, running: Iterable[Sequence]) -> int:
         """KV cells in use: running sequences' computed tokens and kept prefixes."""

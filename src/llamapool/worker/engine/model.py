@@ -30,6 +30,7 @@ class EngineConfig(EngineSettings):
     n_gpus: int = 1  # GPUs this process sees (with gpu): more than one splits the layers between them
     backend_sampling: bool | None = None  # None: as gpu_sampling on a GPU; True forces it (tests)
     kv_unified: bool = False  # one KV stream for all sequences (benchmarks only: slower, see context_params)
+    kv_events_block: int = 0  # [kv_events]: the block size of the KV-cache events it reports (0: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
