@@ -37,7 +37,8 @@ def worker_spec(cfg: Config, slot: WorkerSlot, slots: list[WorkerSlot], curve: C
         heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
         engine=m.engine, model_name=m.name, boot_id=boot_id, embedding=m.embedding, pooling=m.pooling,
         kv_events=kv_events, kv_events_block=cfg.kv_events.block_size if cfg.kv_events is not None else 16,
-        **m.engine_settings(threads=threads, max_batch_tokens=budget, kv_host=str(host_kv_share(m, len(live)))),
+        **m.engine_settings(threads=threads, max_batch_tokens=budget,
+                            kv_host=str(host_kv_share(m, len(live), bool(slot.gpus)))),
         **fields,
     )
 

@@ -43,9 +43,13 @@ def worker_need(m: ModelConfig, gpu: bool, workers: int = 1) -> tuple[int, str]:
     return need.total, need.text()
 
 
-def host_kv_share(m: ModelConfig, workers: int) -> int:
+def host_kv_share(m: ModelConfig, workers: int, gpu: bool = False) -> int:
     """The bytes of host RAM a worker of ``m`` may keep KV in (``kv_host``; "auto": a share split between
-    the machine's ``workers``, at most 8x its KV cache): what its spec carries."""
+    the machine's ``workers``, at most 8x its KV cache, on CPU workers; 0 on GPU workers, where the tier is
+    not yet measured faster than recomputing: a size turns it on there, docs/configuration.md): what its
+    spec carries."""
+    if gpu and m.kv_host.strip().lower() == "auto":
+        return 0
     need = _estimate(m, False) if m.engine == "llama" and m.path else "no model"
     return host_kv_bytes(m.kv_host, need.kv if not isinstance(need, str) else 0, workers)
 

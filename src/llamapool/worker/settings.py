@@ -96,9 +96,9 @@ class EngineSettings:
     tensor_split: tuple[float, ...] = ()  # per GPU of a group; () -> llama.cpp's split (by free memory)
     grammar_cache_mb: int = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
     # The host-RAM KV tier (worker/engine/hostkv.py): a slot's KV copied to RAM before it is overwritten and
-    # copied back when its prefix returns. "auto" (a quarter of the RAM split between the machine's
-    # workers, at most 8x the worker's KV cache), a size ("16GiB"), or "0" (off). A worker's spec carries
-    # the bytes, resolved by the supervisor (host_kv_bytes).
+    # copied back when its prefix returns. "auto" (CPU workers: a quarter of the RAM split between the
+    # machine's workers, at most 8x the worker's KV cache; GPU workers: off, not yet measured faster there),
+    # a size ("16GiB"), or "0" (off). A worker's spec carries the bytes, resolved by the supervisor.
     kv_host: str = "auto"
 
     def __post_init__(self) -> None:
