@@ -88,6 +88,10 @@ class WorkerSpec(EngineSettings):
         return cls(**json.loads(text))
 
 
+TERMINATED = "sigterm"  # an engine loop's Shutdown from the worker's own SIGTERM: the daemon (or an operator)
+# stops it; the router's Shutdown is a retirement (a reload, a replica scaled down, a model evicted)
+
+
 class EngineLoop(threading.Thread):
     """The one thread that calls llama.cpp: admits, steps, aborts, reports."""
 
@@ -101,6 +105,7 @@ class EngineLoop(threading.Thread):
         self.step_started = 0.0  # monotonic start of the running step, 0 when idle
         self.steps = 0
         self.draining = False
+        self.hand_over = False  # a drain the router asked for: the host KV tier goes to a sibling (not on SIGTERM)
         self.log = logmod.Logger(name, prefix=f"llamapool worker {name}")
         self.reqs: dict[int, str] = {}  # rid -> request id, for this worker's log lines
         # LLAMAPOOL_PROFILE=PREFIX (diagnostics): the thread runs under cProfile, its stats written to
@@ -149,8 +154,8 @@ class EngineLoop(threading.Thread):
                 pass
             if self.draining and not eng.busy:
                 self._send(out_sock, report)
-                for part in eng.hand_out():  # the host KV tier, to a sibling (bounded: handover.parts)
-                    out_sock.send(codec.encode(part))
+                for part in eng.hand_out() if self.hand_over else ():  # the host KV tier, to a sibling
+                    out_sock.send(codec.encode(part))  # (bounded: handover.parts)
                 if self.events is not None:  # its KV is let go: every block removed
                     self.events.send(eng, final=True)
                 if self.profile is not None:  # before the goodbye: the process ends soon after it
@@ -194,8 +199,9 @@ class EngineLoop(threading.Thread):
             self.engine.submit(msg, report)
         elif isinstance(msg, Abort):
             self.engine.abort(msg.rid, report)
-        elif isinstance(msg, Shutdown):
+        elif isinstance(msg, Shutdown):  # the router retires it (its KV to a sibling) or a SIGTERM came
             self.draining = True
+            self.hand_over = self.hand_over or msg.reason != TERMINATED
         elif isinstance(msg, Received):
             self.engine.take_in(msg)
 
@@ -412,7 +418,7 @@ class WorkerIO:
     def on_term(self, *_: Any) -> None:
         """SIGTERM: tell the router now (it routes nothing more here), finish what runs, leave."""
         self.draining, self.next_beat = True, 0.0
-        self.loop.inbox.put(Shutdown())
+        self.loop.inbox.put(Shutdown(TERMINATED))
 
     def on_beat(self, now: float) -> None:
         """Every heartbeat interval: check the supervisor and the router, send a heartbeat."""
