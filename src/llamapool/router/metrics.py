@@ -254,7 +254,9 @@ class _Snapshot(Collector):
             ("evictions", "Workers of the model drained to make room for another model"),
             ("unloads", "Workers of the model drained because it sat idle, by an operator, or as a replica "
                         "no longer needed"),
-            ("load_failures", "Workers of the model that failed while loading"))}
+            ("load_failures", "Workers of the model that failed while loading"),
+            ("rebounds", "Workers of the model started within pool.min_residency of its own eviction (thrash; such "
+                         "a model is evicted again only when no other will do)"))}
         for model in self.fleet.models:
             row = rows.get(model)
             if row is None:

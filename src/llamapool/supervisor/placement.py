@@ -26,6 +26,9 @@ The rules, each with table rows in tests/test_placement.py:
    request queued, is not pinned and stays at or above its floor, and it has been resident for
    ``min_residency`` seconds (since it started loading). A busy replica is never drained. When
    nothing can be evicted yet there is no action: the requests wait in the router (``queue_timeout``).
+   **Hysteresis:** a model that was loaded again within ``min_residency`` of its own eviction (it was
+   asked for again at once: thrash) is a victim only when the other models' idle replicas are not
+   enough, so the pool does not evict it again next.
 3. **Scale up.** A model with a ready replica, none loading and fewer than ``max_replicas``, whose
    oldest queued request has waited ``scale_up_wait`` seconds (or, when ``scale_up_queue`` is set, whose
    queue holds ``scale_up_queue`` requests per ready replica) gets one more Start, placed as in 1 and 2.
@@ -79,6 +82,7 @@ class ModelView:
     last_used: float = 0.0  # clock time of its last request
     retry_at: float = 0.0  # no Start before this clock time (back-off after a failed load)
     devices: tuple[str, ...] | None = None  # the device ids it may use; None: any
+    evicted_at: float = float("-inf")  # clock time of its last eviction
 
     def __post_init__(self) -> None:
         _check(self.need >= 0, f"model {self.name!r}: need must be >= 0 bytes (got {self.need})")
@@ -308,11 +312,12 @@ def _place(pool: _Pool, m: ModelView, reason: str) -> bool:
     if soon:  # wait for draining memory, booked so no other model counts on it too
         min(soon, key=lambda d: (d.id in holding, d.free + d.draining - m.need, d.id)).free -= m.need
         return False
-    best: tuple[tuple[float, int, int, str], _Device, list[ReplicaView]] | None = None
+    best: tuple[tuple[int, float, int, int, str], _Device, list[ReplicaView]] | None = None
     for d in allowed:
         victims = _victims(pool, m, d)
         if victims is not None:
-            key = (max(pool.models[v.model].last_used for v in victims), len(victims),
+            key = (sum(_rebound(pool, v) for v in victims), max(pool.models[v.model].last_used for v in victims),
+                   len(victims),
                    d.free + d.draining + sum(pool.models[v.model].need for v in victims) - m.need, d.id)
             if best is None or key < best[0]:
                 best = (key, d, victims)
@@ -328,13 +333,15 @@ def _place(pool: _Pool, m: ModelView, reason: str) -> bool:
 
 
 def _victims(pool: _Pool, m: ModelView, d: _Device) -> list[ReplicaView] | None:
-    """The replicas on ``d`` to evict so that it fits ``m``, least recently used model first; None when
-    the evictable ones are not enough."""
+    """The replicas on ``d`` to evict so that it fits ``m``: least recently used model first, a model back
+    from its own eviction within ``min_residency`` (:func:`_rebound`) last; None when the evictable ones
+    are not enough."""
     s = pool.settings
     left = {name: len(pool.of(name)) for name in pool.models}
     room = d.free + d.draining
     chosen: list[ReplicaView] = []
-    for r in sorted(_evictable(pool, m, d), key=lambda r: (pool.models[r.model].last_used, r.since, r.worker)):
+    for r in sorted(_evictable(pool, m, d),
+                    key=lambda r: (_rebound(pool, r), pool.models[r.model].last_used, r.since, r.worker)):
         if room >= m.need:
             break
         vm = pool.models[r.model]
@@ -343,6 +350,12 @@ def _victims(pool: _Pool, m: ModelView, d: _Device) -> list[ReplicaView] | None:
             left[vm.name] -= 1
             room += vm.need
     return chosen if room >= m.need and chosen else None
+
+
+def _rebound(pool: _Pool, r: ReplicaView) -> bool:
+    """``r`` was started within ``min_residency`` of its model's last eviction: the model was asked for
+    again at once, and evicting it next would be thrash (the hysteresis of rule 2)."""
+    return r.since - pool.models[r.model].evicted_at < pool.settings.min_residency
 
 
 def _evictable(pool: _Pool, m: ModelView, d: _Device) -> Sequence[ReplicaView]:

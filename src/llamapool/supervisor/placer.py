@@ -46,6 +46,7 @@ class Placer:
             if kept is not None:
                 rec.pinned, rec.loads, rec.evictions = kept.pinned, kept.loads, kept.evictions
                 rec.unloads, rec.load_failures = kept.unloads, kept.load_failures
+                rec.evicted_at, rec.rebounds = kept.evicted_at, kept.rebounds
             if rec.need:
                 largest = max(d.total for d in pool.devices(self.state.slots) if d.id in rec.allowed)
                 if rec.need > largest:
@@ -88,7 +89,7 @@ class Placer:
                                 for k in range(len(taken) + 1)) if n not in taken)
         slot = WorkerSlot(name, (gpu,) if gpu is not None else (), m)
         self.state.slots.append(slot)
-        self.pool.started(m.name)
+        self.pool.started(m.name, time.monotonic())
         LOG.info(f"placement: start {name}: {action.why}", model=m.name, worker=name, device=action.device)
         self.processes.start(slot)
 
@@ -97,7 +98,7 @@ class Placer:
         slot = self.state.slot(action.worker)
         if slot is None or slot.state not in (State.STARTING, State.READY):
             return
-        self.pool.drained(action.model, action.evict)
+        self.pool.drained(action.model, action.evict, time.monotonic())
         LOG.info(f"placement: {'evict' if action.evict else 'retire'} {slot.name}: {action.why}",
                  model=action.model, worker=slot.name)
         self.state.spawn(self.drain.retire(slot))

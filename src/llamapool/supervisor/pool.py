@@ -79,6 +79,8 @@ class ModelRecord:
     reason: str = ""  # the last failure's cause
     loads: int = 0
     evictions: int = 0
+    evicted_at: float = float("-inf")  # its last eviction (time.monotonic)
+    rebounds: int = 0  # loads within min_residency of its own eviction (thrash the hysteresis damps)
     unloads: int = 0
     load_failures: int = 0
     demand: ModelDemand = field(default_factory=lambda: ModelDemand(0, 0.0, float("-inf")))
@@ -144,7 +146,7 @@ class Pool:
             models.append(placement.ModelView(
                 name, rec.need, cast(placement.Load, rec.cfg.load), lo, hi, idle, rec.pinned,
                 d.queued + (1 if rec.want else 0), d.oldest_wait, max(d.last_used, loaded_at), rec.retry_at,
-                rec.allowed))
+                rec.allowed, rec.evicted_at))
         for s in slots:
             if s.model is None or s.model.name not in self.models or s.state not in _HELD:
                 continue
@@ -181,19 +183,21 @@ class Pool:
 
     # ------------------------------------------------------------ what happened
 
-    def started(self, model: str) -> None:
+    def started(self, model: str, now: float) -> None:
         rec = self.models[model]
         rec.loads += 1
+        rec.rebounds += now - rec.evicted_at < self.settings.min_residency
 
     def loaded(self, model: str) -> None:
         rec = self.models.get(model)
         if rec is not None:
             rec.failures, rec.want, rec.reason = 0, False, ""
 
-    def drained(self, model: str, evict: bool) -> None:
+    def drained(self, model: str, evict: bool, now: float) -> None:
         rec = self.models[model]
         if evict:
             rec.evictions += 1
+            rec.evicted_at = now
         else:
             rec.unloads += 1
 
@@ -262,7 +266,7 @@ class Pool:
             }
             if rec is not None:
                 row.update(need=rec.need_text, loads=rec.loads, evictions=rec.evictions, unloads=rec.unloads,
-                           load_failures=rec.load_failures)
+                           load_failures=rec.load_failures, rebounds=rec.rebounds)
                 if rec.never:
                     row["reason"] = rec.never
                 elif rec.reason:
