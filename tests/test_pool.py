@@ -257,14 +257,18 @@ def test_replicas_follow_the_load_up_and_back_down(tmp_path: Path, model_path: s
     # its floor's worker was spawned once (a second process of the same name would take turns with it)
     assert len(re.findall(r"busy-cpu0: started pid", d.log.read_text())) == 1, d.log_text()
     errors: list[str] = []
+    served = threading.Event()  # the second replica took a share of the load
+    deadline = time.monotonic() + 180  # a slow machine's load: the flood lasts until then at most
 
     def flood() -> None:
         with Client(d.endpoint) as c:
-            for i in range(16):
+            i = 0
+            while not served.is_set() and time.monotonic() < deadline:
                 try:
                     c.generate(f"load {i}", model="busy", max_tokens=160, temperature=0.0, ignore_eos=True)
                 except LlamapoolError as e:
                     errors.append(str(e))
+                i += 1
 
     threads = [threading.Thread(target=flood) for _ in range(8)]
     for t in threads:
@@ -272,9 +276,11 @@ def test_replicas_follow_the_load_up_and_back_down(tmp_path: Path, model_path: s
     seen = 1
     while any(t.is_alive() for t in threads):
         seen = max(seen, len([w for w in d.status()["workers"] if w["state"] == "ready"]))
+        if "worker=busy-cpu1 outcome=ok" in d.log.read_text():
+            served.set()
         time.sleep(0.1)
     assert errors == [] and seen == 2, (errors, seen, d.log_text())
-    assert "worker=busy-cpu1 outcome=ok" in d.log.read_text()  # the new replica took its share
+    assert served.is_set(), d.log_text()  # the new replica took its share
     row = wait_state(d, "busy", "loaded")
     end = time.monotonic() + 30
     while model_row(d, "busy")["replicas"] > 1 and time.monotonic() < end:
