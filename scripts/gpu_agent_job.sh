@@ -10,7 +10,8 @@
 #   setsid bash scripts/gpu_agent_job.sh all > /tmp/j.out 2>&1 < /dev/null &   # the three, outliving a call
 # Needs .gpu/ (../shared/device's CUDA llama_cpp bundle, slim sdist, wheels, extra-wheels, llama-server
 # add-on). KV_ON: the tier's size when on (default 32GiB; "auto" is 0 on GPU workers); VARIANTS: more
-# llamapool runs of the agent workload (the tier on), e.g. "step" (target_step = "off").
+# llamapool runs of the agent workload (the tier on), e.g. "step" (target_step = "off"), "reload" (a rolling
+# reload once half the turns are done: --reload-at 0.5).
 # Rows go to $OUT (one JSON line a run, labelled by file name), the logs' tails to $OUT/logs.
 set -u
 PHASE=${1:-llamapool}; SHAPE=${SHAPE:-8b}; SESSIONS=${SESSIONS:-32}; TURNS=${TURNS:-6}
@@ -83,9 +84,10 @@ if [ "$PHASE" = llamapool ]; then
   for mode in on off ${VARIANTS:-}; do  # a variant: "step" (the tier on, target_step = "off")
     kv=$([ $mode = off ] && echo 0 || echo "${KV_ON:-32GiB}")
     serve $mode $kv "$([ $mode = step ] && echo 'target_step = "off"')"
-    timeout 200 python3 -m llamapool.cli bench --config /tmp/lp-$mode/c.toml $AGENT --out "$OUT/agent-$SHAPE-lp-$mode.jsonl" \
+    timeout 200 python3 -m llamapool.cli bench --config /tmp/lp-$mode/c.toml $AGENT $([ $mode = reload ] && echo "--reload-at 0.5") \
+      --out "$OUT/agent-$SHAPE-lp-$mode.jsonl" \
       > "$OUT/logs/agent-$mode.txt" 2>&1; el "agent $mode rc=$?"
-    [ $mode = step ] && { unserve $mode; continue; }
+    [ $mode = step ] || [ $mode = reload ] && { unserve $mode; continue; }
     for w in short rag; do
       timeout 90 python3 -m llamapool.cli bench --config /tmp/lp-$mode/c.toml -w $w -c 16 -n 64 --no-progress \
         --out "$OUT/$w-$SHAPE-lp-$mode.jsonl" > "$OUT/logs/$w-$mode.txt" 2>&1; el "$w $mode rc=$?"

@@ -334,3 +334,20 @@ def test_cli_agent_against_the_daemon(start_daemon: Callable[..., Any], peer: Fa
     assert (r["turns"], r["errors"], r["transport"]) == (4, 4, "http-llama") and "stream ended" in r["error_samples"][0]
     out = _bench_cli("--endpoint", d.endpoint, "--scenario", "agent", "--procs", "2")
     assert out.returncode == 2 and "--scenario agent" in out.stderr
+
+
+def test_cli_agent_reload_at_reloads_the_daemon_mid_run(start_daemon: Callable[..., Any]) -> None:
+    """``--reload-at``: once that share of the turns is done the daemon gets SIGHUP (its pid from the
+    config's runtime dir) and reloads while the run goes on; every turn is answered, and the returning
+    turns' TTFT comes apart before and after the signal. A share outside (0, 1) is refused."""
+    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1})
+    out = _bench_cli("--config", str(d.config), "--scenario", "agent", "--sessions", "4", "--turns", "3",
+                     "--shared-tokens", "64", "--new-tokens", "32", "--out-tokens", "4", "-c", "2",
+                     "--reload-at", "0.5")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert (r["turns"], r["errors"], r["reload_after_turns"]) == (12, 0, 6), r
+    assert r["ttft_return_before_reload_p50_ms"] > 0 and r["ttft_return_after_reload_p50_ms"] > 0, r
+    d.wait_log("reload done", timeout=120)
+    bad = _bench_cli("--config", str(d.config), "--scenario", "agent", "--reload-at", "1.5")
+    assert bad.returncode == 2 and "--reload-at must be a share" in bad.stderr

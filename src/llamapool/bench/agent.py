@@ -11,12 +11,17 @@ done), so that with more sessions than slots a returning session finds its slot 
 Prompts are token ids drawn from a seeded RNG in ``[3, n_vocab)``; the reply tokens appended to the
 next prompt are placeholders drawn from the same RNG, not the reply's own ids, so every server sees
 exactly the same prompts whatever it generates (``"reply_tokens": "placeholder"`` in the row).
+
+With ``reload_after`` (``--reload-at``), once that many turns are done the daemon is asked for a rolling
+reload (SIGHUP) while the run goes on, and the returning turns' TTFT is also given apart for the turns
+sent before the signal and after it: what a reload costs sessions whose KV the old workers held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +37,9 @@ class AgentTally(Tally):
     """What the turns measured: :class:`Tally`'s ``ttft`` holds first turns', ``ttft_return`` the others'."""
 
     ttft_return: list[float] = field(default_factory=list)
+    ttft_return_before: list[float] = field(default_factory=list)  # returning turns sent before a reload began
+    ttft_return_after: list[float] = field(default_factory=list)  # ... and after
+    reloaded_at: float | None = None  # perf_counter time the reload was asked for
     cached: int = 0  # prompt tokens the server said it served from its cache
     cached_return: int = 0  # of those, in returning turns
     reported: int = 0  # turns whose reply said how many were cached
@@ -67,6 +75,11 @@ class AgentRow:
     reply_tokens: str = "placeholder"
     error_samples: list[str] = field(default_factory=list)
     mode: str = "agent"
+    reload_after_turns: int | None = None  # --reload-at: the turns done when the reload was asked for
+    ttft_return_before_reload_p50_ms: float | None = None
+    ttft_return_before_reload_p90_ms: float | None = None
+    ttft_return_after_reload_p50_ms: float | None = None
+    ttft_return_after_reload_p90_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +100,9 @@ async def _turn(transport: _Transport, req: Request, first: bool, tally: AgentTa
         tally.error(f"{type(e).__name__}: {e}"[:300])
         reply = None
     (tally.ttft if first else tally.ttft_return).extend(ttft)
+    if not first:
+        after = tally.reloaded_at is not None and t0 >= tally.reloaded_at
+        (tally.ttft_return_after if after else tally.ttft_return_before).extend(ttft)
     if reply is None:
         return
     tally.tokens += reply.tokens
@@ -98,8 +114,10 @@ async def _turn(transport: _Transport, req: Request, first: bool, tally: AgentTa
         tally.error(f"{reply.tokens} tokens, asked for {req.max_tokens}")
 
 
-async def drive_agent(target: Target, work: AgentWorkload, concurrency: int, progress: bool = False) -> AgentTally:
-    """Every turn of every session, ``concurrency`` at a time, sessions taken round-robin."""
+async def drive_agent(target: Target, work: AgentWorkload, concurrency: int, progress: bool = False,
+                      reload: Callable[[], None] | None = None, reload_after: int = 0) -> AgentTally:
+    """Every turn of every session, ``concurrency`` at a time, sessions taken round-robin; ``reload`` is
+    called once ``reload_after`` turns are done (when given)."""
     contexts = work.contexts()
     transport = make_transport(target, HTTP_EXTRA)
     tally = AgentTally()
@@ -118,6 +136,9 @@ async def drive_agent(target: Target, work: AgentWorkload, concurrency: int, pro
             next_turn[s] += 1
             tally.done += 1
             bar.tick()
+            if reload is not None and tally.reloaded_at is None and tally.done >= reload_after:
+                tally.reloaded_at = time.perf_counter()
+                reload()
             if next_turn[s] < work.turns:
                 ready.put_nowait(s)  # at the back: the other ready sessions go first
                 continue
@@ -163,11 +184,11 @@ def _ms(xs: list[float], q: float) -> float | None:
 
 
 def agent_row(target: Target, work: AgentWorkload, concurrency: int, tally: AgentTally,
-              kv_host: dict[str, float] | None) -> AgentRow:
+              kv_host: dict[str, float] | None, reload_after: int | None = None) -> AgentRow:
     wall = max(1e-9, tally.end - tally.start)
     total = work.sessions * work.turns
     reported = tally.reported > 0
-    return AgentRow(
+    row = AgentRow(
         transport=target.transport, address=target.address, sessions=work.sessions, turns_per_session=work.turns,
         shared_tokens=work.shared, new_tokens=work.new, out_tokens=work.out, concurrency=concurrency,
         seed=work.seed, n_vocab=work.n_vocab, wall_s=round(wall, 3), turns=tally.done,
@@ -177,6 +198,12 @@ def agent_row(target: Target, work: AgentWorkload, concurrency: int, tally: Agen
         prompt_tokens_sent=work.prompt_tokens, prompt_tokens_cached=tally.cached if reported else None,
         prompt_tokens_cached_return=tally.cached_return if reported else None, kv_host=kv_host,
         error_samples=tally.error_samples[:MAX_ERROR_SAMPLES])
+    if reload_after is not None:
+        before, after = tally.ttft_return_before, tally.ttft_return_after
+        row.reload_after_turns = reload_after if tally.reloaded_at is not None else None
+        row.ttft_return_before_reload_p50_ms, row.ttft_return_before_reload_p90_ms = _ms(before, 0.5), _ms(before, 0.9)
+        row.ttft_return_after_reload_p50_ms, row.ttft_return_after_reload_p90_ms = _ms(after, 0.5), _ms(after, 0.9)
+    return row
 
 
 async def _status(target: Target) -> dict[str, Any]:
@@ -186,13 +213,15 @@ async def _status(target: Target) -> dict[str, Any]:
         return await client.status()
 
 
-async def measure_agent(target: Target, work: AgentWorkload, concurrency: int, progress: bool = False) -> AgentRow:
-    """Run the scenario against ``target``; for the daemon (SDK), with its host-tier counters over the run."""
+async def measure_agent(target: Target, work: AgentWorkload, concurrency: int, progress: bool = False,
+                        reload: Callable[[], None] | None = None, reload_after: int = 0) -> AgentRow:
+    """Run the scenario against ``target``; for the daemon (SDK), with its host-tier counters over the run;
+    with ``reload``, a rolling reload asked for after ``reload_after`` turns."""
     sdk = target.transport == "sdk"
     before = await _status(target) if sdk else {}
-    tally = await drive_agent(target, work, concurrency, progress)
+    tally = await drive_agent(target, work, concurrency, progress, reload, reload_after)
     delta = None
     if sdk:
         await asyncio.sleep(1.2)  # a heartbeat carries the workers' counters
         delta = kv_host_delta(before, await _status(target))
-    return agent_row(target, work, concurrency, tally, delta)
+    return agent_row(target, work, concurrency, tally, delta, reload_after if reload is not None else None)

@@ -12,8 +12,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from llamapool.bench.workloads import DEFAULT_CTX, NAMES, AgentWorkload
@@ -83,6 +85,11 @@ def _agent_arguments(p: argparse.ArgumentParser) -> None:
                    help="--scenario agent: tokens every session starts with")
     p.add_argument("--new-tokens", type=int, default=AgentWorkload.new,
                    help="--scenario agent: tokens each turn adds")
+    p.add_argument("--reload-at", type=float, metavar="F",
+                   help="--scenario agent: once this share of the turns (0 to 1) is done, ask the daemon for a "
+                        "rolling reload (SIGHUP to the pid in --config's runtime dir, or --reload-pid) and report "
+                        "returning turns' TTFT before and after it")
+    p.add_argument("--reload-pid", type=int, metavar="PID", help="--reload-at: the daemon's pid")
 
 
 def _agent(args: argparse.Namespace, target: Any, n_vocab: int, info: dict[str, int]) -> int:
@@ -99,13 +106,19 @@ def _agent(args: argparse.Namespace, target: Any, n_vocab: int, info: dict[str, 
     except ValueError as e:
         print(f"llamapool bench: {e}", file=sys.stderr)
         return 2
+    try:
+        reload = _reloader(args, target)
+    except ValueError as e:
+        print(f"llamapool bench: {e}", file=sys.stderr)
+        return 2
+    after = round((args.reload_at or 0) * work.sessions * work.turns)
     slot = info.get("ctx_per_slot") or 0
     if slot and work.longest > slot:
         print(f"llamapool bench: warning: the last turns need {work.longest} tokens of context; the daemon has "
               f"{slot} per slot (model.ctx_per_slot), so they will fail", file=sys.stderr)
     errors = 0
     for c in args.concurrency or [16]:
-        row = asyncio.run(measure_agent(target, work, c, not args.no_progress)).as_dict()
+        row = asyncio.run(measure_agent(target, work, c, not args.no_progress, reload, after)).as_dict()
         errors += row["errors"]
         _append(args.out, [row])
         print(json.dumps(row), flush=True)
@@ -113,6 +126,29 @@ def _agent(args: argparse.Namespace, target: Any, n_vocab: int, info: dict[str, 
         print(f"llamapool bench: {errors} turn(s) failed or came back short: not a figure", file=sys.stderr)
         return 1
     return 0
+
+
+def _reloader(args: argparse.Namespace, target: Any) -> Callable[[], None] | None:
+    """``--reload-at``'s action: SIGHUP to the daemon (a ValueError says why there is none)."""
+    if args.reload_at is None:
+        return None
+    if not 0 < args.reload_at < 1:
+        raise ValueError(f"--reload-at must be a share of the turns between 0 and 1 (got {args.reload_at:g})")
+    if target.transport != "sdk":
+        raise ValueError("--reload-at reloads the daemon: not with --http")
+    pid = args.reload_pid
+    if pid is None:
+        if not args.config:
+            raise ValueError("--reload-at needs --config (the daemon's pid is in its runtime dir) or --reload-pid")
+        from llamapool.config import load_config
+        from llamapool.supervisor.runlock import LOCK_NAME
+
+        lock = load_config(args.config).runtime_dir / LOCK_NAME
+        try:
+            pid = int(lock.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--reload-at: no daemon pid in {lock} ({e}): is the daemon running?") from e
+    return lambda: os.kill(pid, signal.SIGHUP)
 
 
 def _router_only(args: argparse.Namespace) -> int:
