@@ -87,10 +87,10 @@ def test_a_returning_turn_finds_its_context_cached_and_starts_twice_as_soon(tmp_
     assert 2 * fast <= slow, f"returning turns' TTFT p50 {fast:.3f} s with the tier, {slow:.3f} s without"
 
 
-def _tiny(folder: Path, model_path: str, **model: Any) -> Daemon:
+def _tiny(folder: Path, model_path: str, env: dict[str, str] | None = None, **model: Any) -> Daemon:
     d = launch(folder, model_path, model={"path": model_path, "ctx_per_slot": 512, "max_batch_tokens": 256,
                                           "n_ubatch": 256, **model},
-               workers={"devices": "cpu", "cpu_workers": 2, "slots": 1, "threads": 1})
+               workers={"devices": "cpu", "cpu_workers": 2, "slots": 1, "threads": 1, **({"env": env} if env else {})})
     d.wait_ready(2)
     return d
 
@@ -115,6 +115,25 @@ def test_a_rolling_reload_hands_each_workers_tier_to_its_sibling(tmp_path: Path,
     handed = sum(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("llamapool_kv_host_handed_in_total"))
     assert handed >= 3, metrics
+
+
+def test_a_worker_killed_in_its_handover_loses_nothing_but_the_cache(tmp_path: Path, model_path: str) -> None:
+    """A draining worker of a rolling reload dies (exit 70) after the first part of its handover: the
+    reload completes, no request fails, and the sessions are served again (recomputed where their KV went
+    with the dead worker), their greedy text the same as before the reload."""
+    sessions = _sessions(4, 32, 200, (3, 500), seed=8)
+    d = _tiny(tmp_path, model_path, env={"LLAMAPOOL_INJECT_FAULT": "handover=1"})
+    try:
+        with d.client(timeout=60) as c:
+            before = [c.generate([*s, 7, 7], max_tokens=6, temperature=0.0, ignore_eos=True).text for s in sessions]
+            d.proc.send_signal(signal.SIGHUP)
+            d.wait_log("reload done", timeout=120)
+            d.wait_ready(2)
+            after = [c.generate([*s, 7, 7], max_tokens=6, temperature=0.0, ignore_eos=True) for s in sessions]
+    finally:
+        d.stop()
+    assert [r.text for r in after] == before
+    assert d.log_text().count("exited (exit code 70)") >= 1, d.log_text()  # one died in its handover (or both)
 
 
 def test_a_full_tier_stays_within_its_bound(tmp_path: Path, model_path: str) -> None:

@@ -95,6 +95,29 @@ def test_a_handover_joins_its_parts_and_refuses_a_damaged_one(monkeypatch: pytes
     assert Assembler().add(sent[1]) is None, "a part without its first is dropped"
 
 
+def test_a_sender_that_stops_midway_has_its_parts_dropped_and_blocks_no_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sibling killed in its handover leaves entries that never complete: they go once no part has come
+    for STALE_SECONDS (on the worker's heartbeat, or when the pending table is full), and another sender's
+    entries still join."""
+    from llamapool.worker import handover
+
+    monkeypatch.setattr(handover, "PART_BYTES", 1000)
+    monkeypatch.setattr(handover, "MAX_PENDING", 2)
+    blob = np.random.default_rng(1).integers(0, 255, 2500, dtype=np.uint8)
+    asm = Assembler()
+    for key, source in enumerate(("dead0", "dead1")):
+        first = next(parts([(np.arange(8, dtype=np.int32), blob, ID)]))
+        first.source, first.key = source, key
+        assert asm.add(first, now=100.0) is None
+    assert len(asm.pending) == 2 and asm.expire(100.0 + handover.STALE_SECONDS / 2) == 0
+    live = list(parts([(np.arange(8, dtype=np.int32), blob, ID)]))
+    for p in live:
+        p.source = "live"
+    got = [asm.add(p, now=100.0 + handover.STALE_SECONDS) for p in live]  # the full table's stale ones go first
+    assert got[-1] is not None and got[-1].intact and asm.pending == {}
+    assert asm.dropped == 2
+
+
 # ------------------------------------------------------------ the engine
 
 def _engine(model_path: str, kv_host: str, slots: int = 2, deterministic: bool = True) -> Engine:

@@ -9,8 +9,10 @@ other sequence go on.
 None and costs nothing) makes a worker fail the requests whose prompt text contains a marker:
 ``raise=MARK`` raises in the request's emit path (the guard must end only that request), and
 ``exit=MARK`` ends the worker process with exit 70 there, as a crash in native code would (the router
-must not send that request to worker after worker). Both may be given, separated by ``;``. Set it
-through ``[workers] env`` in a test's config.
+must not send that request to worker after worker); ``handover=N`` ends a draining worker with exit
+70 once it has sent N parts of its host KV tier's handover (killed midway: the sibling must lose
+nothing but those entries). Several may be given, separated by ``;``. Set it through ``[workers] env``
+in a test's config.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class FaultInjector:
 
     raise_marker: str = ""
     exit_marker: str = ""
+    handover_marker: str = ""  # N: the handover parts sent before the worker ends
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> FaultInjector | None:
@@ -60,8 +63,8 @@ class FaultInjector:
         kw: dict[str, str] = {}
         for part in spec.split(";"):
             kind, _, marker = part.partition("=")
-            if kind.strip() not in ("raise", "exit") or not marker:
-                raise ValueError(f"{ENV}: {part!r} is not raise=MARKER or exit=MARKER")
+            if kind.strip() not in ("raise", "exit", "handover") or not marker:
+                raise ValueError(f"{ENV}: {part!r} is not raise=MARKER, exit=MARKER or handover=N")
             kw[f"{kind.strip()}_marker"] = marker
         return cls(**kw)
 
@@ -78,6 +81,11 @@ class FaultInjector:
         if self.raise_marker and self.raise_marker in text:
             return "raise"
         return ""
+
+    def in_handover(self, sent: int) -> None:
+        """After the ``sent``-th part of a handover: end the worker there if ``handover=N`` says so."""
+        if self.handover_marker and sent >= int(self.handover_marker):
+            os._exit(EXIT_CODE)
 
     @staticmethod
     def trigger(kind: str) -> None:

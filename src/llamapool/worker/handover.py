@@ -19,6 +19,7 @@ from llamapool.protocol.messages import KVPart
 PART_BYTES = 8 << 20  # a part's share of an entry's state (the router and the receiver take frames to 64 MiB)
 HANDOVER_SECONDS = 3.0  # a drain spends at most this long handing entries over (within drain_timeout)
 MAX_PENDING = 64  # entries a receiver joins at once (parts of more are dropped: a sender that never finishes)
+STALE_SECONDS = 10.0  # an entry whose next part has not come for this long is dropped (its sender died)
 
 
 @dataclass(frozen=True)
@@ -53,24 +54,29 @@ def parts(entries: Iterable[tuple[np.ndarray, np.ndarray, bytes]], seconds: floa
 @dataclass
 class _Pending:
     first: KVPart
+    seen: float  # time.monotonic() of its last part
     pieces: list[bytes] = field(default_factory=list)
 
 
 class Assembler:
-    """Joins the parts of entries by (source, key), in order; a part out of order drops its entry."""
+    """Joins the parts of entries by (source, key), in order; a part out of order drops its entry, and so
+    does a sender that stops midway (killed in its handover): :meth:`expire` lets its parts go."""
 
     def __init__(self) -> None:
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.dropped = 0
 
-    def add(self, part: KVPart) -> Received | None:
+    def add(self, part: KVPart, now: float | None = None) -> Received | None:
         """The whole entry once its last part came (None before, or for a part that fits no entry)."""
+        now = time.monotonic() if now is None else now
         at = (part.source, part.key)
         if part.part == 0:
             if len(self.pending) >= MAX_PENDING:
+                self.expire(now)
+            if len(self.pending) >= MAX_PENDING:
                 self.dropped += 1
                 return None
-            self.pending[at] = _Pending(part, [part.data])
+            self.pending[at] = _Pending(part, now, [part.data])
         else:
             p = self.pending.get(at)
             if p is None or len(p.pieces) != part.part:
@@ -78,6 +84,7 @@ class Assembler:
                 self.dropped += 1
                 return None
             p.pieces.append(part.data)
+            p.seen = now
         p = self.pending[at]
         if len(p.pieces) < p.first.parts:
             return None
@@ -86,5 +93,13 @@ class Assembler:
         tokens = np.frombuffer(p.first.tokens, dtype=np.int32).copy()
         return Received(tokens, blob, p.first.identity, zlib.crc32(blob.data) == p.first.crc)
 
+    def expire(self, now: float) -> int:
+        """Drop the entries whose last part came ``STALE_SECONDS`` ago or more; how many were dropped."""
+        stale = [at for at, p in self.pending.items() if now - p.seen >= STALE_SECONDS]
+        for at in stale:
+            del self.pending[at]
+        self.dropped += len(stale)
+        return len(stale)
 
-__all__ = ["HANDOVER_SECONDS", "PART_BYTES", "Assembler", "Received", "parts"]
+
+__all__ = ["HANDOVER_SECONDS", "PART_BYTES", "STALE_SECONDS", "Assembler", "Received", "parts"]

@@ -154,8 +154,10 @@ class EngineLoop(threading.Thread):
                 pass
             if self.draining and not eng.busy:
                 self._send(out_sock, report)
-                for part in eng.hand_out() if self.hand_over else ():  # the host KV tier, to a sibling
+                for sent, part in enumerate(eng.hand_out() if self.hand_over else (), 1):  # the tier, to a sibling
                     out_sock.send(codec.encode(part))  # (bounded: handover.parts)
+                    if (faults := getattr(eng, "faults", None)) is not None:  # tests only: killed midway
+                        faults.in_handover(sent)
                 if self.events is not None:  # its KV is let go: every block removed
                     self.events.send(eng, final=True)
                 if self.profile is not None:  # before the goodbye: the process ends soon after it
@@ -428,6 +430,7 @@ class WorkerIO:
             os._exit(1)
         if now - self.router_seen > spec.heartbeat_interval * spec.heartbeat_liveness:
             self.introduce()  # the router lost us (or restarted)
+        self.assembler.expire(now)  # a sibling that died in its handover: its parts go
         started = self.loop.step_started
         kv_used, kv_total = engine.kv_cells()
         target, budget, cost = engine.scheduling()
