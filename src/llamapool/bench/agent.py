@@ -14,7 +14,8 @@ exactly the same prompts whatever it generates (``"reply_tokens": "placeholder"`
 
 With ``reload_after`` (``--reload-at``), once that many turns are done the daemon is asked for a rolling
 reload (SIGHUP) while the run goes on, and the returning turns' TTFT is also given apart for the turns
-sent before the signal and after it: what a reload costs sessions whose KV the old workers held.
+sent in the ``RELOAD_WINDOW`` seconds before the signal and in those after it: what a reload costs
+sessions whose KV the old workers held.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from llamapool.bench.drivers import MAX_ERROR_SAMPLES, Tally, Target, _Progress, _Transport, make_transport, pct
 from llamapool.bench.workloads import AgentWorkload, Request
 
+RELOAD_WINDOW = 30.0  # --reload-at: seconds of returning turns compared before and after the signal
 # llama-server reuses a slot's KV for a prompt that extends it only when asked (its default, said anyway)
 HTTP_EXTRA = {"cache_prompt": True}
 
@@ -37,8 +39,7 @@ class AgentTally(Tally):
     """What the turns measured: :class:`Tally`'s ``ttft`` holds first turns', ``ttft_return`` the others'."""
 
     ttft_return: list[float] = field(default_factory=list)
-    ttft_return_before: list[float] = field(default_factory=list)  # returning turns sent before a reload began
-    ttft_return_after: list[float] = field(default_factory=list)  # ... and after
+    sent_return: list[tuple[float, float]] = field(default_factory=list)  # (sent at, TTFT) of returning turns
     reloaded_at: float | None = None  # perf_counter time the reload was asked for
     cached: int = 0  # prompt tokens the server said it served from its cache
     cached_return: int = 0  # of those, in returning turns
@@ -101,8 +102,7 @@ async def _turn(transport: _Transport, req: Request, first: bool, tally: AgentTa
         reply = None
     (tally.ttft if first else tally.ttft_return).extend(ttft)
     if not first:
-        after = tally.reloaded_at is not None and t0 >= tally.reloaded_at
-        (tally.ttft_return_after if after else tally.ttft_return_before).extend(ttft)
+        tally.sent_return.extend((t0, x) for x in ttft)
     if reply is None:
         return
     tally.tokens += reply.tokens
@@ -199,7 +199,9 @@ def agent_row(target: Target, work: AgentWorkload, concurrency: int, tally: Agen
         prompt_tokens_cached_return=tally.cached_return if reported else None, kv_host=kv_host,
         error_samples=tally.error_samples[:MAX_ERROR_SAMPLES])
     if reload_after is not None:
-        before, after = tally.ttft_return_before, tally.ttft_return_after
+        at = tally.reloaded_at if tally.reloaded_at is not None else float("inf")
+        before = [x for t, x in tally.sent_return if at - RELOAD_WINDOW <= t < at]
+        after = [x for t, x in tally.sent_return if at <= t < at + RELOAD_WINDOW]
         row.reload_after_turns = reload_after if tally.reloaded_at is not None else None
         row.ttft_return_before_reload_p50_ms, row.ttft_return_before_reload_p90_ms = _ms(before, 0.5), _ms(before, 0.9)
         row.ttft_return_after_reload_p50_ms, row.ttft_return_after_reload_p90_ms = _ms(after, 0.5), _ms(after, 0.9)
