@@ -338,8 +338,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from llamapool.modelgen import make_model
+    from llamapool.modelgen import make_model, make_reranker
 
+    if args.reranker:
+        path = make_reranker(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+                             n_ff=args.n_ff, n_vocab=args.n_vocab, seed=args.seed)
+        print(f"wrote {path} (a random-weight BERT reranker: rank pooling, its scores mean nothing)")
+        return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
                       qtype=args.type, seed=args.seed, peaked=args.peaked)
@@ -524,6 +529,9 @@ def _tool_commands(sub: Any) -> None:
                    help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
                         "benchmarks such as scripts/spec_oracle.py)")
+    m.add_argument("--reranker", action="store_true",
+                   help="a BERT cross-encoder with rank pooling instead (a model with task = \"rerank\"; f32, "
+                        "--n-head-kv, --type and --peaked do not apply)")
     m.set_defaults(fn=cmd_make_model)
 
     k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")

@@ -363,3 +363,124 @@ def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: i
     w.add_eot_token_id(len(tokens) - 1)  # <|im_end|>
     if chat_template is not None:
         w.add_chat_template(chat_template)
+
+
+RERANK_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4: pad, unk, cls (BOS), sep, mask
+
+
+def build_wordpiece_vocab(n_vocab: int) -> tuple[list[str], list[int]]:
+    """A WordPiece vocab as llama.cpp's BERT tokenizer (WPM) reads it: (tokens, token types). The BERT
+    specials first, then the normal pieces of :func:`build_vocab` without byte tokens: a piece starting
+    with "▁" begins a word, any other continues one (the "phantom space" form convert_hf_to_gguf.py
+    writes for ``##`` pieces). Lowercase text tokenizes into whole words; an unknown word is [UNK]."""
+    import gguf
+
+    if n_vocab < MIN_VOCAB:
+        raise ValueError(f"n_vocab must be >= {MIN_VOCAB}, got {n_vocab}")
+    tt = gguf.TokenType
+    normal: dict[str, None] = {}
+    for p in _pieces():
+        normal.setdefault(p)
+        if len(normal) == n_vocab - len(RERANK_SPECIALS):
+            break
+    types = [int(tt.CONTROL), int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL), int(tt.CONTROL)]
+    return list(RERANK_SPECIALS) + list(normal), types + [int(tt.NORMAL)] * len(normal)
+
+
+def make_reranker(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
+                  n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 512, seed: int = 0,
+                  rerank_template: str | None = None) -> Path:
+    """Write a random-weight BERT cross-encoder GGUF (the shape of bge-reranker-base) that llama.cpp
+    loads with rank pooling, and return it as a Path.
+
+    Architecture ``bert`` (bidirectional, absolute positions, LayerNorms with biases), a WordPiece vocab
+    (:func:`build_wordpiece_vocab`; [CLS] is BOS, [SEP] the separator), ``bert.pooling_type = rank`` and
+    the classification head llama.cpp's RANK pooling applies to the [CLS] row: ``cls`` (n_embd x n_embd,
+    tanh) then ``cls.output`` (one label: the relevance score, a raw logit). Weights N(0, 1/fan_in),
+    norms 1, biases N(0, 0.1); all f32; same arguments and seed give the same bytes. ``rerank_template``
+    goes into ``tokenizer.chat_template.rerank`` (llama-server's prompt with ``{query}`` and
+    ``{document}``, as Qwen3-Reranker GGUFs carry); None: the pair is [CLS] query [SEP] document.
+    """
+    import gguf
+
+    _check_dims(n_embd, n_layer, n_head, n_head, n_ff, n_ctx_train, "f32")
+    tokens, types = build_wordpiece_vocab(n_vocab)
+    tensors = _reranker_tensors(np.random.default_rng(seed), n_embd, n_layer, n_ff, n_vocab, n_ctx_train)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, "bert")
+    try:
+        _reranker_metadata(w, n_embd, n_layer, n_head, n_ff, n_ctx_train, tokens, types, rerank_template)
+        for name, data in tensors:
+            w.add_tensor(name, data)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _reranker_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_ff: int, n_ctx_train: int,
+                       tokens: list[str], types: list[int], rerank_template: str | None) -> None:
+    import gguf
+
+    w.add_name("llamapool-random-reranker")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    w.add_classifier_output_labels(["relevance"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_type_count(2)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_sep_token_id(3)
+    w.add_mask_token_id(4)
+    w.add_add_bos_token(True)
+    w.add_add_sep_token(True)
+    w.add_add_eos_token(False)
+    if rerank_template is not None:
+        w.add_chat_template([{"name": "rerank", "template": rerank_template}])
+
+
+def _reranker_tensors(rng: np.random.Generator, n_embd: int, n_layer: int, n_ff: int, n_vocab: int,
+                      n_ctx_train: int) -> list[tuple[str, np.ndarray]]:
+    """A BERT cross-encoder's tensors (llama.cpp's names; numpy shapes are (out, in)) in file order."""
+    e, f = n_embd**-0.5, n_ff**-0.5
+
+    def mat(rows: int, cols: int, std: float) -> np.ndarray:
+        return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
+
+    def vec(n: int, std: float = 0.1) -> np.ndarray:
+        return rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    tensors: list[tuple[str, np.ndarray]] = [
+        ("token_embd.weight", mat(n_vocab, n_embd, 1.0)), ("token_types.weight", mat(2, n_embd, 0.1)),
+        ("position_embd.weight", mat(n_ctx_train, n_embd, 0.1)),
+        ("token_embd_norm.weight", ones), ("token_embd_norm.bias", vec(n_embd))]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensors += [(b + name + ".weight", mat(n_embd, n_embd, e)), (b + name + ".bias", vec(n_embd))]
+        tensors += [(b + "attn_output_norm.weight", ones), (b + "attn_output_norm.bias", vec(n_embd)),
+                    (b + "ffn_up.weight", mat(n_ff, n_embd, e)), (b + "ffn_up.bias", vec(n_ff)),
+                    (b + "ffn_down.weight", mat(n_embd, n_ff, f)), (b + "ffn_down.bias", vec(n_embd)),
+                    (b + "layer_output_norm.weight", ones), (b + "layer_output_norm.bias", vec(n_embd))]
+    tensors += [("cls.weight", mat(n_embd, n_embd, e)), ("cls.bias", vec(n_embd)),
+                ("cls.output.weight", mat(1, n_embd, 4.0 * e)), ("cls.output.bias", vec(1))]
+    return tensors

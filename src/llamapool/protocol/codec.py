@@ -38,6 +38,7 @@ from llamapool.protocol.messages import (
     ModelAction,
     ModelActionReply,
     Prompt,
+    Rerank,
     Result,
     Run,
     SamplingParams,
@@ -103,7 +104,9 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         del d["batch"]
     if isinstance(msg, Embed):
         d["input"] = d.pop("inputs")
-    if isinstance(msg, (Generate, Embed, Tokenize, Detokenize)) and msg.model is None:
+    if isinstance(msg, Rerank) and not msg.max_tokens_per_doc:
+        del d["max_tokens_per_doc"]
+    if isinstance(msg, (Generate, Embed, Rerank, Tokenize, Detokenize)) and msg.model is None:
         del d["model"]
     if isinstance(msg, Tokenize):
         for key in ("render", "messages", "tools"):
@@ -404,6 +407,23 @@ def _embed(d: dict[str, Any], rid: str) -> Embed:
     return Embed(rid, inputs, *_timeout_model(d))
 
 
+def _rerank(d: dict[str, Any], rid: str) -> Rerank:
+    _check_keys(d, frozenset({"v", "type", "id", "query", "documents", "max_tokens_per_doc", "timeout", "model"}))
+    query = d.get("query")
+    if not isinstance(query, str) or not query:
+        raise _invalid("query", "must be a non-empty string")
+    docs = d.get("documents")
+    if not isinstance(docs, list) or not 0 < len(docs) <= MAX_INPUTS:
+        raise _invalid("documents", f"must be a list of 1 to {MAX_INPUTS} strings")
+    bad = next((i for i, x in enumerate(docs) if not isinstance(x, str)), None)
+    if bad is not None:
+        raise _invalid(f"documents[{bad}]", "must be a string")
+    n = d.get("max_tokens_per_doc", 0)
+    if not _is_int(n) or n < 0:
+        raise _invalid("max_tokens_per_doc", "must be a positive integer (0 or absent: no limit)")
+    return Rerank(rid, query, docs, n, *_timeout_model(d))
+
+
 def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
     _check_keys(d, frozenset({"v", "type", "id", "content", "add_special", "parse_special", "with_pieces",
                               "timeout", "model", "render", "messages", "tools"}))
@@ -518,6 +538,7 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     StatusRequest.TYPE: _id_only(StatusRequest),
     MetricsRequest.TYPE: _id_only(MetricsRequest),
     Embed.TYPE: _with_id(_embed),
+    Rerank.TYPE: _with_id(_rerank),
     Tokenize.TYPE: _with_id(_tokenize),
     Detokenize.TYPE: _with_id(_detokenize),
     ModelAction.TYPE: _with_id(_model_action),
