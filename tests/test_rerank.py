@@ -71,7 +71,7 @@ class Reference:
     def tokens(self, query: str, doc: str | list[int]) -> list[int]:
         L, v = self.L, self.vocab
         if self.template is not None:
-            text = doc if isinstance(doc, str) else self.llm.detokenize(doc).decode()
+            text = doc if isinstance(doc, str) else self.detokenize(doc)
             prompt = self.template.replace("{query}", query).replace("{document}", text)
             return self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
         q = self.llm.tokenize(query.encode(), add_bos=False, special=False)
@@ -81,6 +81,16 @@ class Reference:
         out += q + ([eos] if L.llama_vocab_get_add_eos(v) else []) + ([L.llama_vocab_sep(v)]
                                                                        if L.llama_vocab_get_add_sep(v) else [])
         return out + d + ([eos] if L.llama_vocab_get_add_eos(v) else [])
+
+    def detokenize(self, ids: list[int]) -> str:
+        """llama.cpp's text of ``ids`` (``llama_detokenize``, special tokens left out)."""
+        import ctypes
+
+        buf = ctypes.create_string_buffer(16 * len(ids) + 16)
+        n = self.L.llama_detokenize(self.vocab, (self.L.llama_token * len(ids))(*ids), len(ids), buf, len(buf),
+                                    False, False)
+        assert n >= 0
+        return buf.raw[:n].decode()
 
     def doc_tokens(self, doc: str) -> list[int]:
         return self.llm.tokenize(doc.encode(), add_bos=False, special=False)
@@ -238,12 +248,17 @@ def test_rerank_template_of_the_gguf(daemon: tuple[Daemon, str], rerankers: tupl
         want = tpl.ranked(QUERY, DOCS)
         n_tokens = sum(len(tpl.tokens(QUERY, d)) for d in DOCS)
         assert tpl.tokens(QUERY, DOCS[0])[0] == tpl.L.llama_vocab_bos(tpl.vocab)  # [CLS] read as the token
+        long_doc = " ".join(DOCS * 4)  # cut to 5 tokens: the template rendered again with their text
+        cut = tpl.score(tpl.tokens(QUERY, tpl.doc_tokens(long_doc)[:5]))
     finally:
         tpl.close()
     r = httpx.post(daemon[1] + "/v1/rerank", json={"model": "rr-tpl", "query": QUERY, "documents": DOCS}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == n_tokens
     assert_ranked([(x["index"], x["relevance_score"]) for x in r.json()["results"]], want)
+    r = httpx.post(daemon[1] + "/v1/rerank", json={"model": "rr-tpl", "query": QUERY, "documents": [long_doc],
+                                                   "max_tokens_per_doc": 5}, timeout=60)
+    assert r.json()["results"][0]["relevance_score"] == pytest.approx(cut, abs=1e-4)
 
 
 def test_bad_input_in_each_apis_shape(daemon: tuple[Daemon, str]) -> None:
@@ -279,9 +294,12 @@ def test_bad_input_in_each_apis_shape(daemon: tuple[Daemon, str]) -> None:
         with pytest.raises(BadRequestError, match="top_n") as b:
             c.rerank(QUERY, DOCS, model="rr", top_n=0)
         assert b.value.field == "top_n"
-        with pytest.raises(BadRequestError) as b:
-            c.rerank(QUERY, [], model="rr")
-        assert b.value.field == "documents"
+        for args, kw, field in (((QUERY, []), {}, "documents"), (("", DOCS), {}, "query"),
+                                ((QUERY, ["a", None]), {}, "documents[1]"),
+                                ((QUERY, DOCS), {"max_tokens_per_doc": -1}, "max_tokens_per_doc")):
+            with pytest.raises(BadRequestError) as b:
+                c.rerank(*args, model="rr", **kw)  # type: ignore[arg-type]
+            assert b.value.field == field, (args, kw, b.value)
         with pytest.raises(BadRequestError, match="'gen' is a generation model") as b:
             c.rerank(QUERY, DOCS, model="gen")
         assert b.value.field == "model"
