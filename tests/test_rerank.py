@@ -271,7 +271,7 @@ def test_bad_input_in_each_apis_shape(daemon: tuple[Daemon, str]) -> None:
              ({**good, "query": 5}, "query"), ({**good, "max_tokens_per_doc": 0}, "max_tokens_per_doc"),
              ({**good, "return_documents": "yes"}, "return_documents"), ({**good, "model": "gen"}, "model"),
              ({**good, "model": "emb"}, "model"), ({**good, "model": 7}, "model"),
-             ({**good, "query": "river " * 200}, "query")]
+             ({**good, "query": "river " * 200}, "query"), ({"model": "rr", "query": QUERY, "texts": DOCS}, "texts")]
     for body, param in cases:
         r = httpx.post(url + "/v1/rerank", json=body, timeout=60)
         assert r.status_code == 400, (body, r.text)

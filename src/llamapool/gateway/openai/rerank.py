@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
-from llamapool.gateway.errors import COHERE_PATH, bad, cohere_error, not_an_object
+from llamapool.gateway.errors import COHERE_PATH, bad, cohere_error, not_an_object, unsupported
 from llamapool.gateway.serving import Call, Door, Serving, unless_gone
 
 COHERE_MAX_TOKENS_PER_DOC = 4096  # Cohere's default max_tokens_per_doc
@@ -66,6 +66,9 @@ def parse(body: Any, cohere: bool) -> RerankRequest:
         raise bad("query", "'query' is required")
     if not isinstance(query, str) or not query.strip():
         raise bad("query", "'query' must be a non-empty string")
+    if "documents" not in body and "texts" in body:
+        raise unsupported("texts", "'texts' (the TEI form llama-server also takes) is not supported: send the "
+                                   "texts as 'documents'")
     if "documents" not in body:
         raise bad("documents", "'documents' is required")
     texts = _texts(body["documents"])
