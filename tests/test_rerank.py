@@ -31,27 +31,31 @@ CTX = 64  # the rerankers' ctx_per_slot: a long document is cut to fit
 
 
 @pytest.fixture(scope="module")
-def rerankers(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+def rerankers(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
+    """The BERT reranker, one with a rerank template, and a causal one of Qwen3-Reranker's layout."""
     from llamapool.modelgen import make_reranker
 
     folder = tmp_path_factory.mktemp("rerankers")
-    return str(make_reranker(folder / "rr.gguf")), str(make_reranker(folder / "tpl.gguf", seed=1,
-                                                                       rerank_template=TEMPLATE))
+    return (str(make_reranker(folder / "rr.gguf")), str(make_reranker(folder / "tpl.gguf", seed=1,
+                                                                        rerank_template=TEMPLATE)),
+            str(make_reranker(folder / "qwen3.gguf", arch="qwen3")))
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model_path: str,
-           rerankers: tuple[str, str]) -> Iterator[tuple[Daemon, str]]:
+           rerankers: tuple[str, str, str]) -> Iterator[tuple[Daemon, str]]:
     common = {"devices": "cpu", "cpu_workers": 1, "threads": 1}
     models = [
         {"name": "gen", "path": model_path, **common, "slots": 2, "ctx_per_slot": 512},
         {"name": "rr", "path": rerankers[0], "task": "rerank", **common, "slots": 16, "ctx_per_slot": CTX,
          "max_batch_tokens": 1024},
         {"name": "rr-tpl", "path": rerankers[1], "task": "rerank", **common, "slots": 8, "ctx_per_slot": CTX},
+        {"name": "rr-qwen3", "path": rerankers[2], "task": "rerank", **common, "slots": 8, "ctx_per_slot": 512,
+         "max_batch_tokens": 2048},
         {"name": "emb", "path": model_path, "task": "embed", **common, "slots": 4, "ctx_per_slot": 128},
     ]
     d, url = start_gateway(tmp_path_factory.mktemp("rerank"), model_path, models=models)
-    d.wait_ready(4)
+    d.wait_ready(5)
     yield d, url
     d.stop()
 
@@ -103,6 +107,9 @@ class Reference:
                 b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, i, 1, 1
                 b.seq_id[i][0] = 0
             b.n_tokens = len(tokens)
+            mem = L.llama_get_memory(self.llm._ctx.ctx)  # a causal reranker's KV: each pair alone
+            if mem:
+                L.llama_memory_clear(mem, True)
             assert L.llama_decode(self.llm._ctx.ctx, b) == 0
             return float(L.llama_get_embeddings_seq(self.llm._ctx.ctx, 0)[0])
         finally:
@@ -117,7 +124,7 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def ref(rerankers: tuple[str, str]) -> Iterator[Reference]:
+def ref(rerankers: tuple[str, str, str]) -> Iterator[Reference]:
     r = Reference(rerankers[0])
     yield r
     r.close()
@@ -132,16 +139,21 @@ def assert_ranked(got: list[tuple[int, float]], want: list[tuple[int, float]]) -
     assert [s for _, s in got] == sorted((s for _, s in got), reverse=True)
 
 
-def test_generated_reranker_loads_with_rank_pooling(rerankers: tuple[str, str], ref: Reference) -> None:
+def test_generated_reranker_loads_with_rank_pooling(rerankers: tuple[str, str, str], ref: Reference) -> None:
     L = ref.L
     assert L.llama_pooling_type(ref.llm._ctx.ctx) == L.LLAMA_POOLING_TYPE_RANK
     assert L.llama_model_n_cls_out(ref.llm._model.model) == 1
     scores = [s for _, s in ref.ranked(QUERY, DOCS)]
     assert len(set(scores)) == len(DOCS) and max(scores) - min(scores) > 0.05  # the pairs score apart
-    cli = subprocess.run([sys.executable, "-m", "llamapool.cli", "make-model", "--reranker",
-                          str(Path(rerankers[0]).with_name("cli.gguf"))], capture_output=True, text=True)
-    assert cli.returncode == 0, cli.stderr
-    assert Path(rerankers[0]).with_name("cli.gguf").read_bytes() == Path(rerankers[0]).read_bytes()
+    for flags, made in ((["--reranker"], rerankers[0]), (["--reranker", "--reranker-arch", "qwen3"], rerankers[2])):
+        cli = subprocess.run([sys.executable, "-m", "llamapool.cli", "make-model", *flags,
+                              str(Path(made).with_name("cli.gguf"))], capture_output=True, text=True)
+        assert cli.returncode == 0, cli.stderr
+        assert Path(made).with_name("cli.gguf").read_bytes() == Path(made).read_bytes()
+    with pytest.raises(ValueError, match="arch"):
+        from llamapool.modelgen import make_reranker
+
+        make_reranker(Path(rerankers[0]).with_name("x.gguf"), arch="t5")
 
 
 def test_jina_shape_equals_llama_cpp_rank_pooling(daemon: tuple[Daemon, str], ref: Reference) -> None:
@@ -239,7 +251,7 @@ def test_long_documents_are_truncated(daemon: tuple[Daemon, str], ref: Reference
         ref.score(ref.tokens(QUERY, d_tokens[:fit])), abs=1e-4)
 
 
-def test_rerank_template_of_the_gguf(daemon: tuple[Daemon, str], rerankers: tuple[str, str]) -> None:
+def test_rerank_template_of_the_gguf(daemon: tuple[Daemon, str], rerankers: tuple[str, str, str]) -> None:
     """A GGUF with a rerank template (tokenizer.chat_template.rerank): the pair is the template with
     {query} and {document} replaced, special tokens parsed, as llama-server renders it."""
     tpl = Reference(rerankers[1], TEMPLATE)
@@ -259,6 +271,29 @@ def test_rerank_template_of_the_gguf(daemon: tuple[Daemon, str], rerankers: tupl
     r = httpx.post(daemon[1] + "/v1/rerank", json={"model": "rr-tpl", "query": QUERY, "documents": [long_doc],
                                                    "max_tokens_per_doc": 5}, timeout=60)
     assert r.json()["results"][0]["relevance_score"] == pytest.approx(cut, abs=1e-4)
+
+
+def test_causal_reranker_of_qwen3_layout(daemon: tuple[Daemon, str], rerankers: tuple[str, str, str]) -> None:
+    """A causal reranker (Qwen3-Reranker's layout: rank pooling on the last token, softmax over yes/no,
+    a ChatML rerank template): its worker keeps a KV cache, cleared each step, and scores several pairs
+    per decode; the scores are llama.cpp's P(yes) for each pair alone."""
+    from llamapool.modelgen import QWEN3_RERANK_TEMPLATE
+
+    ref = Reference(rerankers[2], QWEN3_RERANK_TEMPLATE)
+    try:
+        L = ref.L
+        assert L.llama_pooling_type(ref.llm._ctx.ctx) == L.LLAMA_POOLING_TYPE_RANK
+        assert L.llama_model_n_cls_out(ref.llm._model.model) == 2
+        im_start = ref.llm.tokenize(b"<|im_start|>", add_bos=False, special=True)
+        assert len(im_start) == 1 and ref.tokens(QUERY, DOCS[0])[0] == im_start[0]  # the template's control token
+        want = ref.ranked(QUERY, DOCS)
+    finally:
+        ref.close()
+    assert all(0 < s < 1 for _, s in want) and len({s for _, s in want}) == len(DOCS)
+    r = httpx.post(daemon[1] + "/v2/rerank", json={"model": "rr-qwen3", "query": QUERY, "documents": DOCS},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert_ranked([(x["index"], x["relevance_score"]) for x in r.json()["results"]], want)
 
 
 def test_bad_input_in_each_apis_shape(daemon: tuple[Daemon, str]) -> None:

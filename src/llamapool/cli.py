@@ -342,8 +342,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
     if args.reranker:
         path = make_reranker(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
-                             n_ff=args.n_ff, n_vocab=args.n_vocab, seed=args.seed)
-        print(f"wrote {path} (a random-weight BERT reranker: rank pooling, its scores mean nothing)")
+                             n_ff=args.n_ff, n_vocab=args.n_vocab, seed=args.seed, arch=args.reranker_arch)
+        kind = "BERT" if args.reranker_arch == "bert" else "Qwen3"
+        print(f"wrote {path} (a random-weight {kind} reranker: rank pooling, its scores mean nothing)")
         return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
@@ -530,8 +531,11 @@ def _tool_commands(sub: Any) -> None:
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
                         "benchmarks such as scripts/spec_oracle.py)")
     m.add_argument("--reranker", action="store_true",
-                   help="a BERT cross-encoder with rank pooling instead (a model with task = \"rerank\"; f32, "
+                   help="a cross-encoder with rank pooling instead (a model with task = \"rerank\"; f32, "
                         "--n-head-kv, --type and --peaked do not apply)")
+    m.add_argument("--reranker-arch", default="bert", choices=("bert", "qwen3"),
+                   help="with --reranker: bert (bge-reranker's layout, a WordPiece vocab) or qwen3 "
+                        "(Qwen3-Reranker's: causal, yes/no head, a rerank template)")
     m.set_defaults(fn=cmd_make_model)
 
     k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")

@@ -366,6 +366,14 @@ def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: i
 
 
 RERANK_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4: pad, unk, cls (BOS), sep, mask
+RERANK_ARCHS = ("bert", "qwen3")
+# a rerank template of Qwen3-Reranker's form (llama-server replaces {query} and {document}): ChatML, whose
+# control tokens the generator's vocab has; the model's answer would be "yes" or "no"
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query provided. "
+    "Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n<Query>: {query}\n"
+    "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def build_wordpiece_vocab(n_vocab: int) -> tuple[list[str], list[int]]:
@@ -389,7 +397,7 @@ def build_wordpiece_vocab(n_vocab: int) -> tuple[list[str], list[int]]:
 
 def make_reranker(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                   n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 512, seed: int = 0,
-                  rerank_template: str | None = None) -> Path:
+                  rerank_template: str | None = None, arch: str = "bert") -> Path:
     """Write a random-weight BERT cross-encoder GGUF (the shape of bge-reranker-base) that llama.cpp
     loads with rank pooling, and return it as a Path.
 
@@ -400,18 +408,39 @@ def make_reranker(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: in
     norms 1, biases N(0, 0.1); all f32; same arguments and seed give the same bytes. ``rerank_template``
     goes into ``tokenizer.chat_template.rerank`` (llama-server's prompt with ``{query}`` and
     ``{document}``, as Qwen3-Reranker GGUFs carry); None: the pair is [CLS] query [SEP] document.
-    """
-    import gguf
 
+    ``arch="qwen3"``: a causal reranker of Qwen3-Reranker's layout instead: the Qwen3 decoder (the
+    tensors of :func:`make_model` and per-head q/k RMS norms, the SentencePiece vocab of
+    :func:`build_vocab`), a two-label ``cls.output`` ("yes", "no") that llama.cpp's rank pooling applies
+    to the last token and softmaxes (the score: P(yes)), and ``rerank_template`` defaulting to
+    :data:`QWEN3_RERANK_TEMPLATE`.
+    """
+    if arch not in RERANK_ARCHS:
+        raise ValueError(f"arch must be one of {RERANK_ARCHS}, got {arch!r}")
+    if arch == "qwen3":
+        return _write_reranker(path, "qwen3", *_qwen3_reranker(n_embd, n_layer, n_head, n_ff, n_vocab, n_ctx_train,
+                                                                seed, rerank_template or QWEN3_RERANK_TEMPLATE))
     _check_dims(n_embd, n_layer, n_head, n_head, n_ff, n_ctx_train, "f32")
     tokens, types = build_wordpiece_vocab(n_vocab)
     tensors = _reranker_tensors(np.random.default_rng(seed), n_embd, n_layer, n_ff, n_vocab, n_ctx_train)
+
+    def metadata(w: Any) -> None:
+        _reranker_metadata(w, n_embd, n_layer, n_head, n_ff, n_ctx_train, tokens, types, rerank_template)
+
+    return _write_reranker(path, "bert", metadata, tensors)
+
+
+def _write_reranker(path: str | os.PathLike[str], arch: str, metadata: Any,
+                    tensors: list[tuple[str, np.ndarray]]) -> Path:
+    """Write a small GGUF of ``arch`` (``metadata(writer)`` adds its keys) atomically; return its Path."""
+    import gguf
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(tmp, "bert")
+    w = gguf.GGUFWriter(tmp, arch)
     try:
-        _reranker_metadata(w, n_embd, n_layer, n_head, n_ff, n_ctx_train, tokens, types, rerank_template)
+        metadata(w)
         for name, data in tensors:
             w.add_tensor(name, data)
         w.write_header_to_file()
@@ -484,3 +513,32 @@ def _reranker_tensors(rng: np.random.Generator, n_embd: int, n_layer: int, n_ff:
     tensors += [("cls.weight", mat(n_embd, n_embd, e)), ("cls.bias", vec(n_embd)),
                 ("cls.output.weight", mat(1, n_embd, 4.0 * e)), ("cls.output.bias", vec(1))]
     return tensors
+
+
+def _qwen3_reranker(n_embd: int, n_layer: int, n_head: int, n_ff: int, n_vocab: int, n_ctx_train: int, seed: int,
+                    template: str) -> tuple[Any, list[tuple[str, np.ndarray]]]:
+    """A Qwen3 cross-encoder's metadata writer and tensors (all f32)."""
+    import gguf
+
+    n_head_kv = max(1, n_head // 2)
+    head_dim = _check_dims(n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, "f32")
+    tokens, scores, types = build_vocab(n_vocab)
+    rng = np.random.default_rng(seed)
+    tensors: list[tuple[str, np.ndarray]] = []
+    for name, shape, std in _tensor_specs(n_embd, n_layer, n_head_kv * head_dim, n_ff, n_vocab):
+        f32 = gguf.GGMLQuantizationType.F32
+        tensors.append((name, np.ones(shape, np.float32) if std is None else _random_matrix(rng, shape, std, f32)))
+    for i in range(n_layer):
+        tensors += [(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32)),
+                    (f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))]
+    tensors.append(("cls.output.weight", rng.standard_normal((2, n_embd), dtype=np.float32)
+                    * np.float32(4.0 * n_embd**-0.5)))
+
+    def metadata(w: Any) -> None:
+        _write_metadata(w, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, head_dim,
+                        gguf.LlamaFileType.ALL_F32, tokens, scores, types, None)
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": template}])
+
+    return metadata, tensors
