@@ -35,6 +35,8 @@ def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool,
         if vocab is None:
             entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} has no tokenizer (echo engine)",
                            "model")
+        elif run.task == "tokenize" and (run.options or {}).get("infill") is not None:
+            entry = _infill(run, vocab, n_vocab, model, prompts)
         elif run.task == "tokenize" and (run.options or {}).get("render"):
             entry = _render(run, prompts)
         elif run.task == "tokenize":
@@ -57,6 +59,19 @@ def _render(run: Run, prompts: Any) -> Done | Failed:
     except ValueError as e:
         return Failed(run.rid, getattr(e, "code", ErrorCode.INVALID_REQUEST), str(e), "messages" if chat else "prompt")
     return Done(run.rid, "stop", "", 0, 0, tokens=list(ids))
+
+
+def _infill(run: Run, vocab: Any, n_vocab: int, model: str, prompts: Any) -> Done | Failed:
+    """A fill-in-the-middle prompt's tokens (worker/infill.py), for the gateway to generate from."""
+    from llamapool.worker.infill import InfillError, infill_tokens
+
+    if prompts is None:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, "this model's worker does not render prompts", "model")
+    try:
+        ids = infill_tokens(vocab, n_vocab, prompts.ctx_per_slot, (run.options or {})["infill"], model)
+    except InfillError as e:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, str(e), e.field)
+    return Done(run.rid, "stop", "", 0, 0, tokens=ids)
 
 
 def _tokenize(run: Run, vocab: Any, controls: ControlTexts | None) -> Done:
