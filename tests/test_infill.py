@@ -75,6 +75,7 @@ class Vocab:
         p = p[max(0, len(p) - 1536):]
         s = s[:max(0, 512 - (2 + len(pr)))]
         n_extra = min(max(0, CTX - 2048 - 2 * n_predict), len(extra))
+        n_extra = min(n_extra, CTX - 1 - (len(p) + len(pr) + len(s) + 4))  # within the slot (n_predict -1)
         return [*extra[len(extra) - n_extra:], self.bos, f["pre"], *p, *pr, f["suf"], *s, f["mid"]]
 
 
@@ -165,6 +166,20 @@ def test_infill_with_repo_level_context(daemon: tuple[Daemon, str], vocab: Vocab
     tmp = post(url, "/infill", {**body, "input_extra": [{"text": "x"}], "input_prefix": [vocab.tok(PREFIX)[0], "b"],
                                 "n_predict": 1}).json()
     assert "<|file_sep|> tmp\n x<|file_sep|> filename\n" in tmp["prompt"]
+
+
+def test_infill_keeps_the_end_of_long_files_within_the_context(daemon: tuple[Daemon, str], vocab: Vocab) -> None:
+    prefix = " ".join(f"v{i} = {i}" for i in range(900))
+    suffix = " ".join(f"w{i}" for i in range(600))
+    files = [{"filename": f"m{i}.py", "text": " ".join(f"k{i}_{j} = {j}" for j in range(300))} for i in range(4)]
+    want = vocab.layout(prefix, suffix, files)  # n_predict -1: as many extra tokens as still fit the slot
+    assert len(want) == CTX - 1 and want[0] != vocab.fim["rep"]  # the oldest files' start cut
+    r = post(daemon[1], "/infill", {"model": "code", "input_prefix": prefix, "input_suffix": suffix,
+                                    "input_extra": files, "temperature": 0})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens_evaluated"] == CTX - 1 and out["prompt"] == vocab.text(want)
+    assert "<|fim_suffix|> w0 w1 " in out["prompt"] and out["prompt"].endswith("<|fim_middle|>")
 
 
 def test_infill_streams_llama_server_events(daemon: tuple[Daemon, str]) -> None:

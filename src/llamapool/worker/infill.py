@@ -9,7 +9,8 @@ The FIM tokens are those llama.cpp finds in the model's vocab (``tokenizer.ggml.
 GGUF, or their texts: ``<|fim_prefix|>``, CodeLlama's ``▁<PRE>``, DeepSeek's ...). Without a FIM_SEP token each
 extra file is its text after a ``--- snippet ---`` line. The prefix keeps its last ``3 * INFILL_BATCH / 4``
 tokens, the suffix its first ``INFILL_BATCH / 4 - 2 - len(prompt)``, the extra context its last
-``ctx_per_slot - INFILL_BATCH - 2 * n_predict`` (llama-server's ratios, at its default batch of 2048).
+``ctx_per_slot - INFILL_BATCH - 2 * n_predict`` (llama-server's ratios, at its default batch of 2048), and
+no more than leaves the prompt within the slot's context.
 """
 
 from __future__ import annotations
@@ -93,5 +94,8 @@ def infill_tokens(vocab: Any, n_vocab: int, ctx_per_slot: int, parts: dict[str, 
     head = [L.llama_vocab_fim_pre(vocab), *prefix[len(prefix) - n_prefix:], *prompt]
     if L.llama_vocab_get_add_bos(vocab):
         head.insert(0, L.llama_vocab_bos(vocab))
-    return [*extra[len(extra) - n_extra:], *head, L.llama_vocab_fim_suf(vocab), *suffix[:n_suffix],
-            L.llama_vocab_fim_mid(vocab)]
+    tail = [L.llama_vocab_fim_suf(vocab), *suffix[:n_suffix], L.llama_vocab_fim_mid(vocab)]
+    # n_predict -1 leaves the extra files 2 tokens more than the context minus a batch, which llama-server
+    # then overflows: fewer of them, so the prompt fits the slot (the rest is llama-server's layout)
+    n_extra = max(0, min(n_extra, ctx_per_slot - 1 - len(head) - len(tail)))
+    return [*extra[len(extra) - n_extra:], *head, *tail]
