@@ -159,6 +159,12 @@ def test_infill_with_repo_level_context(daemon: tuple[Daemon, str], vocab: Vocab
     same = post(url, "/v1/completions", {"model": "code", "prompt": want, "max_tokens": 6, "temperature": 0}).json()
     assert same["choices"][0]["text"] == out["content"]
     # a file without a filename is "tmp"; mixed token ids in the prefix
+    # a prompt of many control-token texts (read as those tokens, 64 at a time: worker/content_text.py)
+    many = "<|im_start|>x" * 100
+    r = post(url, "/infill", {**body, "prompt": many, "n_predict": 1}).json()
+    assert r["prompt"] == vocab.text(vocab.layout(PREFIX, SUFFIX, FILES, many, n_predict=1))
+    assert r["prompt"].count("<|im_start|>") == 100 and r["tokens_evaluated"] == len(vocab.layout(
+        PREFIX, SUFFIX, FILES, many, n_predict=1))
     # without input_extra: llama-server's repo-level header all the same
     bare = post(url, "/infill", {**body, "input_extra": None, "n_predict": 1}).json()
     assert bare["prompt"] == vocab.text(vocab.layout(PREFIX, SUFFIX, [], "c = ", n_predict=1))

@@ -15,7 +15,7 @@ no more than leaves the prompt within the slot's context.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llama_cpp as L
@@ -73,10 +73,11 @@ def _extra(vocab: Any, files: Sequence[Sequence[str]]) -> list[int]:
     return out
 
 
-def infill_tokens(vocab: Any, n_vocab: int, ctx_per_slot: int, parts: dict[str, Any], model: str) -> list[int]:
+def infill_tokens(vocab: Any, n_vocab: int, ctx_per_slot: int, parts: dict[str, Any], model: str,
+                  special: Callable[[str], list[int]] | None = None) -> list[int]:
     """The prompt of an infill: ``parts`` are the wire's ``input_prefix``, ``input_suffix``, ``input_extra``
     (``[filename, text]`` pairs; absent: no repo-level context at all, as ``suffix`` has it), ``prompt`` (text
-    after the prefix, special tokens read) and ``n_predict``."""
+    after the prefix, special tokens read: by ``special``, default llama.cpp's own) and ``n_predict``."""
     lacking = missing(vocab)
     if lacking:
         raise InfillError("model", f"model {model!r} cannot infill: its vocab has no FIM {', '.join(lacking)} "
@@ -84,7 +85,8 @@ def infill_tokens(vocab: Any, n_vocab: int, ctx_per_slot: int, parts: dict[str, 
                                    f"with FIM tokens (Qwen2.5-Coder, CodeLlama, StarCoder2, DeepSeek-Coder)")
     prefix = _mixed(vocab, parts.get("input_prefix", ""), n_vocab, "input_prefix")
     suffix = _mixed(vocab, parts.get("input_suffix", ""), n_vocab, "input_suffix")
-    prompt = tokenize(vocab, parts.get("prompt", ""), False, True)
+    text = parts.get("prompt", "")
+    prompt = special(text) if special is not None else tokenize(vocab, text, False, True)
     files = parts.get("input_extra")  # None (``suffix``): no repo-level context; [] (``/infill``): its header
     extra = _extra(vocab, files) if files is not None else []
     n_predict = int(parts.get("n_predict", -1))
