@@ -33,11 +33,14 @@ def fim_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, fim_path: str, model_path: str) -> Iterator[tuple[Daemon, str]]:
+def daemon(tmp_path_factory: pytest.TempPathFactory, fim_path: str, model_path: str,
+           smollm2: str) -> Iterator[tuple[Daemon, str]]:
     common = {"devices": "cpu", "cpu_workers": 1, "threads": 1, "slots": 4, "ctx_per_slot": CTX,
               "max_batch_tokens": 2048, "n_ubatch": 512}
-    models = [{"name": "code", "path": fim_path, **common}, {"name": "plain", "path": model_path, **common}]
+    models = [{"name": "code", "path": fim_path, **common}, {"name": "plain", "path": model_path, **common},
+              {"name": "smol", "path": smollm2, **common, "slots": 1, "ctx_per_slot": 512}]  # a real chat model
     d, url = start_gateway(tmp_path_factory.mktemp("infill"), fim_path, models=models)
+    d.wait_ready(3)
     yield d, url
     d.stop()
 
@@ -233,6 +236,17 @@ def test_bad_infill_is_a_400_naming_the_parameter(daemon: tuple[Daemon, str], pa
         assert "FIM" in err["message"] and "'plain'" in err["message"]
     # the daemon serves on
     ok = post(daemon[1], "/infill", {"model": "code", "input_prefix": "a", "input_suffix": "b", "n_predict": 1})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_real_chat_model_without_fim_tokens_is_refused(daemon: tuple[Daemon, str]) -> None:
+    """SmolLM2's vocab has StarCoder's <reponame> (llama.cpp finds it as FIM_REP) but no prefix, suffix or middle."""
+    r = post(daemon[1], "/infill", {"model": "smol", "input_prefix": "def f():", "input_suffix": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "no FIM prefix, suffix, middle token" in r.json()["error"]["message"]
+    r = post(daemon[1], "/v1/completions", {"model": "smol", "prompt": "def f():", "suffix": "\n"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text
+    ok = post(daemon[1], "/v1/completions", {"model": "smol", "prompt": "def f():", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
 
