@@ -26,6 +26,7 @@ from llamapool.gateway.openai import (
     completions,
     completions_render,
     embeddings,
+    infill,
     models,
     responses,
     stored,
@@ -82,6 +83,7 @@ class Gateway(Serving):
               for prefix in ("/v1", "") for path, door, methods in openai_routes),
             Route(ANTHROPIC_PATH, api(anthropic.MESSAGES), methods=["POST"]),
             Route(ANTHROPIC_PATH + "/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
+            Route("/infill", api(Door(infill.handle)), methods=["POST"]),  # llama-server's
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),
             Route("/tokenizer_info", api(Door(tokenizer_info.handle)), methods=["GET"]),
