@@ -348,7 +348,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
-                      qtype=args.type, seed=args.seed, peaked=args.peaked)
+                      qtype=args.type, seed=args.seed, peaked=args.peaked, fim=args.fim)
     print(f"wrote {path} (random weights: its output is gibberish"
           + (", one long cycle of tokens, each far ahead of the rest)" if args.peaked else ")"))
     return 0
@@ -530,6 +530,9 @@ def _tool_commands(sub: Any) -> None:
                    help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
                         "benchmarks such as scripts/spec_oracle.py)")
+    m.add_argument("--fim", action="store_true",
+                   help="with fill-in-the-middle tokens (Qwen2.5-Coder's <|fim_prefix|> ... <|file_sep|>) declared "
+                        "in the GGUF as a code model's are: /infill and suffix serve it")
     m.add_argument("--reranker", action="store_true",
                    help="a cross-encoder with rank pooling instead (a model with task = \"rerank\"; f32, "
                         "--n-head-kv, --type and --peaked do not apply)")

@@ -24,6 +24,11 @@ QTYPES = ("f32", "f16", "q8_0")
 SPACE = "\u2581"  # SentencePiece's word-boundary marker
 MIN_VOCAB = 300  # <unk> <s> </s>, 256 byte tokens, the ChatML tokens, and room for "▁" and ASCII
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # control tokens, last in the vocab; <|im_end|> ends a turn
+# fill-in-the-middle (``fim``): the GGUF key of each role (tokenizer.ggml.fim_<role>_token_id, as llama.cpp's
+# src/llama-vocab.cpp reads them) and its token, Qwen2.5-Coder's texts (which llama.cpp also finds by text);
+# control tokens just before the ChatML ones
+FIM_TOKENS = (("pre", "<|fim_prefix|>"), ("suf", "<|fim_suffix|>"), ("mid", "<|fim_middle|>"),
+              ("pad", "<|fim_pad|>"), ("rep", "<|repo_name|>"), ("sep", "<|file_sep|>"))
 # ChatML, as Hugging Face ChatML models write it (tokenizer.chat_template)
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -85,12 +90,13 @@ def _pieces() -> Iterator[str]:
             yield from (prefix + "".join(t) for t in itertools.product(string.ascii_lowercase, repeat=n))
 
 
-def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+def build_vocab(n_vocab: int, fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     """SentencePiece-style vocab of exactly ``n_vocab`` tokens: (tokens, scores, token types).
 
     <unk>, <s>, </s>, the 256 byte-fallback tokens <0x00>..<0xFF>, then unique normal pieces with
     decreasing scores: single characters first, then common words (and every piece on the way to
-    them), then synthetic letter n-grams; last, the ChatML control tokens <|im_start|> <|im_end|>.
+    them), then synthetic letter n-grams; last, the control tokens: with ``fim`` the six of
+    ``FIM_TOKENS``, then ChatML's <|im_start|> <|im_end|>.
     """
     import gguf
 
@@ -99,23 +105,24 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     tt = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)] + [int(tt.BYTE)] * 256
-    n_normal = n_vocab - len(tokens) - len(CHATML_TOKENS)
+    controls = [t for _, t in FIM_TOKENS] * fim + list(CHATML_TOKENS)
+    n_normal = n_vocab - len(tokens) - len(controls)
     normal: dict[str, None] = {}  # insertion-ordered set
     for p in _pieces():
         normal.setdefault(p)
         if len(normal) == n_normal:
             break
     else:
-        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal) + len(CHATML_TOKENS)})")
-    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal + len(CHATML_TOKENS))]
-    return (tokens + list(normal) + list(CHATML_TOKENS), scores,
-            types + [int(tt.NORMAL)] * n_normal + [int(tt.CONTROL)] * len(CHATML_TOKENS))
+        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal) + len(controls)})")
+    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal + len(controls))]
+    return (tokens + list(normal) + controls, scores,
+            types + [int(tt.NORMAL)] * n_normal + [int(tt.CONTROL)] * len(controls))
 
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 32768,
                qtype: str = "f32", seed: int = 0, chat_template: str | None = CHATML_TEMPLATE,
-               peaked: bool = False) -> Path:
+               peaked: bool = False, fim: bool = False) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
 
     Weights are N(0, 1/fan_in) (token embeddings N(0, 1)), norms are 1, so activations stay
@@ -133,11 +140,16 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     barely move the residual stream, and row ``peaked_next(t)`` of ``output.weight`` is token ``t``'s
     embedding scaled to norm ``PEAK_LOGIT / sqrt(n_embd)``. Control and byte tokens embed as a normal
     token does (so are never anyone's successor), and their output rows are random ones of that norm.
+
+    ``fim``: the vocab has the fill-in-the-middle tokens of ``FIM_TOKENS`` and the GGUF declares them
+    (``tokenizer.ggml.fim_pre_token_id`` ...), as a code model's does: ``/infill`` and ``suffix`` serve it.
     """
     import gguf
 
     head_dim = _check_dims(n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, qtype)
-    tokens, scores, types = build_vocab(n_vocab)
+    if peaked and fim:
+        raise ValueError("a peaked model has no FIM tokens: pass peaked or fim, not both")
+    tokens, scores, types = build_vocab(n_vocab, fim)
 
     specs = _tensor_specs(n_embd, n_layer, n_head_kv * head_dim, n_ff, n_vocab)
 
@@ -153,7 +165,7 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     w = gguf.GGUFWriter(tmp, "llama")
     try:
         _write_metadata(w, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, head_dim, ftype, tokens,
-                        scores, types, chat_template)
+                        scores, types, chat_template, fim)
         # Declare all tensors up front, then generate and stream them one at a time in the same order,
         # so at most one tensor is in memory (GGUFWriter.add_tensor would hold them all until written).
         for name, shape, std in specs:
@@ -336,7 +348,7 @@ def _tensor_specs(n_embd: int, n_layer: int, kv: int, n_ff: int, n_vocab: int
 
 def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
                     n_ctx_train: int, head_dim: int, ftype: Any, tokens: list[str], scores: list[float],
-                    types: list[int], chat_template: str | None) -> None:
+                    types: list[int], chat_template: str | None, fim: bool = False) -> None:
     import gguf
 
     w.add_name("llamapool-random")
@@ -363,6 +375,8 @@ def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: i
     w.add_eot_token_id(len(tokens) - 1)  # <|im_end|>
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for role, text in FIM_TOKENS * fim:  # as llama.cpp's src/llama-vocab.cpp reads them
+        w.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", tokens.index(text))
 
 
 RERANK_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4: pad, unk, cls (BOS), sep, mask

@@ -466,6 +466,21 @@ class AsyncClient:
         return (await self._task(lambda rid, t: Tokenize(rid, text, timeout=t, model=model, render=True,
                                                          messages=messages, tools=tools), 1, timeout)).tokens()
 
+    async def infill(self, input_prefix: str | list[str | int], input_suffix: str | list[str | int], *,
+                     input_extra: Sequence[tuple[str, str]] | None = None, prompt: str = "", n_predict: int = -1,
+                     model: str | None = None, timeout: float | None = None) -> list[int]:
+        """The tokens of a fill-in-the-middle prompt, as llama-server's ``/infill`` lays them out for the model's
+        FIM tokens: ``input_extra`` the repo's other files (filename, text; None: no repo-level context, as
+        ``suffix`` has it), ``prompt`` text after the prefix (worker/infill.py). A model without FIM tokens is a
+        ``BadRequestError`` with ``field == "model"``."""
+        model = self.model if model is None else model
+        parts: dict[str, Any] = {"input_prefix": input_prefix, "input_suffix": input_suffix, "prompt": prompt,
+                                 "n_predict": n_predict}
+        if input_extra is not None:
+            parts["input_extra"] = [[f, t] for f, t in input_extra]
+        return (await self._task(lambda rid, t: Tokenize(rid, "", timeout=t, model=model, infill=parts), 1,
+                                 timeout)).tokens()
+
     async def detokenize(self, tokens: Sequence[int], *, model: str | None = None,
                          timeout: float | None = None) -> str:
         """The text of ``tokens`` (see :meth:`llamapool.Client.detokenize`)."""

@@ -26,6 +26,7 @@ from llamapool.gateway.openai import (
     completions,
     completions_render,
     embeddings,
+    infill,
     models,
     rerank,
     responses,
@@ -85,6 +86,7 @@ class Gateway(Serving):
             Route(rerank.PATH_COHERE, api(rerank.COHERE), methods=["POST"]),  # Cohere's v2 rerank
             Route(ANTHROPIC_PATH, api(anthropic.MESSAGES), methods=["POST"]),
             Route(ANTHROPIC_PATH + "/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
+            Route("/infill", api(Door(infill.handle)), methods=["POST"]),  # llama-server's
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),
             Route("/tokenizer_info", api(Door(tokenizer_info.handle)), methods=["GET"]),

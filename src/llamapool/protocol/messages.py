@@ -125,6 +125,10 @@ class Tokenize:
     render: bool = False
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None
+    # infill (``/infill``, ``suffix``): the fill-in-the-middle prompt's tokens, assembled by the worker from
+    # ``input_prefix``, ``input_suffix`` (texts, or texts and token ids), ``input_extra`` ([filename, text]
+    # pairs), ``prompt`` and ``n_predict`` (worker/infill.py); ``content`` and the flags are then not used
+    infill: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -131,6 +131,8 @@ class Intake(JobTable):
                        "with_pieces": msg.with_pieces}
             if msg.render:  # the tokens a generation of the prompt puts in KV (worker/tasks.py)
                 options = {"render": True, "tools": msg.tools}
+            if msg.infill is not None:  # a fill-in-the-middle prompt's tokens (worker/infill.py)
+                options = {"infill": msg.infill}
         else:
             task, inputs, options = "detokenize", [msg.tokens], None
         model = self.models[0] if msg.model is None else msg.model

@@ -41,6 +41,8 @@ def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, kind: str,
         if vocab is None:
             entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} has no tokenizer (echo engine)",
                            "model")
+        elif run.task == "tokenize" and (run.options or {}).get("infill") is not None:
+            entry = _infill(run, vocab, n_vocab, model, prompts, controls)
         elif run.task == "tokenize" and (run.options or {}).get("render"):
             entry = _render(run, prompts)
         elif run.task == "tokenize":
@@ -65,13 +67,40 @@ def _render(run: Run, prompts: Any) -> Done | Failed:
     return Done(run.rid, "stop", "", 0, 0, tokens=list(ids))
 
 
+def _infill(run: Run, vocab: Any, n_vocab: int, model: str, prompts: Any,
+            controls: ControlTexts | None) -> Done | Failed:
+    """A fill-in-the-middle prompt's tokens (worker/infill.py), for the gateway to generate from."""
+    from llamapool.worker.infill import InfillError, infill_tokens
+
+    if prompts is None:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, "this model's worker does not render prompts", "model")
+    try:
+        ids = infill_tokens(vocab, n_vocab, prompts.ctx_per_slot, (run.options or {})["infill"], model,
+                            lambda text: _parsed(vocab, text, controls))
+    except InfillError as e:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, str(e), e.field)
+    return Done(run.rid, "stop", "", 0, 0, tokens=ids)
+
+
+def _many_controls(text: str, controls: ControlTexts | None) -> bool:
+    """Whether ``text`` holds so many control-token texts that llama.cpp's parsing of them takes quadratic time."""
+    return controls is not None and len(list(itertools.islice(controls.find(text), CHUNK_CONTROLS))) == CHUNK_CONTROLS
+
+
+def _parsed(vocab: Any, text: str, controls: ControlTexts | None) -> list[int]:
+    """``text``'s tokens, special-token text read as those tokens (no BOS): 64 control tokens at a time."""
+    if not _many_controls(text, controls):
+        return tokenize(vocab, text, False, True)
+    assert controls is not None
+    return parsed_in_chunks(text, controls, lambda s: tokenize(vocab, s, False, True))
+
+
 def _tokenize(run: Run, vocab: Any, controls: ControlTexts | None) -> Done:
     opts = run.options or {}
     text = run.prompt if isinstance(run.prompt, str) else ""
     add, special = bool(opts.get("add_special")), bool(opts.get("parse_special", True))
-    if special and controls is not None and len(list(itertools.islice(controls.find(text), CHUNK_CONTROLS))) \
-            == CHUNK_CONTROLS:  # llama.cpp's parsing of many takes quadratic time: 64 at a time
-        ids = parsed_in_chunks(text, controls, lambda s: tokenize(vocab, s, False, True))
+    if special and _many_controls(text, controls):
+        ids = _parsed(vocab, text, controls)
         if add and L.llama_vocab_get_add_bos(vocab):
             ids.insert(0, L.llama_vocab_bos(vocab))
         if add and L.llama_vocab_get_add_eos(vocab):
