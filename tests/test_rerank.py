@@ -228,6 +228,37 @@ def test_concurrent_requests_batched_give_the_same_scores(daemon: tuple[Daemon, 
         assert_ranked([(x["index"], x["relevance_score"]) for x in out[i].json()["results"]], ref.ranked(q, DOCS))
 
 
+def test_worker_scores_pairs_of_several_requests_in_one_decode(rerankers: tuple[str, str, str],
+                                                                 ref: Reference) -> None:
+    """The reranker's engine (worker/embedder.py, in this process): the pairs of two requests (two
+    queries) waiting together are scored by ONE step's decode, each equal to llama.cpp's score alone."""
+    import struct
+
+    from llamapool.protocol.messages import Run, SamplingParams, Step
+    from llamapool.worker.embedder import Embedder
+    from llamapool.worker.engine import EngineConfig
+
+    eng = Embedder(EngineConfig(rerankers[0], slots=16, ctx_per_slot=CTX, max_batch_tokens=1024, threads=1), "rank")
+    try:
+        queries = [QUERY, "a boat on the sea"]
+        runs = [Run(i * 100 + j, d, SamplingParams(), False, task="rerank", options={"query": q})
+                for i, q in enumerate(queries) for j, d in enumerate(DOCS)]
+        out = Step()
+        for r in runs:
+            eng.submit(r, out)
+        assert not out.failed and len(eng.waiting) == 2 * len(DOCS)
+        step = eng.step()
+        assert not eng.waiting and len(step.done) == 2 * len(DOCS)  # one decode for both requests
+        got = {d.rid: struct.unpack("<f", d.embedding or b"")[0] for d in step.done}
+        for i, q in enumerate(queries):
+            for j, d in enumerate(DOCS):
+                assert got[i * 100 + j] == pytest.approx(ref.score(ref.tokens(q, d)), abs=1e-4)
+        assert all(d.prompt_tokens == len(ref.tokens(queries[d.rid // 100], DOCS[d.rid % 100])) for d in step.done)
+        assert "rerank, rank pooling" in eng.desc
+    finally:
+        eng.close()
+
+
 def test_long_documents_are_truncated(daemon: tuple[Daemon, str], ref: Reference) -> None:
     """``max_tokens_per_doc`` keeps a document's first tokens; a pair longer than a slot's context has
     its document cut to fit (Cohere's default behaviour); the scores are llama.cpp's on those tokens."""
