@@ -436,3 +436,39 @@ def test_cli_pool_churn_loads_and_evicts_beside_the_busy_model(start_daemon: Cal
     bad = _bench_cli("--endpoint", d.endpoint, "--scenario", "pool-churn", "--busy", "busy", "--light", "a",
                      "--light-every", "0")
     assert bad.returncode == 2 and "--light-every must be > 0" in bad.stderr
+
+
+def test_cli_peer_server_runs_the_daemon_then_the_peer(tmp_path: Any, model_path: str) -> None:
+    """``--peer-server PATH --config TOML``: the bench starts the daemon from the config, measures it, stops
+    it, then starts the peer binary on the config's model with its slots and context (llama-server's
+    arguments; here a stand-in binary, tests/fake_llama_server.py: no llama-server on the CPU machines) and
+    measures the same workload; a side-by-side row per concurrency. No daemon is left running."""
+    from .conftest import write_config
+
+    cfg = write_config(tmp_path / "pool.toml", model_path, tmp_path / "run", workers={"cpu_workers": 1, "slots": 2})
+    fake = tmp_path / "llama-server"
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/fake_llama_server.py \"$@\"\n")
+    fake.chmod(0o755)
+    env_args = tmp_path / "peer-args.json"
+    os.environ["FAKE_LLAMA_SERVER_ARGS"] = str(env_args)
+    try:
+        out = _bench_cli("--config", str(cfg), "--peer-server", str(fake), "--peer-logs", str(tmp_path / "logs"),
+                         "-c", "2", "-n", "4", "--prompt-tokens", "16", "--gen-tokens", "8", timeout=180)
+    finally:
+        del os.environ["FAKE_LLAMA_SERVER_ARGS"]
+    assert out.returncode == 0, out.stderr
+    rows = _rows(out)
+    assert [(r.get("service"), r["mode"]) for r in rows] == [("llamapool", "service"), ("llama-server", "service"),
+                                                             (None, "side-by-side")]
+    mine, peer_row, both = rows
+    assert (mine["transport"], peer_row["transport"]) == ("sdk", "http-llama")
+    assert all(r["errors"] == 0 and r["gen_tokens"] == 4 * 8 for r in (mine, peer_row))
+    assert both["llamapool_over_llama_server"] == round(mine["tok_s"] / peer_row["tok_s"], 3)
+    args = json.loads(env_args.read_text())
+    assert args[:2] == ["-m", model_path] and args[args.index("-np") + 1] == "2"
+    assert args[args.index("-c") + 1] == str(2 * 512) and args[args.index("-ngl") + 1] == "0"
+    assert "ready" in (tmp_path / "logs" / "llamapool.log").read_text()
+    assert not (tmp_path / "run" / "frontend.sock").exists()  # the daemon it started has stopped
+    bad = _bench_cli("--config", str(cfg), "--peer-server", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "--peer-server" in bad.stderr and "not an executable" in bad.stderr

@@ -182,6 +182,8 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
     files for a tcp:// endpoint."""
     if args.router_only:
         return _router_only(args)
+    if args.peer_server:
+        return _peer(args, endpoint, {"server_public_key": server_public_key, "client_key": client_key})
     from llamapool.bench.drivers import Target, measure, server_info
     from llamapool.bench.workloads import make_workload
 
@@ -310,10 +312,11 @@ def _open_loop(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
 
 
 def _more_scenarios(p: argparse.ArgumentParser) -> None:
-    from llamapool.bench import churn, speculation
+    from llamapool.bench import churn, peer, speculation
 
     speculation.add_arguments(p)
     churn.add_arguments(p)
+    peer.add_arguments(p)
     p.add_argument("--plot", metavar="FILE", help="also draw the rows to FILE (a PNG; needs matplotlib)")
 
 
@@ -332,6 +335,24 @@ def _scenario(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
     _plot(args.plot, rows)
     if status == 1:
         print("llamapool bench: errors (or texts that differ): not a figure", file=sys.stderr)
+    return status
+
+
+def _peer(args: argparse.Namespace, endpoint: str, keys: dict[str, str]) -> int:
+    """``--peer-server``: the daemon from ``--config``, then llama-server, the same workload (JSON lines)."""
+    from llamapool.bench import peer
+
+    try:
+        status, rows = peer.run(args, endpoint, {k: v for k, v in keys.items() if v})
+    except RuntimeError as e:
+        print(f"llamapool bench: --peer-server: {e}", file=sys.stderr)
+        return 1
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    _append(args.out, rows)
+    _plot(args.plot, rows)
+    if status == 1:
+        print("llamapool bench: errors: not a figure", file=sys.stderr)
     return status
 
 

@@ -8,7 +8,7 @@ touched.
 The parent reads the buffer sizes llama.cpp prints ("model buffer size", "KV buffer size", "compute
 buffer size", "output buffer size") and the child's RSS, and prints one row per case:
 
-    PYTHONPATH=src .venv/bin/python scripts/memory_calibrate.py [GGUF ...]
+    PYTHONPATH=src .venv/bin/python tests/memory_calibrate.py [GGUF ...]
 
 Without arguments: Gemma 3 270M and SmolLM2 135M from models/, and the tests' tiny model (written to a
 temporary folder). RSS: ``base`` after importing llama_cpp, ``load`` after the context is created,

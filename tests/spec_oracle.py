@@ -39,18 +39,18 @@ rows + 64, so at 64 streams the budget's rows carry at most 64 drafts a step (``
 lifts that); fixed-k rows run with "off".
 
 Prints JSON lines (one per row; also appended to ``--out FILE``, the table to ``FILE.md``) and a
-markdown table. On the GPU machine (after ``. scripts/gpu_env.sh``), at the 1B shape, about 3-5 minutes
+markdown table. On the GPU machine (after ``. scripts/gpu-job.sh``), at the 1B shape, about 3-5 minutes
 with ``--repeats 3`` (``--stop-after S``: no run starts after S seconds):
 
     python3 -m llamapool.cli make-model /tmp/m1b.gguf --n-embd 2048 --n-layer 16 --n-head 32 \\
         --n-head-kv 8 --n-ff 8192 --n-vocab 32000 --type q8_0 --peaked
-    python3 scripts/spec_oracle.py /tmp/m1b.gguf --device 0 --repeats 3 --stop-after 480 \\
+    python3 tests/spec_oracle.py /tmp/m1b.gguf --device 0 --repeats 3 --stop-after 480 \\
         --llama-server /tmp/lsa/llama-server --out "$OUT/spec_oracle_1b.jsonl"
 
 On a CPU (checks the script; the tiny model's speeds mean nothing):
 
     python3 -m llamapool.cli make-model /tmp/tiny.gguf --peaked
-    PYTHONPATH=src .venv/bin/python scripts/spec_oracle.py /tmp/tiny.gguf --cpu --batch 1 4 --gen 32
+    PYTHONPATH=src .venv/bin/python tests/spec_oracle.py /tmp/tiny.gguf --cpu --batch 1 4 --gen 32
 """
 
 from __future__ import annotations
@@ -392,8 +392,7 @@ def make_prompts(n: int, length: int, n_vocab: int, seed: int) -> list[list[int]
 def llama_server(binary: str, model: str, slots: int, ctx: int, prompts: list[list[int]], gen: int, repeats: int,
                  cpu: bool, threads: int, logs: Path) -> dict[str, Any]:
     """The peer on the same requests: B slots, B streams over its streaming ``/completion``; the median run."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gpu_bench import LlamaServer
+    from llamapool.bench.peer import LlamaServer
 
     logs.mkdir(parents=True, exist_ok=True)
 
@@ -402,7 +401,7 @@ def llama_server(binary: str, model: str, slots: int, ctx: int, prompts: list[li
 
     work = Workload("oracle", tuple(Request(tuple(p), gen) for p in prompts), 0, ctx)
     warm = Workload("warm", tuple(Request(tuple(p), 8) for p in prompts[:slots]), 0, ctx)
-    srv = LlamaServer(binary, model, slots, ctx, logs, f"llama-server-B{slots}", cpu, threads)
+    srv = LlamaServer(binary, model, slots, ctx, logs / f"llama-server-B{slots}.log", cpu, threads)
     try:
         srv.wait_healthy()
         target = drivers.Target("http-llama", srv.url)

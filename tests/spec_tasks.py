@@ -1,6 +1,6 @@
 """Held prompts for speculative decoding: input-grounded tasks (the output copies spans of the input) and
-open-ended chat. Used by tests/test_speculative.py (greedy text identical, drafts accepted) and by
-scripts/spec_acceptance.py (docs/benchmarks.md: acceptance and one-stream speed on this CPU)."""
+open-ended chat. Used by tests/test_speculative.py (greedy text identical, drafts accepted) and
+tests/test_spec_policy.py (the lookup index on real token streams)."""
 
 from __future__ import annotations
 
