@@ -419,10 +419,15 @@ def test_cli_pool_churn_loads_and_evicts_beside_the_busy_model(start_daemon: Cal
     for m in light:
         os.symlink(model_path, m["path"])
     busy = {"name": "busy", "path": model_path, "cpu_workers": 1, "ctx_per_slot": 512}
-    d = start_daemon(wait_workers=1, models=[busy, *light],
+    from .conftest import free_port
+    from .test_gateway import wait_http
+
+    port = free_port()
+    d = start_daemon(wait_workers=1, models=[busy, *light], http={"listen": f"127.0.0.1:{port}"},
                      pool={"ram_budget": f"{int(need * 2.5)}B", "min_residency": 0.5})
-    out = _bench_cli("--endpoint", d.endpoint, "--scenario", "pool-churn", "--busy", "busy", "--light", "a", "b", "c",
-                     "-c", "2", "--seconds", "2", "--light-every", "0.2", "--prompt-tokens", "16", "--gen-tokens", "32")
+    churn = ("--scenario", "pool-churn", "--busy", "busy", "--light", "a", "b", "c", "-c", "2", "--light-every", "0.2",
+             "--prompt-tokens", "16", "--gen-tokens", "32")
+    out = _bench_cli("--endpoint", d.endpoint, *churn, "--seconds", "2")
     assert out.returncode == 0, out.stderr
     [r] = _rows(out)
     assert (r["mode"], r["busy"], r["light"], r["concurrency"], r["errors"]) == ("pool-churn", "busy", ["a", "b", "c"],
@@ -431,6 +436,13 @@ def test_cli_pool_churn_loads_and_evicts_beside_the_busy_model(start_daemon: Cal
     assert r["tok_s_vs_alone"] == round(r["churn_tok_s"] / r["alone_tok_s"], 3)
     assert r["light_requests"] >= 8 and r["light_ttft_p90_ms"] >= r["light_ttft_p50_ms"] > 0
     assert r["loads"] >= 2 and r["evictions"] >= 1, r  # three models take turns in room for one
+    wait_http(f"http://127.0.0.1:{port}", d)  # the same through the gateway: each request names its model
+    loads = sum(m.get("loads", 0) for m in d.status()["models"])
+    out = _bench_cli("--http", f"http://127.0.0.1:{port}", "--n-vocab", "512", *churn, "--seconds", "1")
+    assert out.returncode == 0, out.stderr
+    [h] = _rows(out)
+    assert (h["transport"], h["errors"], h["loads"]) == ("http-openai", 0, None) and h["light_requests"] >= 4, h
+    assert sum(m.get("loads", 0) for m in d.status()["models"]) > loads  # the light models were asked for by name
     bad = _bench_cli("--endpoint", d.endpoint, "--scenario", "pool-churn", "--busy", "busy")
     assert bad.returncode == 2 and "--light" in bad.stderr
     bad = _bench_cli("--endpoint", d.endpoint, "--scenario", "pool-churn", "--busy", "busy", "--light", "a",
