@@ -11,27 +11,33 @@
 #   bash scripts/gpu-job.sh churn             # the busy model beside seven on-demand ones (issue 52)
 #   bash scripts/gpu-job.sh agent             # the agent scenario, host KV tier on and off, and llama-server
 #
-# Settings (environment): SHAPE (1b or 8b: a random q8_0 model of Llama-3.2-1B's body or Llama-3.1-8B's
+# Settings (environment): SHAPE (1b, 8b or tiny: a random q8_0 model of Llama-3.2-1B's body or Llama-3.1-8B's
 # shape, written on the machine, default 8b), C (streams, default 64), WORKLOADS (side-by-side: default
 # "short rag"), SECONDS_PHASE (churn: default 30), OUT (default /tmp/out: one JSON-lines file a command,
 # the services' logs under OUT/logs). Carry .gpu/ (cp -r ../shared/device/* .gpu/) and nothing large.
+# Without .gpu/ (a check of the job elsewhere, e.g. SHAPE=tiny PY=.venv/bin/python on a CPU) it runs in the
+# caller's environment.
 set -u
-if [ ! -d /tmp/site/llama_cpp ]; then
+PY=${PY:-python3}
+if [ -d .gpu ] && [ ! -d /tmp/site/llama_cpp ]; then
   mkdir -p /tmp/site && tar xJf .gpu/llama_cpp-0.3.36-cuda-sm90.tar.xz -C /tmp/site &&
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl .gpu/extra-wheels/*.whl
 fi
 if [ ! -x /tmp/lsa/llama-server ] && ls .gpu/llama-server-*-addon.tar.xz > /dev/null 2>&1; then
   mkdir -p /tmp/lsa && tar xJf .gpu/llama-server-*-addon.tar.xz -C /tmp/lsa
 fi
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+if [ -d .gpu ]; then export PYTHONPATH=/tmp/site:$PWD/src; else export PYTHONPATH=$PWD/src; fi
+export PYTHONUNBUFFERED=1
 [ "$#" -eq 0 ] && return 0 2> /dev/null
 
 PHASE=$1; SHAPE=${SHAPE:-8b}; C=${C:-64}; OUT=${OUT:-/tmp/out}; M=/tmp/m
 mkdir -p "$OUT/logs" $M
-LP="python3 -m llamapool.cli"
+LP="$PY -m llamapool.cli"
 T0=$(date +%s)
 el() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/job.log"; }
-if [ "$SHAPE" = 8b ]; then
+if [ "$SHAPE" = tiny ]; then
+  SHAPE_ARGS=""; NV=512  # make-model's defaults: checks the job, its figures mean nothing
+elif [ "$SHAPE" = 8b ]; then
   SHAPE_ARGS="--n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 --n-ff 14336 --n-vocab 128256 --type q8_0"; NV=128256
 else
   SHAPE_ARGS="--n-embd 2048 --n-layer 16 --n-head 32 --n-head-kv 8 --n-ff 8192 --n-vocab 32000 --type q8_0"; NV=32000
@@ -66,8 +72,8 @@ side-by-side)
   done ;;
 speculation)
   model $SHAPE-peaked --peaked
-  printf '[server]\nruntime_dir = "/tmp/lp-spec"\n[workers]\nslots = %s\n[model]\npath = "%s"\nctx_per_slot = 1024\n' \
-    $C $M/$SHAPE-peaked.gguf > $M/spec.toml
+  printf '[server]\nruntime_dir = "/tmp/lp-spec"\n[workers]\nslots = %s\n[model]\npath = "%s"\nctx_per_slot = 1024\n%s\n' \
+    $C $M/$SHAPE-peaked.gguf "$([ $SHAPE = tiny ] && echo 'speculative = "ngram"')" > $M/spec.toml  # "auto" is off on a CPU
   $LP serve --config $M/spec.toml > "$OUT/logs/spec-daemon.log" 2>&1 & PID=$!
   for _ in $(seq 900); do grep -q "ready (READY=1)" "$OUT/logs/spec-daemon.log" && break; sleep 0.2; done
   timeout 400 $LP bench --config $M/spec.toml --scenario speculation -c 1 $C --rounds 2 --gen-tokens 256 --no-progress \
