@@ -523,7 +523,7 @@ def _tool_commands(sub: Any) -> None:
     m.add_argument("--peaked", action="store_true",
                    help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
-                        "benchmarks: bench --scenario speculation, tests/spec_oracle.py)")
+                        "benchmarks such as scripts/spec_oracle.py)")
     m.set_defaults(fn=cmd_make_model)
 
     k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")
