@@ -101,7 +101,16 @@ agent)
     $LP serve --config $M/agent-$kv.toml > "$OUT/logs/agent-$kv-daemon.log" 2>&1 & PID=$!
     for _ in $(seq 900); do grep -q "ready (READY=1)" "$OUT/logs/agent-$kv-daemon.log" && break; sleep 0.2; done
     timeout 200 $LP bench --config $M/agent-$kv.toml $AGENT --out "$OUT/agent-$SHAPE-kv-$kv.jsonl" > "$OUT/logs/agent-$kv.txt" 2>&1
-    el "agent kv_host=$kv rc=$?"; kill -TERM $PID; wait $PID
+    el "agent kv_host=$kv rc=$?"
+    for w in short rag; do  # the tier must never make these slower (issue 51)
+      timeout 90 $LP bench --config $M/agent-$kv.toml -w $w -c 16 -n 64 --no-progress --out "$OUT/$w-$SHAPE-kv-$kv.jsonl" \
+        > "$OUT/logs/$w-$kv.txt" 2>&1; el "$w kv_host=$kv rc=$?"
+    done
+    if [ "$kv" != 0 ]; then  # a rolling reload once half the turns are done: returning TTFT 30 s before and after
+      timeout 240 $LP bench --config $M/agent-$kv.toml $AGENT --reload-at 0.5 --out "$OUT/agent-$SHAPE-kv-$kv-reload.jsonl" \
+        > "$OUT/logs/agent-$kv-reload.txt" 2>&1; el "agent kv_host=$kv --reload-at 0.5 rc=$?"
+    fi
+    kill -TERM $PID; wait $PID
   done
   for cram in 0 32768; do
     LD_LIBRARY_PATH=/tmp/lsa:/tmp/site/llama_cpp/lib /tmp/lsa/llama-server -m $M/$SHAPE.gguf -ngl 99 -np 16 -c $((16 * 8192)) \

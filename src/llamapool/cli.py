@@ -529,7 +529,7 @@ def _tool_commands(sub: Any) -> None:
     m.add_argument("--peaked", action="store_true",
                    help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
-                        "benchmarks such as scripts/spec_oracle.py)")
+                        "benchmarks such as tests/spec_oracle.py)")
     m.add_argument("--fim", action="store_true",
                    help="with fill-in-the-middle tokens (Qwen2.5-Coder's <|fim_prefix|> ... <|file_sep|>) declared "
                         "in the GGUF as a code model's are: /infill and suffix serve it")
