@@ -37,7 +37,7 @@ if [ "$PHASE" = build ]; then
   MPID=$!; t=$(date +%s)
   LLAMA_SDIST=$(ls $PWD/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb PIP_BUILD_ARGS=--no-build-isolation \
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  CMAKE_ARGS="-DLLAVA_BUILD=off -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
   bash scripts/llama-cpp-build.sh wheel /tmp/wh > "$OUT/logs/build.log" 2>&1
   el "patched build rc=$? in $(( $(date +%s) - t )) s"
   if ls /tmp/wh/llama_cpp_python-*.whl > /dev/null 2>&1; then

@@ -25,7 +25,7 @@ el "setup done"
 ( t=$(date +%s)
   LLAMA_SDIST=$(ls $W/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb PIP_BUILD_ARGS=--no-build-isolation \
   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  CMAKE_ARGS="-DLLAVA_BUILD=off -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
   bash scripts/llama-cpp-build.sh wheel /tmp/wh > $J/build.log 2>&1
   echo "build rc=$? in $(( $(date +%s) - t )) s" >> $J/build.log ) &
 BPID=$!
@@ -45,7 +45,7 @@ if ! ls /tmp/wh/llama_cpp_python-*.whl > /dev/null 2>&1; then  # without 0002: s
   mkdir -p /tmp/p1 && cp patches/llama.cpp/0001-*.patch /tmp/p1/ && PATCHED=0
   LLAMA_CPP_PATCHES=/tmp/p1 LLAMA_SDIST=$(ls $W/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb1 \
   PIP_BUILD_ARGS=--no-build-isolation CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  CMAKE_ARGS="-DLLAVA_BUILD=off -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
   bash scripts/llama-cpp-build.sh wheel /tmp/wh > $J/build1.log 2>&1; el "build without 0002 rc=$?"
 fi
 python3 -m pip install -q --no-deps --target /tmp/site /tmp/wh/llama_cpp_python-*.whl >> $J/pip.log 2>&1
