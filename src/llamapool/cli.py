@@ -57,7 +57,7 @@ def fetch_models(cfg: Config) -> Config:
     from llamapool import hub
     from llamapool import log as logmod
 
-    wanted = [m for m in cfg.models if hub.is_ref(m.path)]
+    wanted = [m for m in cfg.models if hub.is_ref(m.path) or hub.is_ref(m.mmproj)]
     if not wanted:
         return cfg
     from llamapool.supervisor.sdnotify import Notifier
@@ -73,11 +73,14 @@ def fetch_models(cfg: Config) -> Config:
         notifier.notify(STATUS=f"downloading {', '.join(m.path for m in wanted)}", EXTEND_TIMEOUT_USEC=60_000_000)
         threading.Thread(target=keep_alive, name="download-keepalive", daemon=True).start()
     try:
-        paths = {m.path: str(hub.fetch(hub.parse(m.path), say=log.info)) for m in wanted}
+        paths = {m.path: str(hub.fetch(hub.parse(m.path), say=log.info)) for m in wanted if hub.is_ref(m.path)}
+        projs = {m.mmproj: str(hub.fetch(hub.parse(m.mmproj, mmproj=True), say=log.info))
+                 for m in wanted if hub.is_ref(m.mmproj)}
     finally:
         done.set()
     return dataclasses.replace(cfg, models=tuple(
-        dataclasses.replace(m, path=paths.get(m.path, m.path)) for m in cfg.models))
+        dataclasses.replace(m, path=paths.get(m.path, m.path), mmproj=projs.get(m.mmproj, m.mmproj))
+        for m in cfg.models))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -340,6 +343,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_make_model(args: argparse.Namespace) -> int:
     from llamapool.modelgen import make_model
 
+    if args.vision:
+        from llamapool.visiongen import make_vision_model
+
+        model, mmproj = make_vision_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer,
+                                          n_vocab=args.n_vocab, seed=args.seed)
+        print(f"wrote {model} and its projector {mmproj} (random weights: the reply depends on the image, "
+              f"and is gibberish); config: path = \"{model}\", mmproj = \"{mmproj}\"")
+        return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
                       qtype=args.type, seed=args.seed, peaked=args.peaked)
@@ -511,7 +522,10 @@ def _tool_commands(sub: Any) -> None:
     ms.set_defaults(fn=cmd_models)
 
     m = _sub(sub, "make-model", "write a random-weight llama GGUF (tests and benchmarks; its output is gibberish)")
-    m.add_argument("path", help="the GGUF file to write")
+    m.add_argument("path", help="the GGUF file to write (with --vision: the folder)")
+    m.add_argument("--vision", action="store_true",
+                   help="a vision model: PATH/model.gguf and its projector PATH/mmproj.gguf (Gemma 3's projector "
+                        "shape, 64 px images of 16 tokens; docs/models.md#images)")
     m.add_argument("--n-embd", type=int, default=64, help="embedding width (the 1B shape: 2048; 8B: 4096)")
     m.add_argument("--n-layer", type=int, default=2, help="layers (1B: 16; 8B: 32)")
     m.add_argument("--n-head", type=int, default=4, help="attention heads (1B and 8B: 32)")
