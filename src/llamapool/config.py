@@ -472,6 +472,24 @@ def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) 
     return tuple(models)
 
 
+def _mmproj(key: str, m: ModelConfig, base_dir: Path | None) -> str:
+    """The model's projector: its cached file for an hf: reference (else the reference: `serve` downloads
+    it), a path resolved against ``base_dir``."""
+    if m.embedding or m.engine != "llama":
+        raise ConfigError(f"{key}.mmproj: applies to a generation model (engine = \"llama\", no embedding)")
+    if not m.mmproj.startswith("hf:"):
+        return str((base_dir / m.mmproj).resolve()) if base_dir is not None and not Path(m.mmproj).is_absolute() \
+            else m.mmproj
+    from llamapool import hub
+
+    try:
+        ref = hub.parse(m.mmproj, mmproj=True)
+    except ValueError as e:
+        raise ConfigError(f"{key}.mmproj: {e}") from None
+    local = hub.cached(ref)
+    return str(local) if local else m.mmproj
+
+
 def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, listed: bool) -> ModelConfig:
     """Resolve one model's paths and name, and check the keys that depend on each other."""
     if m.engine not in ("llama", "echo"):
@@ -491,6 +509,8 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         m = dataclasses.replace(m, path=str((base_dir / m.path).resolve()))
     if not m.name:
         m = dataclasses.replace(m, name=Path(m.path).stem or "llamapool")
+    if m.mmproj:
+        m = dataclasses.replace(m, mmproj=_mmproj(key, m, base_dir))
     if (listed or explicit) and not MODEL_NAME.fullmatch(m.name):
         raise ConfigError(f"{key}.name: {m.name!r} must be 1 to 64 letters, digits, '.', '_', '-' or '/', "
                           f"starting with a letter or digit" + ("" if explicit else " (set name = \"...\")"))
