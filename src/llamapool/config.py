@@ -155,6 +155,13 @@ class HttpConfig:
     responses_store: bool = True  # false: nothing is stored (store acts as false), previous_response_id is a 400
     responses_ttl: float = 30 * 86400.0  # seconds a stored response is kept (OpenAI's 30 days); "720h"
     responses_max_mb: float = 1024.0  # MiB the stored responses (their JSON) take at most: past it, the oldest go
+    # http(s) image URLs (gateway/fetch.py): fetched only with fetch_media = true, from the listed hosts (none:
+    # any), at most max_bytes and timeout seconds each, never from a private address unless fetch_media_private
+    fetch_media: bool = False
+    fetch_media_hosts: tuple[str, ...] = ()
+    fetch_media_max_bytes: int = 8 << 20
+    fetch_media_timeout: float = 10.0
+    fetch_media_private: bool = False
 
     @property
     def host_port(self) -> tuple[str, int]:

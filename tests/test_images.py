@@ -1,0 +1,213 @@
+"""Images in requests (issue 54): the generated vision model (``llamapool make-model --vision``: a random text
+model and its Gemma 3-shaped mmproj) served by the daemon as a real process, over real sockets, through the
+``openai`` and ``anthropic`` clients, the Responses API and the SDK: the reply depends on the image, a
+returning image is neither encoded nor prefilled again (its tokens reported cached), and every bad image is a
+400 naming its part that leaves the workers up."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from llamapool.client.errors import BadRequestError
+from tests.conftest import Daemon, free_port, launch
+from tests.test_gateway import wait_http
+
+IMAGE_TOKENS = 16  # the generated projector's: 64 px, 8 px patches, 2 x 2 pooled
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 12}
+
+
+def png(w: int, h: int, seed: int) -> bytes:
+    """An RGB PNG of ``w`` x ``h`` pixels, a pattern that ``seed`` picks (written by hand: no Pillow)."""
+    rows = b"".join(b"\x00" + bytes(((x * 7 + seed * 53) % 256, (y * 5 + seed * 31) % 256, ((x ^ y) * seed) % 256)
+                                    [c] for x in range(w) for c in range(3)) for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+RED, BLUE = png(64, 64, 1), png(64, 64, 2)
+
+
+def data_url(image: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(image).decode()}"
+
+
+def ask(image: bytes | str, text: str = "What is in this picture?") -> list[dict[str, Any]]:
+    url = image if isinstance(image, str) else data_url(image)
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The model and its projector, written by the CLI."""
+    folder = tmp_path_factory.mktemp("vision")
+    out = subprocess.run([sys.executable, "-m", "llamapool.cli", "make-model", "--vision", str(folder)],
+                         capture_output=True, text=True, check=True)
+    assert "mmproj" in out.stdout
+    return str(folder / "model.gguf"), str(folder / "mmproj.gguf")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, vision_model: tuple[str, str],
+           model_path: str) -> Iterator[tuple[Daemon, str]]:
+    """A daemon serving the vision model ("vis", one worker) and the text-only tiny model ("tiny")."""
+    model, mmproj = vision_model
+    port = free_port()
+    d = launch(tmp_path_factory.mktemp("images"), model, http={"listen": f"127.0.0.1:{port}"},
+               models=[{"name": "vis", "path": model, "mmproj": mmproj, "cpu_workers": 1, "ctx_per_slot": 1024},
+                       {"name": "tiny", "path": model_path, "cpu_workers": 1, "ctx_per_slot": 512}],
+               workers={"devices": "cpu", "slots": 4, "threads": 1})
+    d.wait_ready(2)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, d)
+    yield d, url
+    d.stop(signal.SIGQUIT, timeout=30)
+
+
+@pytest.fixture
+def oai(served: tuple[Daemon, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(oai: openai.OpenAI, messages: list[dict[str, Any]], model: str = "vis") -> Any:
+    return oai.chat.completions.create(model=model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+
+
+def cached(r: Any) -> int:
+    return int(r.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_the_reply_depends_on_the_image_and_a_returning_one_is_cached(oai: openai.OpenAI) -> None:
+    red = chat(oai, ask(RED))
+    blue = chat(oai, ask(BLUE))
+    assert red.choices[0].message.content != blue.choices[0].message.content  # two images, two greedy replies
+    assert red.usage.prompt_tokens == blue.usage.prompt_tokens > IMAGE_TOKENS  # the image's tokens counted
+    again = chat(oai, ask(RED))
+    assert again.choices[0].message.content == red.choices[0].message.content
+    assert cached(again) == again.usage.prompt_tokens - 1  # all but the last token: the image too
+    # another image is not the first one's cache: only the text before it is
+    assert cached(blue) < blue.usage.prompt_tokens - IMAGE_TOKENS
+
+
+def test_a_returning_image_in_a_longer_conversation_is_cached(oai: openai.OpenAI) -> None:
+    first = ask(png(64, 64, 7), "Describe it.")
+    r1 = chat(oai, first)
+    later = [*first, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And the colours?"}]
+    r2 = chat(oai, later)
+    assert cached(r2) >= r1.usage.prompt_tokens - 1  # the first turn, image included, from the prefix cache
+    again = chat(oai, later)
+    assert again.choices[0].message.content == r2.choices[0].message.content
+    other = [*ask(png(64, 64, 8), "Describe it."), *later[1:]]  # another image in the same conversation
+    r3 = chat(oai, other)
+    assert cached(r3) < IMAGE_TOKENS + 8 and r3.choices[0].message.content != r2.choices[0].message.content
+
+
+def test_the_anthropic_client_sends_an_image_as_its_docs_show(served: tuple[Daemon, str], oai: openai.OpenAI) -> None:
+    client = anthropic.Anthropic(base_url=served[1], api_key="unused", max_retries=0)
+    image = png(64, 64, 3)
+    m = client.messages.create(model="vis", max_tokens=12, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}},
+            {"type": "text", "text": "What is in this picture?"}]}])
+    # the same chat as OpenAI's: the same prompt, the same greedy reply
+    assert m.content[0].text == chat(oai, ask(image)).choices[0].message.content  # type: ignore[union-attr]
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) > IMAGE_TOKENS
+
+
+def test_the_responses_api_takes_input_image(oai: openai.OpenAI) -> None:
+    image = png(64, 64, 4)
+    r = oai.responses.create(model="vis", temperature=0, max_output_tokens=12, store=False, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image)},
+                                     {"type": "input_text", "text": "What is in this picture?"}]}])
+    assert r.output_text == chat(oai, ask(image)).choices[0].message.content
+
+
+def test_the_sdk_sends_image_bytes(served: tuple[Daemon, str], oai: openai.OpenAI) -> None:
+    image = png(64, 64, 5)
+    with served[0].client() as c:
+        done = c.chat([{"role": "user", "content": [{"type": "image", "data": image},
+                                                    {"type": "text", "text": "What is in this picture?"}]}],
+                      model="vis", **GREEDY)
+        assert done.text == chat(oai, ask(image)).choices[0].message.content
+        with pytest.raises(BadRequestError) as e:
+            c.chat([{"role": "user", "content": [{"type": "image", "data": b"GIF89a"}]}], model="vis", **GREEDY)
+        assert e.value.field == "messages[0].content[0].data"
+
+
+def test_models_say_which_take_images(oai: openai.OpenAI) -> None:
+    got = {m.id: m.model_extra.get("input_modalities") for m in oai.models.list().data}  # type: ignore[union-attr]
+    assert got == {"vis": ["text", "image"], "tiny": ["text"]}
+
+
+WEBP = b"RIFF\x24\x00\x00\x00WEBPVP8 " + b"\x00" * 24
+BOMB = png(1, 1, 0)[:16] + struct.pack(">II", 50_000, 50_000) + png(1, 1, 0)[24:]  # a header of 2.5 G pixels
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("data:image/png;base64,@@@not base64@@@", "not valid base64"),
+    (data_url(b"just some text, no image"), "not an image"),
+    (data_url(WEBP, "image/webp"), "WebP"),
+    (data_url(BOMB), "pixels"),
+    ("data:text/plain;base64,aGVsbG8=", "not an image"),
+    ("https://example.com/cat.png", "fetch_media"),
+    ("ftp://example.com/cat.png", "data: URL"),
+])
+def test_a_bad_image_is_a_400_naming_its_part(oai: openai.OpenAI, served: tuple[Daemon, str], url: str,
+                                              why: str) -> None:
+    pids = {w["pid"] for w in served[0].status()["workers"]}
+    messages = [{"role": "system", "content": "Be brief."}, *ask(url)]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, messages)
+    err = e.value.body
+    assert isinstance(err, dict) and err["param"] == "messages[1].content[0].image_url", err
+    assert why in err["message"], err
+    assert {w["pid"] for w in served[0].status()["workers"]} == pids  # no worker went down
+
+
+def test_too_many_images_and_a_model_without_a_projector_are_400s(oai: openai.OpenAI) -> None:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(RED)}} for _ in range(17)]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}])
+    assert e.value.body["param"] == "messages[0].content[16].image_url"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, ask(RED), model="tiny")
+    assert e.value.body["param"] == "messages[0].content[0].image_url"  # type: ignore[index]
+    assert "takes none" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_an_undecodable_image_with_a_good_header_fails_in_the_worker_alone(served: tuple[Daemon, str],
+                                                                          oai: openai.OpenAI) -> None:
+    pids = {w["pid"] for w in served[0].status()["workers"]}
+    broken = RED[:40] + b"\x00" * 64  # a PNG header, then garbage
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, ask(broken))
+    assert e.value.body["param"] == "messages[0].content[0]", e.value.body  # type: ignore[index]
+    assert "decoded" in e.value.body["message"]  # type: ignore[index]
+    assert {w["pid"] for w in served[0].status()["workers"]} == pids
+    assert chat(oai, ask(RED)).choices[0].message.content  # and it serves on
+
+
+def test_anthropic_image_errors_name_the_block(served: tuple[Daemon, str]) -> None:
+    body = {"model": "vis", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%%"}}]}]}
+    r = httpx.post(served[1] + "/v1/messages", json=body, headers={"x-api-key": "unused"})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
