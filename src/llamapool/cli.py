@@ -309,35 +309,41 @@ def cmd_models(args: argparse.Namespace) -> int:
     from llamapool import hub
 
     cfg = load_config(args.config)
-    cols = ("MODEL", "FILE", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE")
+    cols = ("MODEL", "FILE", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "INPUT")
     rows: list[tuple[str, ...]] = []
     for m in cfg.models:
+        if m.engine == "llama" and not hub.is_ref(m.path) and os.path.isfile(m.path):
+            rows.append(_model_row(m, hub.gguf_info, hub.template_family))
+            continue
         if m.engine != "llama":
             rows.append((m.name, f"({m.engine} engine: no model file)", "-", "-", "-", "-"))
         elif hub.is_ref(m.path):
             rows.append((m.name, f"{m.path}: not downloaded yet (llamapool fetch-model {m.path})",
                          "-", "-", "-", "-"))
         else:
-            shown = os.path.relpath(m.path) if m.path.startswith(os.getcwd() + os.sep) else m.path
-            try:
-                g = hub.gguf_info(m.path)
-            except FileNotFoundError:
-                rows.append((m.name, f"{shown}: no such file", "-", "-", "-", "-"))
-                continue
-            except (OSError, ValueError) as e:
-                rows.append((m.name, f"{shown}: not a readable GGUF ({e})", "-", "-", "-", "-"))
-                continue
-            template = g.chat_template
-            if m.chat_template:  # the config's template file replaces the GGUF's
-                with open(m.chat_template) as fh:
-                    template = f"{hub.template_family(fh.read())} ({os.path.basename(m.chat_template)})"
-            rows.append((m.name, shown, _bytes(g.size), g.architecture, f"{g.context_length:,}" if g.context_length
-                         else "?", template))
+            rows.append((m.name, f"{m.path}: no such file", "-", "-", "-", "-"))
+    rows = [(*r, "-") if len(r) < len(cols) else r for r in rows]
     widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
     widths[1] += 1  # FILE: its paths stand three spaces from the sizes, as README.md shows the table
     for r in (cols, *rows):
         print("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)).rstrip())
     return 0
+
+
+def _model_row(m: Any, gguf_info: Any, template_family: Any) -> tuple[str, ...]:
+    """A model's row of ``llamapool models``: what its GGUF's header says, and whether it takes images
+    (INPUT: "text, image" with an mmproj)."""
+    shown = os.path.relpath(m.path) if m.path.startswith(os.getcwd() + os.sep) else m.path
+    try:
+        g = gguf_info(m.path)
+    except (OSError, ValueError) as e:
+        return m.name, f"{shown}: not a readable GGUF ({e})", "-", "-", "-", "-", "-"
+    template = g.chat_template
+    if m.chat_template:  # the config's template file replaces the GGUF's
+        with open(m.chat_template) as fh:
+            template = f"{template_family(fh.read())} ({os.path.basename(m.chat_template)})"
+    return (m.name, shown, _bytes(g.size), g.architecture, f"{g.context_length:,}" if g.context_length else "?",
+            template, "text, image" if m.mmproj else "text")
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
