@@ -7,10 +7,12 @@ returning image is neither encoded nor prefilled again (its tokens reported cach
 from __future__ import annotations
 
 import base64
+import http.server
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -63,13 +65,38 @@ def vision_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(folder / "model.gguf"), str(folder / "mmproj.gguf")
 
 
+class _Images(http.server.BaseHTTPRequestHandler):
+    """The image server of the fetch_media tests: /red.png, /big.png (over the size bound), anything else 404."""
+
+    def do_GET(self) -> None:
+        body = {"/red.png": RED, "/big.png": b"\x89PNG" + b"\x00" * 300_000}.get(self.path)
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, vision_model: tuple[str, str],
            model_path: str) -> Iterator[tuple[Daemon, str]]:
-    """A daemon serving the vision model ("vis", one worker) and the text-only tiny model ("tiny")."""
+    """A daemon serving the vision model ("vis", one worker) and the text-only tiny model ("tiny"); it fetches
+    image URLs of 127.0.0.1 alone (the tests' image server: a private address, allowed here)."""
     model, mmproj = vision_model
     port = free_port()
-    d = launch(tmp_path_factory.mktemp("images"), model, http={"listen": f"127.0.0.1:{port}"},
+    fetch = {"fetch_media": True, "fetch_media_hosts": ["127.0.0.1"], "fetch_media_private": True,
+             "fetch_media_max_bytes": 200_000, "fetch_media_timeout": 5.0}
+    d = launch(tmp_path_factory.mktemp("images"), model, http={"listen": f"127.0.0.1:{port}", **fetch},
                models=[{"name": "vis", "path": model, "mmproj": mmproj, "cpu_workers": 1, "ctx_per_slot": 1024},
                        {"name": "tiny", "path": model_path, "cpu_workers": 1, "ctx_per_slot": 512}],
                workers={"devices": "cpu", "slots": 4, "threads": 1})
@@ -167,7 +194,7 @@ BOMB = png(1, 1, 0)[:16] + struct.pack(">II", 50_000, 50_000) + png(1, 1, 0)[24:
     (data_url(WEBP, "image/webp"), "WebP"),
     (data_url(BOMB), "pixels"),
     ("data:text/plain;base64,aGVsbG8=", "not an image"),
-    ("https://example.com/cat.png", "fetch_media"),
+    ("https://example.com/cat.png", "not in [http] fetch_media_hosts"),
     ("ftp://example.com/cat.png", "data: URL"),
 ])
 def test_a_bad_image_is_a_400_naming_its_part(oai: openai.OpenAI, served: tuple[Daemon, str], url: str,
@@ -211,3 +238,44 @@ def test_anthropic_image_errors_name_the_block(served: tuple[Daemon, str]) -> No
     r = httpx.post(served[1] + "/v1/messages", json=body, headers={"x-api-key": "unused"})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "messages[0].content[0].source.data" in r.json()["error"]["message"]
+
+
+def test_an_image_url_is_fetched_within_the_bounds(oai: openai.OpenAI, image_server: str) -> None:
+    fetched = chat(oai, ask(f"{image_server}/red.png"))
+    assert fetched.choices[0].message.content == chat(oai, ask(RED)).choices[0].message.content
+    for path, why in (("/big.png", "fetch_media_max_bytes"), ("/nothing.png", "HTTP 404")):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(oai, ask(f"{image_server}{path}"))
+        assert e.value.body["param"] == "messages[0].content[0].image_url"  # type: ignore[index]
+        assert why in e.value.body["message"], e.value.body  # type: ignore[index]
+
+
+def test_the_fetch_bounds_without_a_daemon(image_server: str) -> None:
+    """A private address is refused unless allowed; fetch_media off refuses every URL, naming its part."""
+    import asyncio
+
+    from llamapool.gateway.errors import ApiError
+    from llamapool.gateway.fetch import FetchError, _get, fetch_all
+
+    cfg: dict[str, Any] = {"enabled": True, "hosts": [], "max_bytes": 1 << 20, "timeout": 5.0, "private": False}
+    with pytest.raises(FetchError, match="private address"):
+        _get(f"{image_server}/red.png", cfg)
+    assert _get(f"{image_server}/red.png", {**cfg, "private": True}) == RED
+    part: dict[str, Any] = {"type": "image", "data": b""}
+    with pytest.raises(ApiError) as e:
+        asyncio.run(fetch_all([(part, f"{image_server}/red.png", "input[0].content[1].image_url")],
+                              {**cfg, "enabled": False}))
+    assert e.value.param == "input[0].content[1].image_url" and "fetch_media = false" in e.value.message
+
+
+def test_count_tokens_counts_the_image(served: tuple[Daemon, str]) -> None:
+    client = anthropic.Anthropic(base_url=served[1], api_key="unused", max_retries=0)
+    image = png(64, 64, 9)
+    messages: Any = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(image).decode()}},
+        {"type": "text", "text": "What is in this picture?"}]}]
+    count = client.messages.count_tokens(model="vis", messages=messages)
+    m = client.messages.create(model="vis", max_tokens=4, messages=messages, extra_body={"temperature": 0})
+    assert count.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert count.input_tokens > IMAGE_TOKENS

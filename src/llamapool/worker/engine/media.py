@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,8 @@ class Projector:
             self.close()
             raise EngineError(f"the projector {path} (model.mmproj) uses M-RoPE (2-D image positions, Qwen2-VL "
                               f"and later), which llamapool does not support yet")
+        # the engine thread encodes; the I/O thread may tokenize too (a render: worker/tasks.py): one at a time
+        self.lock = threading.Lock()
         self.non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, None))
         self.marker = M.mtmd_default_marker()
         self.n_embd = L.llama_model_n_embd_inp(model)
@@ -102,6 +105,10 @@ class Projector:
     def tokenize(self, data: bytes, digest: str) -> list[tuple[list[int], Chunks | None, Any]]:
         """The image's segments: ``(text tokens, None, None)`` and ``([], owner, image chunk)`` in order;
         ``ValueError`` when libmtmd cannot decode it."""
+        with self.lock:
+            return self._tokenize(data, digest)
+
+    def _tokenize(self, data: bytes, digest: str) -> list[tuple[list[int], Chunks | None, Any]]:
         M = self.M
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         bitmap = M.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
@@ -138,12 +145,13 @@ class Projector:
     def encode(self, span: MediaSpan) -> np.ndarray:
         """The image chunk's embeddings, ``(n, n_embd)`` float32 (a copy: the next encode overwrites them)."""
         M = self.M
-        rc = M.mtmd_encode_chunk(self.ctx, span.chunk)
-        if rc != 0:
-            raise RuntimeError(f"the projector could not encode the image (mtmd_encode_chunk returned {rc})")
-        ptr = M.mtmd_get_output_embd(self.ctx)
-        raw = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float))
-        return np.ctypeslib.as_array(raw, shape=(span.n * self.n_embd,)).reshape(span.n, self.n_embd).copy()
+        with self.lock:
+            rc = M.mtmd_encode_chunk(self.ctx, span.chunk)
+            if rc != 0:
+                raise RuntimeError(f"the projector could not encode the image (mtmd_encode_chunk returned {rc})")
+            ptr = M.mtmd_get_output_embd(self.ctx)
+            raw = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float))
+            return np.ctypeslib.as_array(raw, shape=(span.n * self.n_embd,)).reshape(span.n, self.n_embd).copy()
 
 
 class EmbdBatch:
