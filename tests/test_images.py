@@ -279,3 +279,28 @@ def test_count_tokens_counts_the_image(served: tuple[Daemon, str]) -> None:
     m = client.messages.create(model="vis", max_tokens=4, messages=messages, extra_body={"temperature": 0})
     assert count.input_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
     assert count.input_tokens > IMAGE_TOKENS
+
+
+@pytest.mark.parametrize("transport", ["sdk", "http"])
+def test_bench_image_workload(served: tuple[Daemon, str], transport: str) -> None:
+    """``llamapool bench -w image`` against the daemon, over the SDK and over OpenAI's chat API: every
+    request an image of its own and a question, every reply its tokens (ignore_eos), none failed."""
+    import json
+
+    where = ["--endpoint", served[0].endpoint] if transport == "sdk" else ["--http", served[1]]
+    argv = ["bench", "--no-progress", *where, "-w", "image", "-c", "4", "-n", "8", "--gen-tokens", "8",
+            "--prompt-tokens", "16", "--n-vocab", "512", "--json"]
+    out = subprocess.run([sys.executable, "-m", "llamapool.cli", *argv], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    [r] = json.loads(out.stdout)
+    assert (r["workload"], r["requests"], r["errors"], r["gen_tokens"]) == ("image", 8, 0, 64), r
+
+
+def test_the_image_workload_is_seeded() -> None:
+    from llamapool.bench.workloads import make_workload
+    from llamapool.protocol.media import image_info
+
+    a, b = (make_workload("image", 4, 512, seed=1, image_px=32) for _ in range(2))
+    assert a == b and len({r.image for r in a.requests}) == 4  # the same requests; an image each
+    assert all(image_info(r.image).width == 32 and len(r.text.split()) == 64 and r.max_tokens == 64
+               for r in a.requests)
