@@ -304,3 +304,41 @@ def test_the_image_workload_is_seeded() -> None:
     assert a == b and len({r.image for r in a.requests}) == 4  # the same requests; an image each
     assert all(image_info(r.image).width == 32 and len(r.text.split()) == 64 and r.max_tokens == 64
                for r in a.requests)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_images_of_many_streams_in_one_step_match_each_alone(vision_model: tuple[str, str],
+                                                           deterministic: bool) -> None:
+    """The engine in this process: four prompts with an image each (text before and after it), submitted
+    together, are fed in the same steps (a small step budget splits the text; the images go in their own
+    decodes) and reply as each does alone; a projector the worker cannot load is a clear EngineError."""
+    from llamapool.protocol.messages import Run, SamplingParams, Step
+    from llamapool.worker.engine import Engine, EngineConfig, EngineError
+
+    model, mmproj = vision_model
+    eng = Engine(EngineConfig(model, mmproj=mmproj, slots=4, ctx_per_slot=512, max_batch_tokens=40, n_ubatch=512,
+                              prefix_cache=False, deterministic=deterministic))
+    try:
+        images = [png(64, 64, 20 + k) for k in range(4)]
+
+        def run(batch: list[bytes]) -> list[str]:
+            out = Step()
+            for i, image in enumerate(batch):
+                chat = [{"role": "user", "content": [{"type": "text", "text": "Look at this: "},
+                                                     {"type": "image", "data": image},
+                                                     {"type": "text", "text": "What is it?"}]}]
+                eng.submit(Run(i, chat, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), False), out)
+            texts: dict[int, str] = {}
+            while eng.busy:
+                step = eng.step()
+                assert not step.failed, step.failed
+                texts.update({d.rid: d.text for d in step.done})
+            return [texts[i] for i in range(len(batch))]
+
+        alone = [run([image])[0] for image in images]
+        assert len(set(alone)) > 1
+        assert run(images) == alone
+    finally:
+        eng.close()
+    with pytest.raises(EngineError, match="model.mmproj"):
+        Engine(EngineConfig(model, mmproj=model, slots=1, ctx_per_slot=256))  # a text GGUF is no projector
