@@ -340,5 +340,5 @@ def test_images_of_many_streams_in_one_step_match_each_alone(vision_model: tuple
         assert run(images) == alone
     finally:
         eng.close()
-    with pytest.raises(EngineError, match="model.mmproj"):
+    with pytest.raises(EngineError, match=r"model\.mmproj"):
         Engine(EngineConfig(model, mmproj=model, slots=1, ctx_per_slot=256))  # a text GGUF is no projector
