@@ -342,3 +342,25 @@ def test_images_of_many_streams_in_one_step_match_each_alone(vision_model: tuple
         eng.close()
     with pytest.raises(EngineError, match=r"model\.mmproj"):
         Engine(EngineConfig(model, mmproj=model, slots=1, ctx_per_slot=256))  # a text GGUF is no projector
+
+
+def test_mmproj_config_and_hub_refs(tmp_path: Path) -> None:
+    """model.mmproj: a relative path resolves against the config's folder; an hf: reference picks the repo's
+    mmproj file as llama-server -hf does (the reference's quantisation, else F16, ...); an embedding model
+    takes none."""
+    from llamapool import hub
+    from llamapool.config import ConfigError, from_dict
+
+    model = {"path": "m.gguf", "mmproj": "proj/mmproj.gguf"}
+    cfg = from_dict({"models": [model]}, tmp_path)
+    assert cfg.models[0].mmproj == str(tmp_path / "proj" / "mmproj.gguf")
+    with pytest.raises(ConfigError, match=r"models\[0\]\.mmproj"):
+        from_dict({"models": [{**model, "embedding": True}]}, tmp_path)
+    ref = "hf:ggml-org/gemma-3-4b-it-GGUF"
+    assert from_dict({"models": [{**model, "mmproj": ref}]}, tmp_path).models[0].mmproj == ref  # serve fetches it
+    files = ["gemma-3-4b-it-Q4_K_M.gguf", "mmproj-model-Q8_0.gguf", "mmproj-model-f16.gguf", "README.md"]
+    assert hub.parse(ref, mmproj=True).pick(files) == ["mmproj-model-f16.gguf"]
+    assert hub.parse(ref + ":Q8_0", mmproj=True).pick(files) == ["mmproj-model-Q8_0.gguf"]
+    assert hub.parse(ref + ":Q4_K_M").pick(files) == ["gemma-3-4b-it-Q4_K_M.gguf"]  # the model, never the mmproj
+    with pytest.raises(hub.HubError, match="no mmproj"):
+        hub.parse(ref, mmproj=True).pick(files[:1])
