@@ -15,6 +15,7 @@ import sys
 import threading
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
