@@ -564,7 +564,8 @@ class Engine:
             seq: Sequence | None = self.active[sid]
             while seq is not None and seq.media and seq.prefilling:
                 span = next((m for m in seq.media if m.start == seq.n_past), None)
-                if span is None or (used and used + span.n > budget) or span.n > eb.capacity - eb.n:
+                if span is None or span.chunk is None or (used and used + span.n > budget) \
+                        or span.n > eb.capacity - eb.n:
                     break
                 try:
                     rows = self.projector.encode(span)
@@ -573,6 +574,7 @@ class Engine:
                     break
                 L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)  # a padding token it had (batch.fill)
                 eb.add(sid, seq.n_past, rows)
+                span.chunk = span.owner = None  # fed: libmtmd's copy of its pixels goes
                 used += span.n
                 seq.n_past = span.end
                 if self.projector.non_causal:  # the image attends to itself whole: a decode of its own

@@ -44,8 +44,8 @@ class MediaSpan:
 
     start: int
     n: int
-    chunk: Any  # the mtmd_input_chunk (owned by ``owner``)
-    owner: Chunks
+    chunk: Any  # the mtmd_input_chunk (owned by ``owner``); None once fed (its preprocessed pixels freed)
+    owner: Chunks | None
     digest: str  # the image's sha256
 
     @property
