@@ -215,6 +215,10 @@ def test_too_many_images_and_a_model_without_a_projector_are_400s(oai: openai.Op
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}])
     assert e.value.body["param"] == "messages[0].content[16].image_url"  # type: ignore[index]
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(oai, audio)  # images only: an audio part is refused by name
+    assert e.value.body["param"] == "messages[0].content[0].type"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
         chat(oai, ask(RED), model="tiny")
     assert e.value.body["param"] == "messages[0].content[0].image_url"  # type: ignore[index]
