@@ -369,3 +369,12 @@ def test_mmproj_config_and_hub_refs(tmp_path: Path) -> None:
     assert hub.parse(ref + ":Q4_K_M").pick(files) == ["gemma-3-4b-it-Q4_K_M.gguf"]  # the model, never the mmproj
     with pytest.raises(hub.HubError, match="no mmproj"):
         hub.parse(ref, mmproj=True).pick(files[:1])
+
+
+def test_an_image_streams_and_takes_n_choices(oai: openai.OpenAI) -> None:
+    image = png(64, 64, 11)
+    whole = chat(oai, ask(image)).choices[0].message.content
+    stream = oai.chat.completions.create(model="vis", messages=ask(image), stream=True, **GREEDY)  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    two = oai.chat.completions.create(model="vis", messages=ask(image), n=2, **GREEDY)  # type: ignore[arg-type]
+    assert [c.message.content for c in two.choices] == [whole, whole]  # greedy: both the same reply
