@@ -553,19 +553,20 @@ class Engine:
         return filled.outputs
 
     def _feed_media(self, chunk: dict[int, int], out: Step) -> None:
-        """The step's images: each prompt (of ``chunk``) at an image's first position has the image encoded
-        and its embeddings decoded (a ``llama_decode`` of their own, before the step's token batch), up to
-        the step's token budget (one image at least); then each prompt's text chunk ends where its next image
-        starts (a prompt at an image not fed this step waits: out of ``chunk``)."""
+        """The step's images, scheduled as prompt tokens: a prompt (of ``chunk``) at an image's first position
+        has the image encoded and its embeddings decoded (a ``llama_decode`` of their own, before the step's
+        token batch) out of the tokens the plan gave it (``scheduler.plan_step``: the step target's budget);
+        an image larger than that goes whole, one a step (the oldest prompt's first). Then each prompt's text
+        chunk is what is left of its tokens, up to where its next image starts (none left: it waits, out of
+        ``chunk``)."""
         assert self.projector is not None and self.embd_batch is not None
-        eb, used = self.embd_batch, 0
-        budget = min(self.cfg.max_batch_tokens, eb.capacity)
-        for sid in sorted(chunk):
+        eb, fed = self.embd_batch, False
+        for sid in sorted(chunk, key=lambda i: (self.active[i].arrived, i)):
             seq: Sequence | None = self.active[sid]
+            allow = chunk[sid]
             while seq is not None and seq.media and seq.prefilling:
                 span = next((m for m in seq.media if m.start == seq.n_past), None)
-                if span is None or span.chunk is None or (used and used + span.n > budget) \
-                        or span.n > eb.capacity - eb.n:
+                if span is None or span.chunk is None or (fed and span.n > allow) or span.n > eb.capacity - eb.n:
                     break
                 try:
                     rows = self.projector.encode(span)
@@ -575,23 +576,21 @@ class Engine:
                 L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)  # a padding token it had (batch.fill)
                 eb.add(sid, seq.n_past, rows)
                 span.chunk = span.owner = None  # fed: libmtmd's copy of its pixels goes
-                used += span.n
+                allow, fed = allow - span.n, True
                 seq.n_past = span.end
                 if self.projector.non_causal:  # the image attends to itself whole: a decode of its own
                     self._decode_embd([seq], out)
                 seq = self.active.get(sid) if self.active.get(sid) is seq else None
+            if seq is not None and seq.media and seq.prefilling:
+                L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)  # a padding token it had (batch.fill)
+                nxt = next((m.start for m in seq.media if m.start >= seq.n_past), len(seq.tokens))
+                chunk[sid] = min(allow, nxt - seq.n_past)
         if eb.n:
             self._decode_embd([s for s in self.active.values() if s.seq_id in chunk and s.media], out)
         for sid in list(chunk):
             seq = self.active.get(sid)
-            if seq is None:
+            if seq is None or chunk[sid] <= 0:
                 del chunk[sid]
-            elif seq.media and seq.prefilling:
-                L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)  # a padding token it had (batch.fill)
-                nxt = next((m.start for m in seq.media if m.start >= seq.n_past), len(seq.tokens))
-                chunk[sid] = min(chunk[sid], nxt - seq.n_past)
-                if chunk[sid] <= 0:
-                    del chunk[sid]
 
     def _decode_embd(self, seqs: list[Sequence], out: Step) -> None:
         """Decode the embedding batch; on failure its sequences fail (the worker goes on)."""
