@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="short: 128 prompt / 128 output tokens; rag: 1024/128; long: 4096/256; mixed: "
                         "log-normal lengths, median 512/128, sigma 0.8/0.6, clipped to --ctx")
     p.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length (mixed: its median)")
+    p.add_argument("--image-px", type=int, default=64, help="the image workload's image side in pixels (default "
+                   "64, the generated test projector's; its question is --prompt-tokens words, default 64)")
     p.add_argument("--gen-tokens", "--out-tokens", type=int,
                    help="override the workload's output length (mixed: its median; --scenario agent: each "
                         f"turn's, default {AgentWorkload.out})")
@@ -208,7 +210,7 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
         try:
             work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=args.seed, ctx=args.ctx,
                                  prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                                 top_logprobs=args.top_logprobs)
+                                 top_logprobs=args.top_logprobs, image_px=args.image_px)
             side = None if not args.beside else make_workload(
                 args.beside, len(work.requests) + c, n_vocab, seed=args.seed + 1, ctx=args.ctx,
                 prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, top_logprobs=args.top_logprobs)

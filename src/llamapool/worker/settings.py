@@ -100,6 +100,10 @@ class EngineSettings:
     # machine's workers, at most 8x the worker's KV cache; GPU workers: off, not yet measured faster there),
     # a size ("16GiB"), or "0" (off). A worker's spec carries the bytes, resolved by the supervisor.
     kv_host: str = "auto"
+    # The model's multimodal projector (an mmproj GGUF, libmtmd: docs/models.md#images): a path (relative: to
+    # the config file) or an hf: reference ("hf:OWNER/REPO": the repo's mmproj file, as llama-server -hf
+    # finds it); "" -> the model takes no images
+    mmproj: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_split, tuple):  # a JSON or TOML list

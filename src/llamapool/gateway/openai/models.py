@@ -22,6 +22,7 @@ async def listed(s: Serving) -> list[dict[str, Any]]:
     except LlamapoolError:
         models = []
     return [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"],
+             "input_modalities": ["text", "image"] if s.spec.takes_images(m["name"]) else ["text"],
              **{k: m[k] for k in ("state", "load", "pinned", "devices", "reason") if k in m}}
             for m in models or [{"name": s.spec.model, "workers": []}]]
 
