@@ -8,6 +8,7 @@
 - :mod:`~llamapool.bench.router_only`: the router path with an echo engine against bare pyzmq;
 - :mod:`~llamapool.bench.scenarios`: a long prompt among streams, prompts sharing a prefix;
 - :mod:`~llamapool.bench.agent`: ``--scenario agent``, sessions whose context grows turn after turn;
+- :mod:`~llamapool.bench.kvsub`: ``--kv-stall``, the workload with no, a live and a stalled KV-event subscriber;
 - :mod:`~llamapool.bench.command`: the ``llamapool bench`` command.
 
 Nothing here is imported by the daemon, and nothing here imports :mod:`llamapool.cli`.
