@@ -377,7 +377,10 @@ def test_cli_kv_stall_runs_no_live_and_stalled_subscribers_side_by_side(start_da
     assert live["gaps"] == 0 and live["bad_batches"] == 0 and live["received_batches"] >= live["kv_batches"] > 0
     assert live["received_events"] > 0 and live["kv_dropped"] == 0
     assert stalled["kv_primed"] and stalled["kv_prime_runs"] >= 1 and stalled["kv_dropped"] > stalled["kv_batches"]
-    assert "stalled / none (mean of both): tok/s" in out.stdout and "stalled" in out.stdout.splitlines()[-3]
+    # a batch refused for the stalled subscriber is refused for all: the live one beside it sees the gaps
+    assert stalled["beside_received_batches"] < stalled["kv_dropped"] and stalled["beside_bad_batches"] == 0
+    lines = out.stdout.splitlines()
+    assert "stalled / none (mean of both): tok/s" in lines[-1] and lines[-4].startswith("stalled")
     for bad, why in (("udp://x", "ENDPOINT must be the PUB socket's tcp://"), ("", "--kv-stall needs ENDPOINT")):
         out = _bench_cli("--endpoint", d.endpoint, "--kv-stall", bad, "--n-vocab", "100")
         assert out.returncode == 2 and why in out.stderr, out.stderr

@@ -5,7 +5,8 @@ the high-water mark costs dropped batches (counted, kept for replay), never a bl
 the tiny model, read by a subscriber written with msgpack and pyzmq alone (the format's independent reading):
 every full block of every prompt is announced, with the render endpoint's tokens and a linked parent chain,
 once; a slot's reuse, the host tier and the model's unload publish what leaves and arrives; replay returns
-what was published.
+what was published; and a subscriber stalled over TCP while prompts run costs the daemon counted drops,
+never a request (the throughput figure is ``llamapool bench --kv-stall``'s, docs/kubernetes.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ the stalled run is compared with the mean of both):
   mark of one message and a small kernel receive buffer, so that the publisher's queue to it fills and the
   publisher reaches its own high-water mark (``[kv_events] hwm``): from there it drops batches. Before
   that the kernel's TCP buffers take megabytes of batches, so unmeasured runs go first until the publisher
-  drops (``kv_prime_runs``), and the measured run is all past the mark.
+  drops (``kv_prime_runs``), and the measured run is all past the mark. A live subscriber runs beside it
+  (``beside_*``): the publisher refuses a batch for every subscriber once one of them is past the mark
+  (``XPUB_NODROP``), so it receives nothing and sees every batch as a gap (which replay would fill).
 
 Each row is the workload's row (tok/s, turns/s = requests/s, TTFT p50/p90) with the publisher's counters
 over the run, read from the daemon's metrics (``llamapool_kv_events_*``): batches published, batches the
@@ -136,12 +138,18 @@ async def measure_modes(run: Callable[[int], Awaitable[dict[str, Any]]], metrics
         if sub is not None:
             sub.start()
             await asyncio.sleep(JOIN_S)
+        beside = None
         if mode == "stalled":
             primed = await prime(run, metrics, seed + 100)
+            beside = LiveSubscriber(endpoint)  # what a live subscriber gets while another one stalls
+            beside.start()
+            await asyncio.sleep(JOIN_S)
         before = kv_counters(await metrics())
         row = await run(seed + i)
         after = kv_counters(await metrics())
         seen = sub.stop() if sub is not None else {}
+        if beside is not None:
+            seen = {f"beside_{k}": v for k, v in beside.stop().items()}
         delta = {k: after[k] - before[k] for k in COUNTERS}
         step_s, steps = delta.pop("step_s"), delta.pop("steps")
         row.update({"mode": "kv-stall", "kv_subscriber": mode, "kv_endpoint": endpoint,
@@ -191,15 +199,18 @@ def ratio(rows: list[dict[str, Any]], mode: str = "stalled") -> dict[str, float]
 def table(rows: list[dict[str, Any]]) -> str:
     """The runs side by side, then the stalled over none ratio."""
     head = (f"{'subscriber':<10} {'tok/s':>9} {'turns/s':>8} {'TTFT p50':>9} {'p90 ms':>7} {'batches':>8} "
-            f"{'dropped':>8} {'received':>9} {'gaps':>5} {'step ms':>8} {'errors':>6}")
+            f"{'dropped':>8} {'received':>9} {'missed':>7} {'step ms':>8} {'errors':>6}")
     lines = [f"kv-stall: {rows[0]['workload']} C={rows[0]['concurrency']}, events from {rows[0]['kv_endpoint']}",
              head]
     for r in rows:
-        got = r.get("received_batches")
+        live = "" if "received_batches" in r else "beside_"  # the stalled run's: the live one beside it
+        got = r.get(f"{live}received_batches")
+        # missed: the batches of the run (sent or dropped, one seq each) it did not receive
+        missed = "-" if got is None else max(0, r["kv_batches"] + r["kv_dropped"] - got)
         lines.append(f"{r['kv_subscriber']:<10} {r['tok_s']:9.1f} {r['req_s']:8.2f} {r['ttft_p50_ms']:9.1f} "
                      f"{r['ttft_p90_ms']:7.1f} {r['kv_batches']:8d} {r['kv_dropped']:8d} "
-                     f"{'-' if got is None else got:>9} {r.get('gaps', '-'):>5} {r['engine_step_ms'] or 0:8.3f} "
-                     f"{r['errors']:6d}")
+                     f"{'-' if got is None else got:>9} {missed:>7} {r['engine_step_ms'] or 0:8.3f} {r['errors']:6d}")
+    lines.append("(received, missed: a live subscriber's; in the stalled run, one beside the stalled one)")
     q, st = ratio(rows), stalled(rows)
     lines.append(f"stalled / none (mean of both): tok/s {q['tok_s']:.3f}, turns/s {q['req_s']:.3f} (the stalled "
                  f"run after {st.get('kv_prime_runs', 0)} unmeasured run(s)"
