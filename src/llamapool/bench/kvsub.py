@@ -15,7 +15,8 @@ the stalled run is compared with the mean of both):
   that the kernel's TCP buffers take megabytes of batches, so unmeasured runs go first until the publisher
   drops (``kv_prime_runs``), and the measured run is all past the mark. A live subscriber runs beside it
   (``beside_*``): the publisher refuses a batch for every subscriber once one of them is past the mark
-  (``XPUB_NODROP``), so it receives nothing and sees every batch as a gap (which replay would fill).
+  (``XPUB_NODROP``), so it receives nothing until the stalled one goes (then it sees the gap, which replay
+  fills).
 
 Each row is the workload's row (tok/s, turns/s = requests/s, TTFT p50/p90) with the publisher's counters
 over the run, read from the daemon's metrics (``llamapool_kv_events_*``): batches published, batches the
