@@ -114,6 +114,7 @@ class BenchRow:
     decode_tok_s: float  # C / ITL p50
     e2e_p50_ms: float = 0.0
     e2e_p99_ms: float = 0.0
+    ttft_p90_ms: float = 0.0
     rate: float = 0.0  # open loop: the offered Poisson rate, requests/s (0: closed loop at C streams)
     seed: int = 0
     ctx: int = 0
@@ -565,7 +566,7 @@ def row(workload: Workload, target: Target, concurrency: int, procs: int, parts:
         ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
         itl_p50_ms=1e3 * itl50, itl_p99_ms=1e3 * pct(itl, 0.99),
         decode_tok_s=concurrency / itl50 if itl50 > 0 else 0.0, seed=workload.seed, ctx=workload.ctx,
-        e2e_p50_ms=1e3 * pct(e2e, 0.5), e2e_p99_ms=1e3 * pct(e2e, 0.99),
+        e2e_p50_ms=1e3 * pct(e2e, 0.5), e2e_p99_ms=1e3 * pct(e2e, 0.99), ttft_p90_ms=1e3 * pct(ttft, 0.9),
         address=target.address, error_samples=[s for p in parts for s in p.error_samples][:MAX_ERROR_SAMPLES])
 
 
