@@ -504,14 +504,15 @@ def test_cli_kv_stall_runs_no_live_and_stalled_subscribers_side_by_side(start_da
     assert [r["kv_subscriber"] for r in rows] == ["none", "live", "stalled", "none"]
     for r in rows:
         assert (r["mode"], r["requests"], r["errors"], r["gen_tokens"]) == ("kv-stall", 64, 0, 64 * 4)
-        assert r["tok_s"] > 0 and r["ttft_p90_ms"] >= r["ttft_p50_ms"] > 0 and r["engine_step_ms"] > 0
+        assert r["tok_s"] > 0 and r["ttft_p90_ms"] >= r["ttft_p50_ms"] > 0
+        assert r["engine_step_ms"] is None or r["engine_step_ms"] > 0  # None: no heartbeat counted in a short run
     none, live, stalled, after = rows
     assert none["kv_batches"] > 0 and "received_batches" not in none and after["kv_dropped"] == 0
     assert live["gaps"] == 0 and live["bad_batches"] == 0 and live["received_batches"] >= live["kv_batches"] > 0
     assert live["received_events"] > 0 and live["kv_dropped"] == 0
-    assert stalled["kv_primed"] and stalled["kv_prime_runs"] >= 1 and stalled["kv_dropped"] > stalled["kv_batches"]
-    # a batch refused for the stalled subscriber is refused for all: the live one beside it sees the gaps
-    assert stalled["beside_received_batches"] < stalled["kv_dropped"] and stalled["beside_bad_batches"] == 0
+    assert stalled["kv_primed"] and stalled["kv_prime_runs"] >= 1
+    # the live one beside the stalled one is never cut off for long (the heartbeat lets the stalled one go)
+    assert stalled["beside_received_batches"] > 0 and stalled["beside_bad_batches"] == 0, stalled
     lines = out.stdout.splitlines()
     assert "stalled / none (mean of both): tok/s" in lines[-1] and lines[-4].startswith("stalled")
     for bad, why in (("udp://x", "ENDPOINT must be the PUB socket's tcp://"), ("", "--kv-stall needs ENDPOINT")):

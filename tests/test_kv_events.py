@@ -330,6 +330,15 @@ def _kv_dropped(d: Daemon) -> float:
     return float(found.group(1))
 
 
+def _kv_seq(d: Daemon) -> float:
+    """The batches the publisher has numbered: sent and dropped."""
+    with d.client() as c:
+        text = c.metrics()
+    sent = re.search(r"^llamapool_kv_events_batches_total (\S+)$", text, re.MULTILINE)
+    assert sent, "the publisher's batch counter is in the metrics"
+    return float(sent.group(1)) + _kv_dropped(d)
+
+
 async def _prompts_until_dropped(d: Daemon, n_vocab: int, start: float) -> tuple[int, int]:
     """Prompts of 400 distinct tokens, 4 in flight, until the publisher has dropped (and a wave more): each must
     complete within a generous timeout, else publishing blocked the engine. Returns (sent, tokens received)."""
@@ -376,11 +385,24 @@ def test_a_stalled_tcp_subscriber_costs_counted_drops_never_a_request(start_daem
     stalled.setsockopt(zmq.RCVBUF, 4096)
     stalled.connect(f"tcp://127.0.0.1:{ev_port}")
     stalled.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    beside = ctx.socket(zmq.SUB)  # a live subscriber beside it: it must not be cut off for long
+    beside.connect(f"tcp://127.0.0.1:{ev_port}")
+    beside.setsockopt(zmq.SUBSCRIBE, b"kv@")
     time.sleep(0.5)
     start = _kv_dropped(d)
     sent, got = asyncio.run(_prompts_until_dropped(d, worker["n_vocab"], start))
     assert got == 4 * sent, "every request completed"
     assert _kv_dropped(d) > start, f"the publisher never dropped in {sent} prompts"
+    # the publisher's heartbeat lets the stalled one go (it may reconnect and stall again): the live one gets
+    # a batch numbered after the drops began, within a few heartbeat timeouts
+    mark, newest, deadline = _kv_seq(d), -1, time.monotonic() + 30
+    with d.client() as c:
+        while newest < mark and time.monotonic() < deadline:
+            c.generate(list(range(3, 40)), max_tokens=2, temperature=0)
+            while beside.poll(200):
+                newest = max(newest, int.from_bytes(beside.recv_multipart()[1], "big"))
+    assert newest >= mark, (newest, mark, "the live subscriber was cut off by the stalled one")
+    beside.close(linger=0)
     (after,) = d.status()["workers"]
     assert d.proc.poll() is None and (after["state"], after["pid"]) == ("ready", worker["pid"]), after
     stalled.close(linger=0)

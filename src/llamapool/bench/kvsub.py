@@ -13,10 +13,11 @@ the stalled run is compared with the mean of both):
   mark of one message and a small kernel receive buffer, so that the publisher's queue to it fills and the
   publisher reaches its own high-water mark (``[kv_events] hwm``): from there it drops batches. Before
   that the kernel's TCP buffers take megabytes of batches, so unmeasured runs go first until the publisher
-  drops (``kv_prime_runs``), and the measured run is all past the mark. A live subscriber runs beside it
+  drops (``kv_prime_runs``), and the measured run starts past the mark. A live subscriber runs beside it
   (``beside_*``): the publisher refuses a batch for every subscriber once one of them is past the mark
-  (``XPUB_NODROP``), so it receives nothing until the stalled one goes (then it sees the gap, which replay
-  fills).
+  (``XPUB_NODROP``), until its heartbeat lets the stalled one go (``HEARTBEAT_TIMEOUT_MS`` in
+  supervisor/kvevents.py; the stalled one reconnects and fills its buffers again), so the live one misses
+  the batches of a few seconds each time (it sees the gap, which replay fills).
 
 Each row is the workload's row (tok/s, turns/s = requests/s, TTFT p50/p90) with the publisher's counters
 over the run, read from the daemon's metrics (``llamapool_kv_events_*``): batches published, batches the
@@ -162,8 +163,7 @@ async def measure_modes(run: Callable[[int], Awaitable[dict[str, Any]]], metrics
 
 async def prime(run: Callable[[int], Awaitable[dict[str, Any]]], metrics: Callable[[], Awaitable[str]],
                 seed: int) -> dict[str, Any]:
-    """Unmeasured runs of the workload (seeds from ``seed``) until the publisher drops more batches than it
-    sends: until then the stalled subscriber's batches go into the kernel's TCP buffers (megabytes: Linux
+    """Unmeasured runs of the workload (seeds from ``seed``) until the publisher drops: until then the stalled subscriber's batches go into the kernel's TCP buffers (megabytes: Linux
     grows a socket's send buffer up to ``net.ipv4.tcp_wmem``'s maximum, and goes on growing it after the
     first drops) and the publisher's queue. At most ``PRIME_S`` seconds; says how many runs it took and
     whether the publisher was dropping."""
@@ -176,7 +176,7 @@ async def prime(run: Callable[[int], Awaitable[dict[str, Any]]], metrics: Callab
         after = kv_counters(await metrics())
         if row["errors"]:
             break
-        if after["dropped"] - before["dropped"] > after["batches"] - before["batches"]:
+        if after["dropped"] > before["dropped"]:
             return {"kv_prime_runs": runs, "kv_primed": True}
         before = after
     return {"kv_prime_runs": runs, "kv_primed": False}

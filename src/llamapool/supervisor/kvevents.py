@@ -12,8 +12,12 @@ blocks removed at once. The merged batches are published as ``[topic, seq, paylo
 
 A slow or absent subscriber never slows a worker: the PUB socket (XPUB with ``XPUB_NODROP``) refuses a batch
 past its high-water mark rather than queue it, and the batch is dropped (still kept for replay: the subscriber
-sees the gap in ``seq`` and asks for it) and counted. A worker never waits on this thread either: its PUSH
-socket drops past its own mark, counts, and sends a snapshot of what it holds once it can again.
+sees the gap in ``seq`` and asks for it) and counted. ``XPUB_NODROP`` refuses a batch for every subscriber
+at once, so a subscriber that stops reading would cut off the others: ZMTP heartbeats (``HEARTBEAT_IVL``,
+``HEARTBEAT_TIMEOUT``) disconnect it once it has not answered a ping for ``HEARTBEAT_TIMEOUT`` (a stalled
+peer's full TCP window holds the ping), and the others receive again (a reconnecting subscriber replays
+its gap). A worker never waits on this thread either: its PUSH socket drops past its own mark, counts,
+and sends a snapshot of what it holds once it can again.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from llamapool.protocol.kvevents import END_SEQ, Cleared, Event, Removed, Stored
 
 LOG = logmod.Logger("supervisor")
 POLL_MS = 50  # the thread's poll: how soon a worker's exit is acted on when nothing else arrives
+HEARTBEAT_IVL_MS = 1000  # the PUB socket pings each subscriber this often (ZMTP PING)
+HEARTBEAT_TIMEOUT_MS = 3000  # ... and drops one whose answer has not come by then (a stalled one)
 Key = tuple[str, str, int]  # (model, medium, block hash)
 
 
@@ -210,6 +216,8 @@ class Publisher(threading.Thread):
         pub = self.zctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, self.hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # past the mark: EAGAIN (counted) rather than a silent drop
+        pub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # ... and a stalled subscriber is let go
+        pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(self.endpoint) if binds(self.endpoint) else pub.connect(self.endpoint)
         router = None
