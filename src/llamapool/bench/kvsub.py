@@ -163,7 +163,8 @@ async def measure_modes(run: Callable[[int], Awaitable[dict[str, Any]]], metrics
 
 async def prime(run: Callable[[int], Awaitable[dict[str, Any]]], metrics: Callable[[], Awaitable[str]],
                 seed: int) -> dict[str, Any]:
-    """Unmeasured runs of the workload (seeds from ``seed``) until the publisher drops: until then the stalled subscriber's batches go into the kernel's TCP buffers (megabytes: Linux
+    """Unmeasured runs of the workload (seeds from ``seed``) until the publisher drops: until then the stalled
+    subscriber's batches go into the kernel's TCP buffers (megabytes: Linux
     grows a socket's send buffer up to ``net.ipv4.tcp_wmem``'s maximum, and goes on growing it after the
     first drops) and the publisher's queue. At most ``PRIME_S`` seconds; says how many runs it took and
     whether the publisher was dropping."""
