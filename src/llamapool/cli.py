@@ -57,7 +57,8 @@ def fetch_models(cfg: Config) -> Config:
     from llamapool import hub
     from llamapool import log as logmod
 
-    wanted = [m for m in cfg.models if hub.is_ref(m.path)]
+    wanted = [m.path for m in cfg.models if hub.is_ref(m.path)]
+    wanted += [a[1] for m in cfg.models for a in m.lora if hub.is_ref(a[1])]  # [[models.lora]] paths
     if not wanted:
         return cfg
     from llamapool.supervisor.sdnotify import Notifier
@@ -70,14 +71,15 @@ def fetch_models(cfg: Config) -> Config:
             notifier.extend_timeout(60)
 
     if notifier.enabled:
-        notifier.notify(STATUS=f"downloading {', '.join(m.path for m in wanted)}", EXTEND_TIMEOUT_USEC=60_000_000)
+        notifier.notify(STATUS=f"downloading {', '.join(wanted)}", EXTEND_TIMEOUT_USEC=60_000_000)
         threading.Thread(target=keep_alive, name="download-keepalive", daemon=True).start()
     try:
-        paths = {m.path: str(hub.fetch(hub.parse(m.path), say=log.info)) for m in wanted}
+        paths = {ref: str(hub.fetch(hub.parse(ref), say=log.info)) for ref in wanted}
     finally:
         done.set()
     return dataclasses.replace(cfg, models=tuple(
-        dataclasses.replace(m, path=paths.get(m.path, m.path)) for m in cfg.models))
+        dataclasses.replace(m, path=paths.get(m.path, m.path),
+                            lora=tuple((n, paths.get(p, p), s) for n, p, s in m.lora)) for m in cfg.models))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -338,8 +340,16 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from llamapool.modelgen import make_model
+    from llamapool.modelgen import make_lora, make_model
 
+    if args.lora:
+        try:
+            path = make_lora(args.path, args.lora, rank=args.rank, alpha=args.alpha, seed=args.seed)
+        except (OSError, ValueError) as e:
+            print(f"llamapool make-model: --lora: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {path} (a random-weight LoRA adapter of {args.lora}: [[models.lora]] path)")
+        return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
                       qtype=args.type, seed=args.seed, peaked=args.peaked)
@@ -524,6 +534,11 @@ def _tool_commands(sub: Any) -> None:
                    help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
                         "benchmarks such as scripts/spec_oracle.py)")
+    m.add_argument("--lora", metavar="BASE", default="",
+                   help="write a random-weight LoRA adapter of the GGUF BASE instead (attn_q, attn_v, ffn_up; "
+                        "the shape options are BASE's): greedy output under it differs from BASE's")
+    m.add_argument("--rank", type=int, default=8, help="with --lora: the adapter's rank")
+    m.add_argument("--alpha", type=float, default=16.0, help="with --lora: adapter.lora.alpha (scale alpha/rank)")
     m.set_defaults(fn=cmd_make_model)
 
     k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")

@@ -25,6 +25,7 @@ from llamapool.protocol.messages import Done, ErrorCode, Failed, KVPart, Run, St
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
+from llamapool.worker.engine.adapters import BASE, Adapters, Key, fair_pick
 from llamapool.worker.engine.batch import Batch, fill, fill_apart
 from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.hostkv import HostTier, model_identity
@@ -57,6 +58,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.model, self._tensor_split = load_model(cfg)
+        self.adapters = self._adapters(cfg)  # [[models.lora]]: loaded once, applied per step
+        self._lora_turn: Key = BASE  # the adapter set of the last step (round robin: fair_pick)
         cp = context_params(cfg)
         # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
         # graph on the GPU, so the host picks no token for those rows (worker/sampling.py).
@@ -129,6 +132,14 @@ class Engine:
         self._synced = 0.0  # when the last synchronize returned (0: none since the last launch)
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
+
+    def _adapters(self, cfg: EngineConfig) -> Adapters:
+        """The model's LoRA adapters, loaded (the model freed when one cannot be)."""
+        try:
+            return Adapters(self.model, cfg.lora)
+        except EngineError:
+            L.llama_model_free(self.model)
+            raise
 
     def _kv_slots(self, cfg: EngineConfig) -> KVSlots:
         """The KV cache's slots, with the host tier and, with [kv_events], the block tracker of both."""
@@ -250,6 +261,7 @@ class Engine:
         if self.kv.host is not None:
             self.kv.host.close()
         L.llama_free(self.ctx)
+        self.adapters.close()
         L.llama_model_free(self.model)
 
     # ------------------------------------------------------------ requests in and out
@@ -265,6 +277,7 @@ class Engine:
                 raise ParamError("n", f"'n' is {run.params.n}; a worker of this model has {self.cfg.slots} slots "
                                       f"(workers.slots), and a prompt's choices run on one worker")
             spec = spec_of(run.params, self.chat.tool_format)
+            adapters = self.adapters.resolve(run.params.lora)
             self.sampling.check(run.params)
             tokens = self.prompts.tokens(run.prompt, run.params.tools)
         except ParamError as e:
@@ -279,7 +292,7 @@ class Engine:
             return
         # converted once: planning, admission, prefill, cache; a grammar compiles meanwhile
         grammar = None if spec is None else self.grammars.compile(spec)
-        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar))
+        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar, adapters=adapters))
         self.arrivals.add(len(tokens))
 
     def abort(self, rid: int, out: Step) -> None:
@@ -310,7 +323,8 @@ class Engine:
         p = run.params
         prompt_logprobs = p.echo and p.logprobs
         # a prompt's logprobs: all computed
-        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
+        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs,
+                                      tag=self.adapters.tag(w.adapters))
         try:
             closing = None if w.grammar is None else self.grammars.start(w.grammar.result(), self._budget(w))
             sampling = self.sampling.admit(seq_id, p, closing, host=self.spec.on_host(p))
@@ -322,7 +336,7 @@ class Engine:
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
             sampling=sampling, text=self.prompts.text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
             fault=self.faults.kind(run.prompt) if self.faults is not None else "",
-            drafting=self.spec.start(sampling),
+            drafting=self.spec.start(sampling), adapters=w.adapters,
         )
         seq.history = np.zeros(min(len(prompt) + p.max_tokens, self.cfg.ctx_per_slot) + 1, np.int32)
         seq.history[: len(prompt)] = prompt
@@ -421,20 +435,21 @@ class Engine:
     def _plan(self, out: Step) -> dict[int, int]:
         """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
         now = self.steps
-        if not self.waiting and not any(s.n_past < len(s.tokens) for s in self.active.values()):
+        active = self._of_turn()  # this step's adapter set's sequences (all of them without adapters)
+        if not self.waiting and not any(s.n_past < len(s.tokens) for s in active.values()):
             self._prompt_turn = False  # no prompt work: a decode token each, no budget to size (~30 µs a step)
-            return dict.fromkeys(self.active, 1)
+            return dict.fromkeys(active, 1)
         self._refuse_bad_grammars(out)
         prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
-                   for s in self.active.values() if s.prefilling]
+                   for s in active.values() if s.prefilling]
         prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False)
-                    for i, w in enumerate(self.waiting) if self._may_start(w)]
+                    for i, w in enumerate(self.waiting) if w.adapters == self._lora_turn and self._may_start(w)]
         ahead, free = [], len(self.free_ids)  # what could run this step, first in line first
         for p in sorted(prompts, key=lambda p: priority(p, now)):
             if p.running or free > 0:
                 ahead.append(p)
                 free -= not p.running
-        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
+        decoding = [s.seq_id for s in active.values() if not s.prefilling]
         # a hold only while decoding sequences speculate (their replies end at different steps as drafts are
         # kept); else a prompt that arrives while others decode starts at once (its time to first token)
         if self.target.auto and not self.deterministic and ahead \
@@ -462,6 +477,16 @@ class Engine:
                                           self.cfg.n_ubatch)
         self.budget = budget
         return chunk
+
+    def _of_turn(self) -> dict[int, Sequence]:
+        """The running sequences this step decodes: those of one adapter set, each set with work taking its
+        turn (llama.cpp applies adapters to the whole context); all of them when the model has no adapters."""
+        if not self.adapters.names:
+            return self.active
+        free = bool(self.free_ids)
+        sets = {s.adapters for s in self.active.values()} | {w.adapters for w in self.waiting if free and w.ready}
+        self._lora_turn = fair_pick(sets, self._lora_turn)
+        return {i: s for i, s in self.active.items() if s.adapters == self._lora_turn}
 
     def _may_start(self, w: Waiting) -> bool:
         """Its grammar is compiled; and a prompt's second and later choices (``n``) wait until the first
@@ -499,6 +524,8 @@ class Engine:
         """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
         with an output."""
         chunk = self._plan(out)
+        if self.adapters.names:
+            self._rejoin(chunk)
         wide = 1 + self.spec.propose(chunk, self.active, self.steps)
         if self._prompt_turn:
             filled = fill_apart(self.batch, chunk, self.active, self.mem, self.cfg.n_ubatch)
@@ -512,6 +539,18 @@ class Engine:
         self._split = filled.split
         self._shape = filled.shape
         return filled.outputs
+
+    def _rejoin(self, chunk: dict[int, int]) -> None:
+        """Sequences a step of another adapter set left out may have had a padding token past their KV
+        (``batch.fill``): it leaves before they decode again; then the context takes this step's set."""
+        for sid, seq in self.active.items():
+            if sid not in chunk:
+                seq.skipped = True
+            elif seq.skipped:
+                L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)
+                seq.skipped = False
+        if chunk:
+            self.adapters.apply(self.ctx, self._lora_turn)
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:
         """Start decoding the batch; on failure every active sequence fails with the reason."""
