@@ -186,7 +186,7 @@ def test_base_and_adapter_requests_together_each_get_their_own_reply(
         p, _, extra = asks[i]
         try:
             got[i] = text_of(complete(url, p, **{"model": BASE, **extra}))
-        except BaseException as e:  # noqa: BLE001 (reported below)
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(asks))]
@@ -244,4 +244,62 @@ def test_a_scale_that_is_not_finite_is_refused(pool: tuple[Daemon, str]) -> None
     body = '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "lora": [{"id": 0, "scale": Infinity}]}'
     r = httpx.post(f"{url}/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] in ("lora[0].scale", None), r.text
+    assert r.json()["error"]["param"] == "lora[0].scale", r.text
+
+
+@pytest.mark.parametrize(("lora", "where"), [
+    ([{"name": "x", "path": "a.gguf", "scale": 17}], "models[0].lora[0].scale"),
+    ([{"name": "x", "path": "a.gguf", "scale": float("nan")}], "models[0].lora[0].scale"),
+    ([{"name": "x", "path": "a.gguf", "weight": 1}], "models[0].lora[0].weight"),
+    ([{"name": "x"}], "models[0].lora[0].path"),
+    ([{"name": "x", "path": "a.gguf"}, {"name": "x", "path": "b.gguf"}], "models[0].lora[1].name"),
+    ([{"name": "m", "path": "a.gguf"}], "models[0].lora[0].name"),  # the model's own name
+    ([{"name": "bad name", "path": "a.gguf"}], "models[0].lora[0].name"),
+    ([{"name": "x", "path": "hf:nobody"}], "models[0].lora[0].path"),
+    ("a.gguf", "models[0].lora"),
+])
+def test_bad_lora_tables_are_config_errors_naming_the_key(lora: Any, where: str) -> None:
+    from llamapool.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"models": [{"name": "m", "path": "m.gguf", "lora": lora}]}, base_dir=Path("/cfg"))
+    assert str(e.value).startswith(f"{where}:"), str(e.value)
+
+
+def test_lora_tables_resolve_paths_as_model_paths_do(tmp_path: Path) -> None:
+    from llamapool.config import ConfigError, from_dict
+
+    cfg = from_dict({"models": [{"name": "m", "path": "m.gguf", "lora": [
+        {"name": "a", "path": "ad/a.gguf", "scale": -0.5}, {"name": "b", "path": "hf:owner/repo/b.gguf"}]},
+        {"name": "n", "path": "n.gguf"}]}, base_dir=tmp_path)
+    assert cfg.models[0].lora == (("a", str(tmp_path / "ad" / "a.gguf"), -0.5), ("b", "hf:owner/repo/b.gguf", 1.0))
+    assert cfg.adapters == [("a", "m", -0.5), ("b", "m", 1.0)]
+    with pytest.raises(ConfigError, match=r"^models\[1\].lora\[0\].name: 'a' is also the name of models\[0\].lora"):
+        from_dict({"models": [{"name": "m", "path": "m.gguf", "lora": [{"name": "a", "path": "a.gguf"}]},
+                              {"name": "n", "path": "n.gguf", "lora": [{"name": "a", "path": "a.gguf"}]}]})
+    with pytest.raises(ConfigError, match=r"^models\[0\].lora: adapters apply to a generative"):
+        from_dict({"models": [{"name": "m", "path": "m.gguf", "embedding": True,
+                               "lora": [{"name": "a", "path": "a.gguf"}]}]})
+
+
+def test_fair_pick_takes_each_adapter_set_with_work_in_turn() -> None:
+    from llamapool.worker.engine.adapters import BASE, fair_pick
+
+    a, b = ((0, 1.0),), ((1, 0.5),)
+    turns, last = [], BASE
+    for _ in range(6):
+        last = fair_pick([b, BASE, a, a], last)
+        turns.append(last)
+    assert turns == [a, b, BASE, a, b, BASE]
+    assert fair_pick([b], a) == b and fair_pick([], a) == a
+
+
+def test_an_adapter_of_another_base_stops_the_start_naming_it(tmp_path: Path, model_path: str) -> None:
+    from llamapool.modelgen import make_model
+
+    other = make_lora(tmp_path / "other-lora.gguf", make_model(tmp_path / "wide.gguf", n_embd=128, n_ff=256))
+    d = launch(tmp_path / "d", model_path, models=[{"name": BASE, "path": model_path, "ctx_per_slot": 256,
+                                                    "lora": [{"name": "wide-lora", "path": str(other)}]}],
+               workers={"cpu_workers": 1})
+    assert d.proc.wait(60) == 78  # EX_CONFIG: every worker failed at start-up, not restarted
+    assert "LoRA adapter 'wide-lora': llama.cpp cannot load" in d.log_text()
