@@ -303,3 +303,25 @@ def test_an_adapter_of_another_base_stops_the_start_naming_it(tmp_path: Path, mo
                workers={"cpu_workers": 1})
     assert d.proc.wait(60) == 78  # EX_CONFIG: every worker failed at start-up, not restarted
     assert "LoRA adapter 'wide-lora': llama.cpp cannot load" in d.log_text()
+
+
+def test_responses_and_messages_take_adapters_too(pool: tuple[Daemon, str]) -> None:
+    """The Responses API and Anthropic's Messages: an adapter as the model, and the lora field, agree."""
+    _, url = pool
+    texts = {}
+    for name, body in (("base", {"model": BASE}), ("model", {"model": "tiny-a"}),
+                       ("field", {"model": BASE, "lora": [{"name": "tiny-a"}]})):
+        r = httpx.post(f"{url}/v1/responses", json={"input": "Tell me about the river", "max_output_tokens": 12,
+                                                     "temperature": 0, "store": False, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts[f"responses-{name}"] = r.json()["output"][0]["content"][0]["text"]
+        m = httpx.post(f"{url}/v1/messages", json={"messages": [{"role": "user", "content": "Tell me about the river"}],
+                                                   "max_tokens": 12, "temperature": 0, **body}, timeout=60)
+        assert m.status_code == 200, m.text
+        texts[f"messages-{name}"] = m.json()["content"][0]["text"]
+        if name == "model":
+            assert r.json()["model"] == "tiny-a" and m.json()["model"] == "tiny-a"
+    for door in ("responses", "messages"):
+        assert texts[f"{door}-model"] == texts[f"{door}-field"] != texts[f"{door}-base"], texts
+    bad = httpx.post(f"{url}/v1/responses", json={"model": BASE, "input": "hi", "lora": [{"name": "nope"}]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora[0].name", bad.text
