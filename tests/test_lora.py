@@ -8,6 +8,7 @@ real sockets; each reply is compared with llama-cpp-python's own single-stream r
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -151,6 +152,15 @@ def test_the_lora_field_by_id_and_name_with_a_scale(pool: tuple[Daemon, str],
         assert r.status_code == 200, r.text
         texts.append(r.json()["choices"][0]["message"]["content"])
     assert texts[1] == texts[2] != texts[0]
+    streamed = ""  # streamed: the same text
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**chat, "model": "tiny-a", "stream": True},
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["model"] == "tiny-a"
+                streamed += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    assert streamed == texts[2]
 
 
 def test_the_prefix_cache_keeps_each_adapter_sets_kv_apart(pool: tuple[Daemon, str],
