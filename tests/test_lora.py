@@ -335,3 +335,53 @@ def test_responses_and_messages_take_adapters_too(pool: tuple[Daemon, str]) -> N
         assert texts[f"{door}-model"] == texts[f"{door}-field"] != texts[f"{door}-base"], texts
     bad = httpx.post(f"{url}/v1/responses", json={"model": BASE, "input": "hi", "lora": [{"name": "nope"}]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora[0].name", bad.text
+
+
+def test_the_host_tier_keeps_each_adapter_sets_kv_apart(model_path: str, adapters: dict[str, str]) -> None:
+    """The engine alone (2 slots, a host tier): a session's KV saved to the tier under the base model is never
+    restored for it under an adapter, and its KV under the adapter is, for the adapter only; each text is the
+    one an engine without a tier gives."""
+    import numpy as np
+
+    from llamapool.protocol.messages import Run, SamplingParams, Step
+    from llamapool.worker.engine import Engine, EngineConfig
+
+    base = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    under_a = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora=({"id": 0},))
+    lora = (("tiny-a", adapters["a"], 1.0),)
+
+    def engine(kv_host: str) -> Engine:
+        return Engine(EngineConfig(model_path, slots=2, ctx_per_slot=512, max_batch_tokens=256, n_ubatch=256,
+                                   threads=1, kv_host=kv_host, deterministic=True, lora=lora))
+
+    def run(eng: Engine, rid: int, tokens: list[int], p: SamplingParams) -> tuple[str, int]:
+        before = eng.reused_tokens
+        eng.submit(Run(rid, tokens, p, False), Step())
+        text = ""
+        while eng.busy:
+            step = eng.step()
+            assert not step.failed, step.failed
+            text = next((d[2] for d in step.done), text)
+        return text, eng.reused_tokens - before
+
+    rng = np.random.default_rng(5)
+    a, b, c, d = (rng.integers(3, 500, 150).tolist() for _ in range(4))
+    tiered, plain = engine("64MiB"), engine("0")
+    try:
+        for i, s in enumerate((a, b, c)):  # a's KV (the base model's) goes to the tier when c takes its slot
+            run(tiered, i, s, base)
+        hits = tiered.kv_host()["hits"]
+        text, reused = run(tiered, 10, a, under_a)
+        assert reused <= 1 and tiered.kv_host()["hits"] == hits  # at most a BOS, never the base's KV of a
+        assert text == run(plain, 10, a, under_a)[0] != run(plain, 11, a, base)[0]
+        run(tiered, 12, d, base)  # a's KV under the adapter goes to the tier too
+        run(tiered, 13, b, base)
+        text, reused = run(tiered, 14, a + [7] * 5, under_a)
+        assert reused >= 0.9 * len(a) and tiered.kv_host()["hits"] == hits + 1  # the adapter's own entry
+        assert text == run(plain, 15, a + [7] * 5, under_a)[0]
+        text, reused = run(tiered, 16, a + [7] * 5, base)
+        assert reused >= 0.9 * len(a)  # the base's entry, kept beside it
+        assert text == run(plain, 17, a + [7] * 5, base)[0]
+    finally:
+        tiered.close()
+        plain.close()
