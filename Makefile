@@ -9,7 +9,7 @@ CHAT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export CMAKE_ARGS ?= -DLLAVA_BUILD=off
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install run test test-systemd test-netns lint bench-cpu clean k8s-tools k8s-manifests
+.PHONY: install run test test-systemd test-netns lint clean k8s-tools k8s-manifests
 
 # llama-cpp-python as pinned in pyproject.toml: the one long step, shown with pip's progress
 LLAMA_CPP_VERSION := $(shell sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
@@ -101,9 +101,6 @@ test-netns: install
 lint: install
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/mypy
-
-bench-cpu: install
-	$(BIN)/python scripts/bench_cpu.py
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .cache

@@ -3,7 +3,8 @@
 Gemma 3 270M with two slots and six sessions of ~1.5k-token contexts: with the host KV tier a returning
 turn reports its previous prompt as cached and starts at least twice as soon as with ``kv_host = "0"``,
 its greedy text (deterministic mode) the same. On the tiny model: a rolling reload hands the tier of each
-draining worker to its sibling, so the sessions' KV survives the pool's own moves; a tiny bound holds.
+draining worker to its sibling, so the sessions' KV survives the pool's own moves, and a worker killed in its
+handover loses nothing but the cache; a tiny bound holds, and a full tier keeps the worker's RSS within it.
 """
 
 from __future__ import annotations
@@ -134,6 +135,44 @@ def test_a_worker_killed_in_its_handover_loses_nothing_but_the_cache(tmp_path: P
         d.stop()
     assert [r.text for r in after] == before
     assert d.log_text().count("exited (exit code 70)") >= 1, d.log_text()  # one died in its handover (or both)
+
+
+def _rss(pid: int) -> int:
+    """A process's resident set, in bytes (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_a_full_tier_keeps_the_workers_memory_within_its_bound(tmp_path: Path) -> None:
+    """A random model of wide KV (4 KiB a token), one slot, ``kv_host = "16MiB"``: fourteen sessions of ~1.8k
+    tokens save over four times the bound through the tier, yet the worker's RSS grows by at most the bound
+    and 24 MiB (the usual: allocator slack) over what it had after the first two turns."""
+    from llamapool.modelgen import make_model
+
+    bound = 16 << 20
+    wide = str(make_model(tmp_path / "wide.gguf", n_embd=512, n_layer=2, n_head=8, n_head_kv=8, n_ff=512))
+    d = launch(tmp_path / "d", wide, model={"path": wide, "ctx_per_slot": 2048, "kv_host": "16MiB"},
+               workers={"devices": "cpu", "cpu_workers": 1, "slots": 1, "threads": 2})
+    d.wait_ready(1)
+    try:
+        with d.client(timeout=120) as c:
+            sessions = _sessions(14, 64, 1700, (3, 500), seed=9)
+            for s in sessions[:2]:
+                c.generate(s, max_tokens=2, temperature=0.0, ignore_eos=True)
+            pid = c.status()["workers"][0]["pid"]
+            base = _rss(pid)
+            for s in sessions[2:]:
+                c.generate(s, max_tokens=2, temperature=0.0, ignore_eos=True)
+            grown = _rss(pid) - base
+            time.sleep(1.2)
+            tier = c.status()["workers"][0]["kv_host"]
+    finally:
+        d.stop()
+    assert tier["capacity"] == bound and tier["bytes"] <= bound, tier
+    assert tier["bytes_saved"] > 4 * bound and tier["evictions"] > 0, tier  # unbounded, it would hold all of it
+    assert grown <= bound + (24 << 20), (grown, tier)
 
 
 def test_a_full_tier_stays_within_its_bound(tmp_path: Path, model_path: str) -> None:

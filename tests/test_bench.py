@@ -351,3 +351,136 @@ def test_cli_agent_reload_at_reloads_the_daemon_mid_run(start_daemon: Callable[.
     d.wait_log("reload done", timeout=120)
     bad = _bench_cli("--config", str(d.config), "--scenario", "agent", "--reload-at", "1.5")
     assert bad.returncode == 2 and "--reload-at must be a share" in bad.stderr
+
+
+# ---------------------------------------------------------------- scenarios: speculation, pool churn
+
+def _rows(out: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+
+
+def test_cli_speculation_on_and_off_against_the_daemon(start_daemon: Callable[..., Any], tmp_path: Any) -> None:
+    """``--scenario speculation`` on a peaked model: the copy prompts' drafts are all kept with speculation
+    on, none are made with it off or when the prompt holds nothing to copy, and the greedy texts are the
+    same on and off; the same requests through the daemon's HTTP gateway (``/v1/completions``)."""
+    from llamapool.modelgen import make_model
+
+    from .conftest import free_port
+    from .test_gateway import wait_http
+
+    peaked = str(make_model(tmp_path / "peaked.gguf", peaked=True))
+    port = free_port()
+    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1}, model={"path": peaked, "speculative": "ngram"},
+                     http={"listen": f"127.0.0.1:{port}"})
+    args = ("--scenario", "speculation", "--cases", "full-copy", "nothing", "--rounds", "1", "-c", "1", "-n", "2",
+            "--gen-tokens", "48")
+    out = _bench_cli("--endpoint", d.endpoint, *args, "--out", str(tmp_path / "spec.jsonl"))
+    assert out.returncode == 0, out.stderr
+    rows = _rows(out)
+    assert rows == [json.loads(x) for x in (tmp_path / "spec.jsonl").read_text().splitlines()]
+    runs = {(r["case"], r["speculation"]): r for r in rows if r["mode"] == "speculation"}
+    assert set(runs) == {("full-copy", "on"), ("full-copy", "off"), ("nothing", "on"), ("nothing", "off")}
+    assert all(r["errors"] == 0 and r["gen_tokens"] == 2 * 48 and r["tok_s"] > 0 for r in runs.values())
+    copy = runs["full-copy", "on"]
+    assert copy["draft_tokens"] > 48 and copy["acceptance"] > 0.9, copy  # the reply is the passage
+    assert runs["full-copy", "off"]["draft_tokens"] == 0 and runs["nothing", "off"]["draft_tokens"] == 0
+    assert runs["nothing", "on"]["accepted_tokens"] <= 2  # nothing to copy: hardly a draft kept
+    texts = [r for r in rows if r["mode"] == "speculation-text"]
+    assert [(r["case"], r["same_text_on_and_off"]) for r in texts] == [("full-copy", True), ("nothing", True)]
+    summary = {r["case"]: r for r in rows if r["mode"] == "speculation-summary"}
+    assert summary.keys() == {"full-copy", "nothing"} and summary["full-copy"]["on_tok_s"] == copy["tok_s"]
+    wait_http(f"http://127.0.0.1:{port}", d)
+    png = tmp_path / "spec.png"
+    out = _bench_cli("--http", f"http://127.0.0.1:{port}", "--n-vocab", "512", *args, "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    try:  # --plot draws where matplotlib is installed (no dependency of llamapool), and says so where not
+        import matplotlib  # noqa: F401
+        assert png.stat().st_size > 0 and f"plot written to {png}" in out.stderr
+    except ImportError:
+        assert not png.exists() and "no plot: matplotlib is not installed" in out.stderr
+    rows = _rows(out)
+    assert all(r["transport"] == "http-openai" and r["errors"] == 0 and r["draft_tokens"] is None
+               for r in rows if r["mode"] == "speculation")
+    assert all(r["same_text_on_and_off"] for r in rows if r["mode"] == "speculation-text")
+    bad = _bench_cli("--endpoint", d.endpoint, "--scenario", "speculation", "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
+
+
+def test_cli_pool_churn_loads_and_evicts_beside_the_busy_model(start_daemon: Callable[..., Any], model_path: str,
+                                                               tmp_path: Any) -> None:
+    """``--scenario pool-churn``: a busy model alone, then beside light requests to three on-demand models of
+    which one fits beside it (the RAM budget): the pool loads and evicts during the churn phase, every
+    request is answered, and the row compares the busy model's two phases."""
+    from llamapool.supervisor.memory import estimate
+
+    need = estimate(model_path, 4, 512, 512, gpu=False).total
+    light = [{"name": n, "path": str(tmp_path / f"{n}.gguf"), "load": "on_demand", "ctx_per_slot": 512}
+             for n in ("a", "b", "c")]
+    for m in light:
+        os.symlink(model_path, m["path"])
+    busy = {"name": "busy", "path": model_path, "cpu_workers": 1, "ctx_per_slot": 512}
+    from .conftest import free_port
+    from .test_gateway import wait_http
+
+    port = free_port()
+    d = start_daemon(wait_workers=1, models=[busy, *light], http={"listen": f"127.0.0.1:{port}"},
+                     pool={"ram_budget": f"{int(need * 2.5)}B", "min_residency": 0.5})
+    churn = ("--scenario", "pool-churn", "--busy", "busy", "--light", "a", "b", "c", "-c", "2", "--light-every", "0.2",
+             "--prompt-tokens", "16", "--gen-tokens", "32")
+    out = _bench_cli("--endpoint", d.endpoint, *churn, "--seconds", "2")
+    assert out.returncode == 0, out.stderr
+    [r] = _rows(out)
+    assert (r["mode"], r["busy"], r["light"], r["concurrency"], r["errors"]) == ("pool-churn", "busy", ["a", "b", "c"],
+                                                                                  2, 0)
+    assert r["alone_tok_s"] > 0 and r["churn_tok_s"] > 0
+    assert r["tok_s_vs_alone"] == round(r["churn_tok_s"] / r["alone_tok_s"], 3)
+    assert r["light_requests"] >= 8 and r["light_ttft_p90_ms"] >= r["light_ttft_p50_ms"] > 0
+    assert r["loads"] >= 2 and r["evictions"] >= 1, r  # three models take turns in room for one
+    wait_http(f"http://127.0.0.1:{port}", d)  # the same through the gateway: each request names its model
+    loads = sum(m.get("loads", 0) for m in d.status()["models"])
+    out = _bench_cli("--http", f"http://127.0.0.1:{port}", "--n-vocab", "512", *churn, "--seconds", "1")
+    assert out.returncode == 0, out.stderr
+    [h] = _rows(out)
+    assert (h["transport"], h["errors"], h["loads"]) == ("http-openai", 0, None) and h["light_requests"] >= 4, h
+    assert sum(m.get("loads", 0) for m in d.status()["models"]) > loads  # the light models were asked for by name
+    bad = _bench_cli("--endpoint", d.endpoint, "--scenario", "pool-churn", "--busy", "busy")
+    assert bad.returncode == 2 and "--light" in bad.stderr
+    bad = _bench_cli("--endpoint", d.endpoint, "--scenario", "pool-churn", "--busy", "busy", "--light", "a",
+                     "--light-every", "0")
+    assert bad.returncode == 2 and "--light-every must be > 0" in bad.stderr
+
+
+def test_cli_peer_server_runs_the_daemon_then_the_peer(tmp_path: Any, model_path: str) -> None:
+    """``--peer-server PATH --config TOML``: the bench starts the daemon from the config, measures it, stops
+    it, then starts the peer binary on the config's model with its slots and context (llama-server's
+    arguments; here a stand-in binary, tests/fake_llama_server.py: no llama-server on the CPU machines) and
+    measures the same workload; a side-by-side row per concurrency. No daemon is left running."""
+    from .conftest import write_config
+
+    cfg = write_config(tmp_path / "pool.toml", model_path, tmp_path / "run", workers={"cpu_workers": 1, "slots": 2})
+    fake = tmp_path / "llama-server"
+    here = os.path.dirname(os.path.abspath(__file__))
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {here}/fake_llama_server.py \"$@\"\n")
+    fake.chmod(0o755)
+    env_args = tmp_path / "peer-args.json"
+    os.environ["FAKE_LLAMA_SERVER_ARGS"] = str(env_args)
+    try:
+        out = _bench_cli("--config", str(cfg), "--peer-server", str(fake), "--peer-logs", str(tmp_path / "logs"),
+                         "-c", "2", "-n", "4", "--prompt-tokens", "16", "--gen-tokens", "8", timeout=180)
+    finally:
+        del os.environ["FAKE_LLAMA_SERVER_ARGS"]
+    assert out.returncode == 0, out.stderr
+    rows = _rows(out)
+    assert [(r.get("service"), r["mode"]) for r in rows] == [("llamapool", "service"), ("llama-server", "service"),
+                                                             (None, "side-by-side")]
+    mine, peer_row, both = rows
+    assert (mine["transport"], peer_row["transport"]) == ("sdk", "http-llama")
+    assert all(r["errors"] == 0 and r["gen_tokens"] == 4 * 8 for r in (mine, peer_row))
+    assert both["llamapool_over_llama_server"] == round(mine["tok_s"] / peer_row["tok_s"], 3)
+    args = json.loads(env_args.read_text())
+    assert args[:2] == ["-m", model_path] and args[args.index("-np") + 1] == "2"
+    assert args[args.index("-c") + 1] == str(2 * 512) and args[args.index("-ngl") + 1] == "0"
+    assert "ready" in (tmp_path / "logs" / "llamapool.log").read_text()
+    assert not (tmp_path / "run" / "frontend.sock").exists()  # the daemon it started has stopped
+    bad = _bench_cli("--config", str(cfg), "--peer-server", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "--peer-server" in bad.stderr and "not an executable" in bad.stderr

@@ -4,7 +4,8 @@ held, nor on the requests decoding or prefilling beside it, nor on when it arriv
 
 Real models, the daemon as a process: Gemma 3 270M (Q4_K_M: its Q4_K and Q6_K products of 8 rows or
 more take llama.cpp's tiled kernels, which round otherwise than one row's, so a prompt computed whole
-and one whose cached prefix leaves a few tokens differ without the mode: scripts/determinism_probe.py)
+and one whose cached prefix leaves a few tokens differ without the mode: scripts/determinism_probe.py,
+in git history)
 and SmolLM2-135M-Instruct (chat). Held prompts include a long one reused across Gemma 3's 512-token
 sliding window and one whose cached prefix leaves fewer than 8 tokens to compute.
 """

@@ -287,9 +287,9 @@ def test_lora_tables_resolve_paths_as_model_paths_do(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^models\[1\].lora\[0\].name: 'a' is also the name of models\[0\].lora"):
         from_dict({"models": [{"name": "m", "path": "m.gguf", "lora": [{"name": "a", "path": "a.gguf"}]},
                               {"name": "n", "path": "n.gguf", "lora": [{"name": "a", "path": "a.gguf"}]}]})
-    with pytest.raises(ConfigError, match=r"^models\[0\].lora: adapters apply to a generative"):
-        from_dict({"models": [{"name": "m", "path": "m.gguf", "embedding": True,
-                               "lora": [{"name": "a", "path": "a.gguf"}]}]})
+    for other in ({"embedding": True}, {"task": "rerank"}, {"engine": "echo"}):
+        with pytest.raises(ConfigError, match=r"^models\[0\].lora: adapters apply to a generative"):
+            from_dict({"models": [{"name": "m", "path": "m.gguf", **other, "lora": [{"name": "a", "path": "a.gguf"}]}]})
 
 
 def test_fair_pick_takes_each_adapter_set_with_work_in_turn() -> None:

@@ -1,5 +1,5 @@
 """A worker's memory estimate (supervisor/memory.py): the GGUF header it reads, its formula's parts, and
-its total beside what llama.cpp allocates for the same model and context (scripts/memory_calibrate.py)."""
+its total beside what llama.cpp allocates for the same model and context (tests/memory_calibrate.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ GEMMA = ROOT / "models" / "gemma-3-270m-q4_k_m.gguf"
 
 
 def _calibrate() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("memory_calibrate", ROOT / "scripts" / "memory_calibrate.py")
+    spec = importlib.util.spec_from_file_location("memory_calibrate", ROOT / "tests" / "memory_calibrate.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

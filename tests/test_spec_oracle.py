@@ -1,11 +1,10 @@
-"""scripts/spec_oracle.py (issue 34, measurement (a)): the oracle proposer's drafts and the accounting of
+"""tests/spec_oracle.py (issue 34, measurement (a)): the oracle proposer's drafts and the accounting of
 what the engine verified, on the tiny model. An oracle at acceptance 1 drafts the recorded greedy output
 itself, so every draft is kept; at 0 every draft token is another one, so none is."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from llamapool.modelgen import make_model, peaked_next
 from llamapool.worker.engine import EngineConfig
 from llamapool.worker.engine.ngram import PromptLookup
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import spec_oracle as so
+from . import spec_oracle as so
 
 GEN = 24
 

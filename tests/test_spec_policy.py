@@ -6,7 +6,6 @@ drafts a table gives."""
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +32,7 @@ from llamapool.worker.engine.spec import (
 from llamapool.worker.engine.speculator import Speculator
 from llamapool.worker.scheduler import CostModel
 
-# decode steps' ms by draft width: an H100's (issue 34's tables; scripts/spec_sim.py)
+# decode steps' ms by draft width: an H100's (issue 34's tables)
 ONE_1B = {0: 1.45, 1: 1.55, 3: 1.8, 8: 2.3}
 ONE_8B = {0: 4.32, 1: 4.79, 3: 5.43, 8: 7.9}
 SIXTY_FOUR_8B = {0: 14.5, 1: 21.2, 3: 32.8, 8: 58.0}
@@ -352,8 +351,7 @@ def test_the_index_proposes_what_a_scan_proposes_on_random_streams() -> None:
 
 def test_the_index_proposes_what_a_scan_proposes_on_real_token_streams(gemma_vocab: Any) -> None:
     """Real text (the held tasks' inputs and a copy of them with edits), Gemma 3's tokens."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from spec_tasks import TASKS
+    from .spec_tasks import TASKS
 
     rng = np.random.default_rng(3)
     for _, _, prompt in TASKS:

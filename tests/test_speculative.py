@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,8 +46,7 @@ from llamapool.worker.engine.spec import (
 )
 from llamapool.worker.engine.speculator import Speculator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from spec_tasks import CODE, DOCS, INVOICE
+from .spec_tasks import CODE, DOCS, INVOICE
 
 MAX_DRAFT_FOR_TESTS = 8  # draft tokens a step the oracle test asks for
 NEAR_TIE = 2.5  # nats between the two likeliest tokens under which the kernels' rounding may decide

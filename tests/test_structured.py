@@ -123,8 +123,8 @@ AS_WRITTEN = [
 
 @pytest.mark.parametrize("max_tokens", [16, 24, 48])
 def test_replies_cut_by_max_tokens_parse_on_gemma(gemma: tuple[Daemon, openai.OpenAI], max_tokens: int) -> None:
-    """A subset of scripts/structured_check.py: every reply parses and validates, or the request is a 400
-    naming max_tokens (too few for any valid reply)."""
+    """A subset of what scripts/structured_check.py checked (in git history): every reply parses and
+    validates, or the request is a 400 naming max_tokens (too few for any valid reply)."""
     c = gemma[1]
     for i, schema in enumerate(AS_WRITTEN):
         ask = f"Give me the data of a {['city', 'product', 'book'][i]} as JSON, with a long description."

@@ -340,7 +340,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from llamapool.modelgen import make_lora, make_model
+    from llamapool.modelgen import make_lora, make_model, make_reranker
 
     if args.lora:
         try:
@@ -350,9 +350,15 @@ def cmd_make_model(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {path} (a random-weight LoRA adapter of {args.lora}: [[models.lora]] path)")
         return 0
+    if args.reranker:
+        path = make_reranker(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
+                             n_ff=args.n_ff, n_vocab=args.n_vocab, seed=args.seed, arch=args.reranker_arch)
+        kind = "BERT" if args.reranker_arch == "bert" else "Qwen3"
+        print(f"wrote {path} (a random-weight {kind} reranker: rank pooling, its scores mean nothing)")
+        return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
-                      qtype=args.type, seed=args.seed, peaked=args.peaked)
+                      qtype=args.type, seed=args.seed, peaked=args.peaked, fim=args.fim)
     print(f"wrote {path} (random weights: its output is gibberish"
           + (", one long cycle of tokens, each far ahead of the rest)" if args.peaked else ")"))
     return 0
@@ -533,7 +539,16 @@ def _tool_commands(sub: Any) -> None:
     m.add_argument("--peaked", action="store_true",
                    help="same tensors and speed, but greedy output is a fixed cycle through the vocab, each "
                         "next token ahead by tens of logits (no rounding changes it: speculative-decoding "
-                        "benchmarks such as scripts/spec_oracle.py)")
+                        "benchmarks such as tests/spec_oracle.py)")
+    m.add_argument("--fim", action="store_true",
+                   help="with fill-in-the-middle tokens (Qwen2.5-Coder's <|fim_prefix|> ... <|file_sep|>) declared "
+                        "in the GGUF as a code model's are: /infill and suffix serve it")
+    m.add_argument("--reranker", action="store_true",
+                   help="a cross-encoder with rank pooling instead (a model with task = \"rerank\"; f32, "
+                        "--n-head-kv, --type and --peaked do not apply)")
+    m.add_argument("--reranker-arch", default="bert", choices=("bert", "qwen3"),
+                   help="with --reranker: bert (bge-reranker's layout, a WordPiece vocab) or qwen3 "
+                        "(Qwen3-Reranker's: causal, yes/no head, a rerank template)")
     m.add_argument("--lora", metavar="BASE", default="",
                    help="write a random-weight LoRA adapter of the GGUF BASE instead (attn_q, attn_v, ffn_up; "
                         "the shape options are BASE's): greedy output under it differs from BASE's")

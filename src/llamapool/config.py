@@ -45,6 +45,7 @@ Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
 Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | "remote" | [0, 1] | [[0, 1], [2, 3]]
 POOL_KEYS = ("devices", "cpu_workers", "slots", "threads", "kv_host")  # [workers] keys a model may override
 POOLINGS = ("", "mean", "cls", "last")  # model.pooling
+MODEL_TASKS = ("", "generate", "embed", "rerank")  # model.task
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
 
 
@@ -69,6 +70,10 @@ class ModelConfig(EngineSettings):
     cpu_workers: int = 2  # CPU workers when devices = "cpu" or no GPU is found
     embedding: bool = False  # an embedding model: its workers answer /v1/embeddings (and embed), not generation
     pooling: str = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
+    # what its workers do: "generate", "embed" (= embedding = true) or "rerank" (a cross-encoder scoring
+    # query-document pairs with llama.cpp's rank pooling: /v1/rerank, /v2/rerank, Client.rerank);
+    # "" -> "embed" with embedding = true, else "generate"
+    task: str = ""
     # When its workers run (docs/configuration.md, "A pool that follows demand"): "always" (at start, never
     # evicted: the plan of `devices`) or "on_demand" (at its first request, placed by free memory, evicted
     # when idle and another model needs the room, unloaded after idle_unload)
@@ -469,9 +474,9 @@ def _lora_paths(key: str, m: ModelConfig, base_dir: Path | None) -> ModelConfig:
     reference's cached file (else the reference, which ``serve`` downloads)."""
     if not m.lora:
         return m
-    if m.engine != "llama" or m.embedding:
-        raise ConfigError(f"{key}.lora: adapters apply to a generative llama model (not an embedding model or "
-                          f"the echo engine)")
+    if m.engine != "llama" or m.embedding or m.task in ("embed", "rerank"):
+        raise ConfigError(f"{key}.lora: adapters apply to a generative llama model (not an embedding model, a "
+                          f"reranker or the echo engine)")
     from llamapool import hub
 
     resolved = []
@@ -539,6 +544,21 @@ def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) 
     return tuple(models)
 
 
+def _model_task(m: ModelConfig, key: str) -> ModelConfig:
+    """``m`` with its ``task`` resolved ("generate", "embed" or "rerank"); "embed" is ``embedding = true``."""
+    if m.task not in MODEL_TASKS:
+        raise ConfigError(f"{key}.task: must be \"generate\", \"embed\" or \"rerank\", got {m.task!r}")
+    if m.task in ("generate", "rerank") and m.embedding:
+        raise ConfigError(f"{key}.embedding: an embedding model's task is \"embed\", not {m.task!r}")
+    if m.task == "rerank" and m.engine != "llama":
+        raise ConfigError(f"{key}.task: \"rerank\" needs engine = \"llama\" (the echo engine computes nothing)")
+    if m.task == "rerank" and m.pooling:
+        raise ConfigError(f"{key}.pooling: a reranker pools by rank (llama.cpp's classification head); "
+                          f"leave pooling unset with task = \"rerank\"")
+    task = m.task or ("embed" if m.embedding else "generate")
+    return dataclasses.replace(m, task=task, embedding=task == "embed")
+
+
 def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, listed: bool) -> ModelConfig:
     """Resolve one model's paths and name, and check the keys that depend on each other."""
     if m.engine not in ("llama", "echo"):
@@ -574,6 +594,7 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
     if m.pooling not in POOLINGS:
         raise ConfigError(f"{key}.pooling: must be \"mean\", \"cls\" or \"last\" (or \"\": the GGUF's own), "
                           f"got {m.pooling!r}")
+    m = _model_task(m, key)
     if m.embedding and m.engine != "llama":
         raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
     if m.pooling and not m.embedding:

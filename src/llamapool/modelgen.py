@@ -24,6 +24,11 @@ QTYPES = ("f32", "f16", "q8_0")
 SPACE = "\u2581"  # SentencePiece's word-boundary marker
 MIN_VOCAB = 300  # <unk> <s> </s>, 256 byte tokens, the ChatML tokens, and room for "▁" and ASCII
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # control tokens, last in the vocab; <|im_end|> ends a turn
+# fill-in-the-middle (``fim``): the GGUF key of each role (tokenizer.ggml.fim_<role>_token_id, as llama.cpp's
+# src/llama-vocab.cpp reads them) and its token, Qwen2.5-Coder's texts (which llama.cpp also finds by text);
+# control tokens just before the ChatML ones
+FIM_TOKENS = (("pre", "<|fim_prefix|>"), ("suf", "<|fim_suffix|>"), ("mid", "<|fim_middle|>"),
+              ("pad", "<|fim_pad|>"), ("rep", "<|repo_name|>"), ("sep", "<|file_sep|>"))
 # ChatML, as Hugging Face ChatML models write it (tokenizer.chat_template)
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -85,12 +90,13 @@ def _pieces() -> Iterator[str]:
             yield from (prefix + "".join(t) for t in itertools.product(string.ascii_lowercase, repeat=n))
 
 
-def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+def build_vocab(n_vocab: int, fim: bool = False) -> tuple[list[str], list[float], list[int]]:
     """SentencePiece-style vocab of exactly ``n_vocab`` tokens: (tokens, scores, token types).
 
     <unk>, <s>, </s>, the 256 byte-fallback tokens <0x00>..<0xFF>, then unique normal pieces with
     decreasing scores: single characters first, then common words (and every piece on the way to
-    them), then synthetic letter n-grams; last, the ChatML control tokens <|im_start|> <|im_end|>.
+    them), then synthetic letter n-grams; last, the control tokens: with ``fim`` the six of
+    ``FIM_TOKENS``, then ChatML's <|im_start|> <|im_end|>.
     """
     import gguf
 
@@ -99,23 +105,24 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     tt = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL)] + [int(tt.BYTE)] * 256
-    n_normal = n_vocab - len(tokens) - len(CHATML_TOKENS)
+    controls = [t for _, t in FIM_TOKENS] * fim + list(CHATML_TOKENS)
+    n_normal = n_vocab - len(tokens) - len(controls)
     normal: dict[str, None] = {}  # insertion-ordered set
     for p in _pieces():
         normal.setdefault(p)
         if len(normal) == n_normal:
             break
     else:
-        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal) + len(CHATML_TOKENS)})")
-    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal + len(CHATML_TOKENS))]
-    return (tokens + list(normal) + list(CHATML_TOKENS), scores,
-            types + [int(tt.NORMAL)] * n_normal + [int(tt.CONTROL)] * len(CHATML_TOKENS))
+        raise ValueError(f"n_vocab {n_vocab} is too large (at most {len(tokens) + len(normal) + len(controls)})")
+    scores = [0.0] * len(tokens) + [-float(k) for k in range(n_normal + len(controls))]
+    return (tokens + list(normal) + controls, scores,
+            types + [int(tt.NORMAL)] * n_normal + [int(tt.CONTROL)] * len(controls))
 
 
 def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
                n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 32768,
                qtype: str = "f32", seed: int = 0, chat_template: str | None = CHATML_TEMPLATE,
-               peaked: bool = False) -> Path:
+               peaked: bool = False, fim: bool = False) -> Path:
     """Write a llama-architecture GGUF with random weights to ``path`` and return it as a Path.
 
     Weights are N(0, 1/fan_in) (token embeddings N(0, 1)), norms are 1, so activations stay
@@ -133,11 +140,16 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     barely move the residual stream, and row ``peaked_next(t)`` of ``output.weight`` is token ``t``'s
     embedding scaled to norm ``PEAK_LOGIT / sqrt(n_embd)``. Control and byte tokens embed as a normal
     token does (so are never anyone's successor), and their output rows are random ones of that norm.
+
+    ``fim``: the vocab has the fill-in-the-middle tokens of ``FIM_TOKENS`` and the GGUF declares them
+    (``tokenizer.ggml.fim_pre_token_id`` ...), as a code model's does: ``/infill`` and ``suffix`` serve it.
     """
     import gguf
 
     head_dim = _check_dims(n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, qtype)
-    tokens, scores, types = build_vocab(n_vocab)
+    if peaked and fim:
+        raise ValueError("a peaked model has no FIM tokens: pass peaked or fim, not both")
+    tokens, scores, types = build_vocab(n_vocab, fim)
 
     specs = _tensor_specs(n_embd, n_layer, n_head_kv * head_dim, n_ff, n_vocab)
 
@@ -153,7 +165,7 @@ def make_model(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int =
     w = gguf.GGUFWriter(tmp, "llama")
     try:
         _write_metadata(w, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, head_dim, ftype, tokens,
-                        scores, types, chat_template)
+                        scores, types, chat_template, fim)
         # Declare all tensors up front, then generate and stream them one at a time in the same order,
         # so at most one tensor is in memory (GGUFWriter.add_tensor would hold them all until written).
         for name, shape, std in specs:
@@ -336,7 +348,7 @@ def _tensor_specs(n_embd: int, n_layer: int, kv: int, n_ff: int, n_vocab: int
 
 def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, n_ff: int,
                     n_ctx_train: int, head_dim: int, ftype: Any, tokens: list[str], scores: list[float],
-                    types: list[int], chat_template: str | None) -> None:
+                    types: list[int], chat_template: str | None, fim: bool = False) -> None:
     import gguf
 
     w.add_name("llamapool-random")
@@ -363,6 +375,187 @@ def _write_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_head_kv: i
     w.add_eot_token_id(len(tokens) - 1)  # <|im_end|>
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for role, text in FIM_TOKENS * fim:  # as llama.cpp's src/llama-vocab.cpp reads them
+        w.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", tokens.index(text))
+
+
+RERANK_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4: pad, unk, cls (BOS), sep, mask
+RERANK_ARCHS = ("bert", "qwen3")
+# a rerank template of Qwen3-Reranker's form (llama-server replaces {query} and {document}): ChatML, whose
+# control tokens the generator's vocab has; the model's answer would be "yes" or "no"
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query provided. "
+    "Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n<Query>: {query}\n"
+    "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def build_wordpiece_vocab(n_vocab: int) -> tuple[list[str], list[int]]:
+    """A WordPiece vocab as llama.cpp's BERT tokenizer (WPM) reads it: (tokens, token types). The BERT
+    specials first, then the normal pieces of :func:`build_vocab` without byte tokens: a piece starting
+    with "▁" begins a word, any other continues one (the "phantom space" form convert_hf_to_gguf.py
+    writes for ``##`` pieces). Lowercase text tokenizes into whole words; an unknown word is [UNK]."""
+    import gguf
+
+    if n_vocab < MIN_VOCAB:
+        raise ValueError(f"n_vocab must be >= {MIN_VOCAB}, got {n_vocab}")
+    tt = gguf.TokenType
+    normal: dict[str, None] = {}
+    for p in _pieces():
+        normal.setdefault(p)
+        if len(normal) == n_vocab - len(RERANK_SPECIALS):
+            break
+    types = [int(tt.CONTROL), int(tt.UNKNOWN), int(tt.CONTROL), int(tt.CONTROL), int(tt.CONTROL)]
+    return list(RERANK_SPECIALS) + list(normal), types + [int(tt.NORMAL)] * len(normal)
+
+
+def make_reranker(path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
+                  n_ff: int = 128, n_vocab: int = 512, n_ctx_train: int = 512, seed: int = 0,
+                  rerank_template: str | None = None, arch: str = "bert") -> Path:
+    """Write a random-weight BERT cross-encoder GGUF (the shape of bge-reranker-base) that llama.cpp
+    loads with rank pooling, and return it as a Path.
+
+    Architecture ``bert`` (bidirectional, absolute positions, LayerNorms with biases), a WordPiece vocab
+    (:func:`build_wordpiece_vocab`; [CLS] is BOS, [SEP] the separator), ``bert.pooling_type = rank`` and
+    the classification head llama.cpp's RANK pooling applies to the [CLS] row: ``cls`` (n_embd x n_embd,
+    tanh) then ``cls.output`` (one label: the relevance score, a raw logit). Weights N(0, 1/fan_in),
+    norms 1, biases N(0, 0.1); all f32; same arguments and seed give the same bytes. ``rerank_template``
+    goes into ``tokenizer.chat_template.rerank`` (llama-server's prompt with ``{query}`` and
+    ``{document}``, as Qwen3-Reranker GGUFs carry); None: the pair is [CLS] query [SEP] document.
+
+    ``arch="qwen3"``: a causal reranker of Qwen3-Reranker's layout instead: the Qwen3 decoder (the
+    tensors of :func:`make_model` and per-head q/k RMS norms, the SentencePiece vocab of
+    :func:`build_vocab`), a two-label ``cls.output`` ("yes", "no") that llama.cpp's rank pooling applies
+    to the last token and softmaxes (the score: P(yes)), and ``rerank_template`` defaulting to
+    :data:`QWEN3_RERANK_TEMPLATE`.
+    """
+    if arch not in RERANK_ARCHS:
+        raise ValueError(f"arch must be one of {RERANK_ARCHS}, got {arch!r}")
+    if arch == "qwen3":
+        return _write_reranker(path, "qwen3", *_qwen3_reranker(n_embd, n_layer, n_head, n_ff, n_vocab, n_ctx_train,
+                                                                seed, rerank_template or QWEN3_RERANK_TEMPLATE))
+    _check_dims(n_embd, n_layer, n_head, n_head, n_ff, n_ctx_train, "f32")
+    tokens, types = build_wordpiece_vocab(n_vocab)
+    tensors = _reranker_tensors(np.random.default_rng(seed), n_embd, n_layer, n_ff, n_vocab, n_ctx_train)
+
+    def metadata(w: Any) -> None:
+        _reranker_metadata(w, n_embd, n_layer, n_head, n_ff, n_ctx_train, tokens, types, rerank_template)
+
+    return _write_reranker(path, "bert", metadata, tensors)
+
+
+def _write_reranker(path: str | os.PathLike[str], arch: str, metadata: Any,
+                    tensors: list[tuple[str, np.ndarray]]) -> Path:
+    """Write a small GGUF of ``arch`` (``metadata(writer)`` adds its keys) atomically; return its Path."""
+    import gguf
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    w = gguf.GGUFWriter(tmp, arch)
+    try:
+        metadata(w)
+        for name, data in tensors:
+            w.add_tensor(name, data)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _reranker_metadata(w: Any, n_embd: int, n_layer: int, n_head: int, n_ff: int, n_ctx_train: int,
+                       tokens: list[str], types: list[int], rerank_template: str | None) -> None:
+    import gguf
+
+    w.add_name("llamapool-random-reranker")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    w.add_classifier_output_labels(["relevance"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_type_count(2)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_sep_token_id(3)
+    w.add_mask_token_id(4)
+    w.add_add_bos_token(True)
+    w.add_add_sep_token(True)
+    w.add_add_eos_token(False)
+    if rerank_template is not None:
+        w.add_chat_template([{"name": "rerank", "template": rerank_template}])
+
+
+def _reranker_tensors(rng: np.random.Generator, n_embd: int, n_layer: int, n_ff: int, n_vocab: int,
+                      n_ctx_train: int) -> list[tuple[str, np.ndarray]]:
+    """A BERT cross-encoder's tensors (llama.cpp's names; numpy shapes are (out, in)) in file order."""
+    e, f = n_embd**-0.5, n_ff**-0.5
+
+    def mat(rows: int, cols: int, std: float) -> np.ndarray:
+        return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
+
+    def vec(n: int, std: float = 0.1) -> np.ndarray:
+        return rng.standard_normal(n, dtype=np.float32) * np.float32(std)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    tensors: list[tuple[str, np.ndarray]] = [
+        ("token_embd.weight", mat(n_vocab, n_embd, 1.0)), ("token_types.weight", mat(2, n_embd, 0.1)),
+        ("position_embd.weight", mat(n_ctx_train, n_embd, 0.1)),
+        ("token_embd_norm.weight", ones), ("token_embd_norm.bias", vec(n_embd))]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensors += [(b + name + ".weight", mat(n_embd, n_embd, e)), (b + name + ".bias", vec(n_embd))]
+        tensors += [(b + "attn_output_norm.weight", ones), (b + "attn_output_norm.bias", vec(n_embd)),
+                    (b + "ffn_up.weight", mat(n_ff, n_embd, e)), (b + "ffn_up.bias", vec(n_ff)),
+                    (b + "ffn_down.weight", mat(n_embd, n_ff, f)), (b + "ffn_down.bias", vec(n_embd)),
+                    (b + "layer_output_norm.weight", ones), (b + "layer_output_norm.bias", vec(n_embd))]
+    tensors += [("cls.weight", mat(n_embd, n_embd, e)), ("cls.bias", vec(n_embd)),
+                ("cls.output.weight", mat(1, n_embd, 4.0 * e)), ("cls.output.bias", vec(1))]
+    return tensors
+
+
+def _qwen3_reranker(n_embd: int, n_layer: int, n_head: int, n_ff: int, n_vocab: int, n_ctx_train: int, seed: int,
+                    template: str) -> tuple[Any, list[tuple[str, np.ndarray]]]:
+    """A Qwen3 cross-encoder's metadata writer and tensors (all f32)."""
+    import gguf
+
+    n_head_kv = max(1, n_head // 2)
+    head_dim = _check_dims(n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, "f32")
+    tokens, scores, types = build_vocab(n_vocab)
+    rng = np.random.default_rng(seed)
+    tensors: list[tuple[str, np.ndarray]] = []
+    for name, shape, std in _tensor_specs(n_embd, n_layer, n_head_kv * head_dim, n_ff, n_vocab):
+        f32 = gguf.GGMLQuantizationType.F32
+        tensors.append((name, np.ones(shape, np.float32) if std is None else _random_matrix(rng, shape, std, f32)))
+    for i in range(n_layer):
+        tensors += [(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32)),
+                    (f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))]
+    tensors.append(("cls.output.weight", rng.standard_normal((2, n_embd), dtype=np.float32)
+                    * np.float32(4.0 * n_embd**-0.5)))
+
+    def metadata(w: Any) -> None:
+        _write_metadata(w, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, head_dim,
+                        gguf.LlamaFileType.ALL_F32, tokens, scores, types, None)
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "rerank", "template": template}])
+
+    return metadata, tensors
 
 
 LORA_TARGETS = ("attn_q", "attn_v", "ffn_up")  # make_lora's default: the matrices an adapter changes
@@ -378,8 +571,8 @@ def make_lora(path: str | os.PathLike[str], base: str | os.PathLike[str], *, ran
     each of the base's ``blk.N.<target>.weight`` (``targets``) the pair ``blk.N.<target>.weight.lora_a``
     (numpy shape (rank, in)) and ``.lora_b`` ((out, rank)), f32. llama.cpp adds ``scale * alpha / rank * B @
     A`` to the matrix; A is N(0, 1/in) and B N(0, 1/rank), so at alpha = rank and scale 1 the change is as
-    large as the matrix itself: greedy output differs from the base's. Same arguments give the same bytes;
-    the file appears atomically."""
+    large as the matrix itself (the defaults double it): greedy output differs from the base's. Same arguments
+    give the same bytes; the file appears atomically."""
     import gguf
 
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -388,32 +581,21 @@ def make_lora(path: str | os.PathLike[str], base: str | os.PathLike[str], *, ran
     arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
     if arch_field is None:
         raise ValueError(f"{base}: no general.architecture: not a model GGUF")
-    arch = str(arch_field.contents())
     wanted = [(t.name, int(t.shape[1]), int(t.shape[0])) for t in reader.tensors  # ggml ne: (in, out)
               if len(t.shape) == 2 and t.name.endswith(".weight") and t.name.split(".")[-2] in targets
               and t.name.startswith("blk.")]
     if not wanted:
         raise ValueError(f"{base}: none of the matrices {', '.join(targets)} is in the model")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    w = gguf.GGUFWriter(tmp, arch)
-    try:
+    rng, f32 = np.random.default_rng(seed), gguf.GGMLQuantizationType.F32
+    tensors = []
+    for name, n_out, n_in in wanted:
+        tensors += [(f"{name}.lora_a", _random_matrix(rng, (rank, n_in), n_in**-0.5, f32)),
+                    (f"{name}.lora_b", _random_matrix(rng, (n_out, rank), rank**-0.5, f32))]
+
+    def metadata(w: Any) -> None:
         w.add_name("llamapool-random-lora")
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")
         w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
-        rng, f32 = np.random.default_rng(seed), gguf.GGMLQuantizationType.F32
-        for name, n_out, n_in in wanted:
-            w.add_tensor(f"{name}.lora_a", _random_matrix(rng, (rank, n_in), n_in**-0.5, f32))
-            w.add_tensor(f"{name}.lora_b", _random_matrix(rng, (n_out, rank), rank**-0.5, f32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return out
+
+    return _write_reranker(path, str(arch_field.contents()), metadata, tensors)

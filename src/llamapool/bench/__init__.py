@@ -1,4 +1,4 @@
-"""Benchmarks: ``llamapool bench`` and what the GPU script builds on.
+"""Benchmarks: ``llamapool bench`` and its scenarios.
 
 - :mod:`~llamapool.bench.workloads`: named request sets (``short``, ``rag``, ``long``, ``mixed``), seeded;
 - :mod:`~llamapool.bench.drivers`: one client-side measurement core with two transports, the SDK
@@ -8,6 +8,9 @@
 - :mod:`~llamapool.bench.router_only`: the router path with an echo engine against bare pyzmq;
 - :mod:`~llamapool.bench.scenarios`: a long prompt among streams, prompts sharing a prefix;
 - :mod:`~llamapool.bench.agent`: ``--scenario agent``, sessions whose context grows turn after turn;
+- :mod:`~llamapool.bench.speculation`: ``--scenario speculation``, replies that copy their prompt, on vs off;
+- :mod:`~llamapool.bench.churn`: ``--scenario pool-churn``, a busy model beside on-demand models that churn;
+- :mod:`~llamapool.bench.plot`: ``--plot FILE`` (where matplotlib is installed);
 - :mod:`~llamapool.bench.command`: the ``llamapool bench`` command.
 
 Nothing here is imported by the daemon, and nothing here imports :mod:`llamapool.cli`.

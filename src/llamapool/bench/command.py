@@ -1,7 +1,10 @@
 """``llamapool bench``: drive a running daemon (SDK) or an HTTP server (``--http``) with a named
 workload at C concurrent streams; optionally measure the engine ceiling (same model and lengths, no
 service) in the same run; or, with ``--router-only``, the router path without a model; or, with
-``--scenario agent``, sessions whose context grows turn after turn (:mod:`llamapool.bench.agent`).
+``--scenario agent``, sessions whose context grows turn after turn (:mod:`llamapool.bench.agent`);
+``--scenario speculation``, replies that copy their prompt, speculation on and off
+(:mod:`llamapool.bench.speculation`); ``--scenario pool-churn``, a busy model beside on-demand models
+loaded and evicted (:mod:`llamapool.bench.churn`).
 
 Exits 1 when any request failed or came back short: a run with errors is not a figure.
 """
@@ -51,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the measured ones, started a second before): e.g. -w short --beside json for what "
                         "constrained neighbours cost plain streams, against -w short --beside short")
     _agent_arguments(p)
+    _more_scenarios(p)
     p.add_argument("--n-vocab", type=int, default=0,
                    help="prompt ids are drawn below this (default: what the server reports)")
     p.add_argument("--http", metavar="URL",
@@ -74,9 +78,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _agent_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", choices=("agent",),
+    p.add_argument("--scenario", choices=("agent", "speculation", "pool-churn"),
                    help="a scenario instead of a workload: agent: sessions of turns whose prompt is the last "
-                        "turn's, its reply and new tokens, taken round-robin (one JSON line a run)")
+                        "turn's, its reply and new tokens, taken round-robin (one JSON line a run); "
+                        "speculation: replies copying their prompt (a make-model --peaked model), speculation "
+                        "on vs off; pool-churn: C streams to --busy alone, then beside light requests to "
+                        "on-demand models (JSON lines)")
     p.add_argument("--sessions", type=int, default=AgentWorkload.sessions,
                    help="--scenario agent: sessions")
     p.add_argument("--turns", type=int, default=AgentWorkload.turns,
@@ -175,6 +182,8 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
     files for a tcp:// endpoint."""
     if args.router_only:
         return _router_only(args)
+    if args.peer_server:
+        return _peer(args, endpoint, {"server_public_key": server_public_key, "client_key": client_key})
     from llamapool.bench.drivers import Target, measure, server_info
     from llamapool.bench.workloads import make_workload
 
@@ -189,6 +198,8 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
         return 2
     if args.scenario == "agent":
         return _agent(args, target, n_vocab, info)
+    if args.scenario:
+        return _scenario(args, target, n_vocab)
     if args.rate:
         return _open_loop(args, target, n_vocab)
     rows: list[dict[str, Any]] = []
@@ -234,6 +245,7 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
             print(line, flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
+    _plot(args.plot, rows)
     if errors:
         print(f"llamapool bench: {errors} request(s) failed or came back short: not a figure", file=sys.stderr)
         return 1
@@ -297,3 +309,55 @@ def _open_loop(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
         print(f"llamapool bench: {errors} request(s) failed or came back short: not a figure", file=sys.stderr)
         return 1
     return 0
+
+
+def _more_scenarios(p: argparse.ArgumentParser) -> None:
+    from llamapool.bench import churn, peer, speculation
+
+    speculation.add_arguments(p)
+    churn.add_arguments(p)
+    peer.add_arguments(p)
+    p.add_argument("--plot", metavar="FILE", help="also draw the rows to FILE (a PNG; needs matplotlib)")
+
+
+def _scenario(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
+    """``--scenario speculation`` or ``pool-churn``: each row printed (and appended to ``--out``) as a JSON line."""
+    from llamapool.bench import churn, speculation
+
+    if args.rate or args.beside or args.ceiling or args.procs > 1:
+        print(f"llamapool bench: --scenario {args.scenario} is a closed loop in one client process: no --rate, "
+              "--beside, --ceiling or --procs", file=sys.stderr)
+        return 2
+    status, rows = (speculation if args.scenario == "speculation" else churn).run(args, target, n_vocab)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    _append(args.out, rows)
+    _plot(args.plot, rows)
+    if status == 1:
+        print("llamapool bench: errors (or texts that differ): not a figure", file=sys.stderr)
+    return status
+
+
+def _peer(args: argparse.Namespace, endpoint: str, keys: dict[str, str]) -> int:
+    """``--peer-server``: the daemon from ``--config``, then llama-server, the same workload (JSON lines)."""
+    from llamapool.bench import peer
+
+    try:
+        status, rows = peer.run(args, endpoint, {k: v for k, v in keys.items() if v})
+    except RuntimeError as e:
+        print(f"llamapool bench: --peer-server: {e}", file=sys.stderr)
+        return 1
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    _append(args.out, rows)
+    _plot(args.plot, rows)
+    if status == 1:
+        print("llamapool bench: errors: not a figure", file=sys.stderr)
+    return status
+
+
+def _plot(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if path and rows:
+        from llamapool.bench.plot import plot
+
+        print(f"llamapool bench: {plot(rows, path)}", file=sys.stderr)

@@ -189,7 +189,7 @@ class SdkTransport(_Transport):
         if req.n > 1:
             extra["n"] = req.n
         stream = self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=req.temperature,
-                                    ignore_eos=True, **extra)
+                                    ignore_eos=True, model=req.model or None, **extra)
         counts = [0] * req.n  # tokens so far of each choice
         async with stream:
             async for chunk in stream:
@@ -270,6 +270,8 @@ class HttpTransport(_Transport):
 
     def body(self, req: Request) -> dict[str, Any]:
         extra: dict[str, Any] = dict(self.extra_body)
+        if req.model:
+            extra["model"] = req.model
         if req.json_schema is not None:
             extra["json_schema"] = req.json_schema  # both's field
         if self.openai:

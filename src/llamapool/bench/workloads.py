@@ -60,6 +60,7 @@ class Request:
     top_logprobs: int = -1  # the ``logprobs`` workload: logprobs with this many alternatives (-1: none)
     n: int = 1  # choices (each of max_tokens tokens)
     temperature: float = 0.0  # 0: greedy
+    model: str = ""  # the pool's model to ask ("": the server's default)
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from llamapool.client.errors import (
     WorkerLostError,
 )
 from llamapool.client.sync import Client, Stream
-from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall, Usage
+from llamapool.client.types import Completion, Embeddings, Reranking, RerankResult, StreamChunk, ToolCall, Usage
 from llamapool.protocol.messages import TokenLogprob, TopLogprob
 
 __all__ = [
     "AsyncClient", "AsyncStream", "BadRequestError", "Client", "Completion", "Embeddings", "ForbiddenError",
-    "InternalError", "LlamapoolError", "OverloadedError", "RateLimitedError", "RequestTimeoutError", "Stream",
-    "StreamChunk", "TokenLogprob", "ToolCall", "TopLogprob", "UnavailableError", "UnknownModelError", "Usage",
-    "WorkerLostError",
+    "InternalError", "LlamapoolError", "OverloadedError", "RateLimitedError", "RequestTimeoutError", "RerankResult",
+    "Reranking", "Stream", "StreamChunk", "TokenLogprob", "ToolCall", "TopLogprob", "UnavailableError",
+    "UnknownModelError", "Usage", "WorkerLostError",
 ]

@@ -38,13 +38,15 @@ from llamapool.client.calls import (
     new_id,
     no_answer,
     not_connected,
+    rerank_documents,
+    rerank_top_n,
     send_timeout_ms,
     status_of,
     task_frame,
 )
 from llamapool.client.errors import LlamapoolError, OverloadedError, RequestTimeoutError, UnavailableError
 from llamapool.client.sync import CLOSE_LINGER_MS, closed_error, shared_context
-from llamapool.client.types import Completion, Embeddings, StreamChunk
+from llamapool.client.types import Completion, Embeddings, Reranking, StreamChunk
 from llamapool.protocol import codec
 from llamapool.protocol.endpoints import default_frontend
 from llamapool.protocol.messages import (
@@ -56,6 +58,7 @@ from llamapool.protocol.messages import (
     MetricsRequest,
     ModelAction,
     Prompt,
+    Rerank,
     StatusRequest,
     Tokenize,
 )
@@ -434,6 +437,17 @@ class AsyncClient:
         model = self.model if model is None else model
         return (await self._task(lambda rid, t: Embed(rid, items, t, model), len(items), timeout)).embeddings()
 
+    async def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None,
+                     max_tokens_per_doc: int = 0, timeout: float | None = None,
+                     model: str | None = None) -> Reranking:
+        """Each document's relevance to ``query``, sorted (see :meth:`llamapool.Client.rerank`)."""
+        docs = rerank_documents(documents)
+        n = rerank_top_n(top_n, len(docs))
+        model = self.model if model is None else model
+        pending = await self._task(lambda rid, t: Rerank(rid, query, docs, max_tokens_per_doc, t, model),
+                                   len(docs), timeout)
+        return pending.reranking(docs, n)
+
     async def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False,
                        parse_special: bool = True, with_pieces: bool = False,
                        timeout: float | None = None) -> list[Any]:
@@ -452,6 +466,21 @@ class AsyncClient:
         return (await self._task(lambda rid, t: Tokenize(rid, text, timeout=t, model=model, render=True,
                                                          messages=messages, tools=tools), 1, timeout)).tokens()
 
+    async def infill(self, input_prefix: str | list[str | int], input_suffix: str | list[str | int], *,
+                     input_extra: Sequence[tuple[str, str]] | None = None, prompt: str = "", n_predict: int = -1,
+                     model: str | None = None, timeout: float | None = None) -> list[int]:
+        """The tokens of a fill-in-the-middle prompt, as llama-server's ``/infill`` lays them out for the model's
+        FIM tokens: ``input_extra`` the repo's other files (filename, text; None: no repo-level context, as
+        ``suffix`` has it), ``prompt`` text after the prefix (worker/infill.py). A model without FIM tokens is a
+        ``BadRequestError`` with ``field == "model"``."""
+        model = self.model if model is None else model
+        parts: dict[str, Any] = {"input_prefix": input_prefix, "input_suffix": input_suffix, "prompt": prompt,
+                                 "n_predict": n_predict}
+        if input_extra is not None:
+            parts["input_extra"] = [[f, t] for f, t in input_extra]
+        return (await self._task(lambda rid, t: Tokenize(rid, "", timeout=t, model=model, infill=parts), 1,
+                                 timeout)).tokens()
+
     async def detokenize(self, tokens: Sequence[int], *, model: str | None = None,
                          timeout: float | None = None) -> str:
         """The text of ``tokens`` (see :meth:`llamapool.Client.detokenize`)."""
@@ -459,7 +488,7 @@ class AsyncClient:
         ids = list(tokens)
         return (await self._task(lambda rid, t: Detokenize(rid, ids, t, model), 1, timeout)).text()
 
-    async def _task(self, build: Callable[[str, float | None], Embed | Tokenize | Detokenize], n: int,
+    async def _task(self, build: Callable[[str, float | None], Embed | Rerank | Tokenize | Detokenize], n: int,
                     timeout: float | None) -> TaskPending:
         rid = new_id()
         t, wait = self._budget(timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from llamapool.client.errors import BadRequestError, LlamapoolError, UnavailableError, from_reply
-from llamapool.client.types import Completion, Embeddings, StreamChunk, ToolCall, Usage
+from llamapool.client.types import Completion, Embeddings, Reranking, RerankResult, StreamChunk, ToolCall, Usage
 from llamapool.protocol import codec, params
 from llamapool.protocol.endpoints import ipc_path, needs_curve
 from llamapool.protocol.messages import (
@@ -24,6 +25,7 @@ from llamapool.protocol.messages import (
     MetricsReply,
     ModelActionReply,
     Prompt,
+    Rerank,
     Result,
     StatusReply,
     Tokenize,
@@ -284,8 +286,30 @@ def embed_inputs(inputs: EmbedInputs) -> list[str | list[int]]:
     raise TypeError(f"inputs must be a string, a list of token ids, or a list of them, got {type(inputs).__name__}")
 
 
-def task_frame(msg: Embed | Tokenize | Detokenize) -> bytes:
-    """Encode an embed, tokenize or detokenize request (the router checks its fields and names a bad one)."""
+def rerank_documents(documents: Any) -> list[str]:
+    """``rerank``'s documents as the protocol's list: a non-empty list of texts."""
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence) or not documents:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, "'documents' must be a non-empty list of strings",
+                              "documents")
+    bad = next((i for i, d in enumerate(documents) if not isinstance(d, str)), None)
+    if bad is not None:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"'documents[{bad}]' must be a string, got "
+                              f"{type(documents[bad]).__name__}", f"documents[{bad}]")
+    return list(documents)
+
+
+def rerank_top_n(top_n: int | None, n_documents: int) -> int:
+    """How many of the sorted results ``rerank`` returns: ``top_n`` (an integer >= 1; more than the
+    documents returns them all, as Jina, Cohere and llama-server do), None: all of them."""
+    if top_n is None:
+        return n_documents
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
+        raise BadRequestError(ErrorCode.INVALID_REQUEST, f"'top_n' must be an integer >= 1, got {top_n!r}", "top_n")
+    return min(top_n, n_documents)
+
+
+def task_frame(msg: Embed | Rerank | Tokenize | Detokenize) -> bytes:
+    """Encode an embed, rerank, tokenize or detokenize request (the router checks its fields and names a bad one)."""
     if msg.model is not None and not isinstance(msg.model, str):
         raise TypeError(f"model must be a string, got {type(msg.model).__name__}")
     try:
@@ -316,6 +340,14 @@ class TaskPending(Replies[TaskReply]):
     def replies(self) -> list[TaskReply]:
         """Every reply in order; raise the first error."""
         return self.ordered()
+
+    def reranking(self, documents: Sequence[str], top_n: int) -> Reranking:
+        """The documents' scores, sorted (highest first), the first ``top_n``."""
+        replies = [r for r in self.replies() if isinstance(r, Embedding)]
+        scores = [array.array("f", r.embedding)[0] for r in replies]
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        return Reranking([RerankResult(i, float(scores[i]), documents[i]) for i in order[:top_n]],
+                         sum(r.prompt_tokens for r in replies), replies[0].model if replies else "")
 
     def embeddings(self) -> Embeddings:
         replies = [r for r in self.replies() if isinstance(r, Embedding)]

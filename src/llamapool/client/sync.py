@@ -40,12 +40,14 @@ from llamapool.client.calls import (
     new_id,
     no_answer,
     not_connected,
+    rerank_documents,
+    rerank_top_n,
     send_timeout_ms,
     status_of,
     task_frame,
 )
 from llamapool.client.errors import LlamapoolError, RequestTimeoutError, UnavailableError
-from llamapool.client.types import Completion, Embeddings, StreamChunk
+from llamapool.client.types import Completion, Embeddings, Reranking, StreamChunk
 from llamapool.protocol import codec
 from llamapool.protocol.endpoints import default_frontend
 from llamapool.protocol.messages import (
@@ -56,6 +58,7 @@ from llamapool.protocol.messages import (
     MetricsRequest,
     ModelAction,
     Prompt,
+    Rerank,
     StatusRequest,
     Tokenize,
 )
@@ -452,6 +455,21 @@ class Client:
         model = self.model if model is None else model
         return self._task(lambda rid, t: Embed(rid, items, t, model), len(items), timeout).embeddings()
 
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int | None = None, max_tokens_per_doc: int = 0,
+               timeout: float | None = None, model: str | None = None) -> Reranking:
+        """How relevant each document is to ``query``, by ``model``, a reranker of the pool (``task =
+        "rerank"``): a :class:`Reranking` list of ``RerankResult(index, relevance_score, document)``
+        sorted by score, highest first, the first ``top_n`` (None: all), with ``prompt_tokens`` and
+        ``model``. Each pair is formatted as llama-server formats it; a document longer than
+        ``max_tokens_per_doc`` tokens (0: no limit), or than a slot's context leaves beside the query,
+        is cut to its first tokens. The worker scores the pairs of every request it holds together."""
+        docs = rerank_documents(documents)
+        n = rerank_top_n(top_n, len(docs))
+        model = self.model if model is None else model
+        pending = self._task(lambda rid, t: Rerank(rid, query, docs, max_tokens_per_doc, t, model),
+                             len(docs), timeout)
+        return pending.reranking(docs, n)
+
     def tokenize(self, text: str, *, model: str | None = None, add_special: bool = False, parse_special: bool = True,
                  with_pieces: bool = False, timeout: float | None = None) -> list[Any]:
         """``text``'s token ids by ``model``'s tokenizer, as llama-server's ``/tokenize`` gives them
@@ -467,9 +485,9 @@ class Client:
         ids = list(tokens)
         return self._task(lambda rid, t: Detokenize(rid, ids, t, model), 1, timeout).text()
 
-    def _task(self, build: Callable[[str, float | None], Embed | Tokenize | Detokenize], n: int,
+    def _task(self, build: Callable[[str, float | None], Embed | Rerank | Tokenize | Detokenize], n: int,
               timeout: float | None) -> TaskPending:
-        """Send an embed, tokenize or detokenize request and gather its ``n`` final replies."""
+        """Send an embed, rerank, tokenize or detokenize request and gather its ``n`` final replies."""
         rid = new_id()
         t, deadline = self._deadline(timeout)
         frame = task_frame(build(rid, t))

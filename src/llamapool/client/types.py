@@ -60,3 +60,23 @@ class Embeddings(list[list[float]]):
 
         super().__init__(array.array("f", r).tolist() for r in raw)
         self.raw, self.prompt_tokens, self.model = raw, prompt_tokens, model
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """One document's relevance to the query: its position in the request, its score (the reranker's
+    raw output: a logit, higher is more relevant; Qwen3-Reranker's is a probability) and its text."""
+
+    index: int
+    relevance_score: float
+    document: str
+
+
+class Reranking(list[RerankResult]):
+    """What ``rerank`` returns: the documents' results sorted by ``relevance_score``, highest first (ties
+    in the documents' order), the first ``top_n`` of them; with the prompt tokens of all pairs scored
+    and the model that answered."""
+
+    def __init__(self, results: list[RerankResult], prompt_tokens: int, model: str):
+        super().__init__(results)
+        self.prompt_tokens, self.model = prompt_tokens, model

@@ -47,13 +47,18 @@ class GatewaySpec:
     responses_store: str = ""
     responses_ttl: float = 30 * 86400.0
     responses_max_bytes: int = 1 << 30
-    # the pool's models as configured: {"name", "path", "embedding", "ctx_per_slot", "chat_template"} each
-    # (/v1/embeddings without a model takes the first embedding model; /tokenizer_info reads the GGUF)
+    # the pool's models as configured: {"name", "path", "embedding", "task", "ctx_per_slot", "chat_template"}
+    # each (/v1/embeddings without a model takes the first embedding model, /v1/rerank the first reranker;
+    # /tokenizer_info reads the GGUF)
     models: list[dict[str, Any]] = field(default_factory=list)
 
     def embedding_model(self) -> str | None:
         """The pool's first embedding model, None when it has none."""
         return next((m["name"] for m in self.models if m.get("embedding")), None)
+
+    def rerank_model(self) -> str | None:
+        """The pool's first reranker (``task = "rerank"``), None when it has none."""
+        return next((m["name"] for m in self.models if m.get("task") == "rerank"), None)
 
     def model_info(self, name: str | None) -> dict[str, Any] | None:
         """A model's configuration (None: the pool's first)."""

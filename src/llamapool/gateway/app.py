@@ -26,7 +26,9 @@ from llamapool.gateway.openai import (
     completions,
     completions_render,
     embeddings,
+    infill,
     models,
+    rerank,
     responses,
     stored,
 )
@@ -74,14 +76,17 @@ class Gateway(Serving):
             ("/responses", Door(responses.handle), "POST"), ("/embeddings", Door(embeddings.handle), "POST"),
             ("/responses/{response_id:str}", Door(stored.handle_one), "GET DELETE"),
             ("/responses/{response_id:str}/input_items", Door(stored.handle_input_items), "GET"),
+            *((path, door, "POST") for path, door in rerank.ROUTES),  # Jina's and llama-server's rerank
         ]
         return Starlette(routes=[
             *self.pod.routes(),
             Route("/models/{action:str}", api(Door(models.handle_action)), methods=["POST"]),  # llama-server's
             *(Route(prefix + path, api(door), methods=methods.split())
               for prefix in ("/v1", "") for path, door, methods in openai_routes),
+            Route(rerank.PATH_COHERE, api(rerank.COHERE), methods=["POST"]),  # Cohere's v2 rerank
             Route(ANTHROPIC_PATH, api(anthropic.MESSAGES), methods=["POST"]),
             Route(ANTHROPIC_PATH + "/count_tokens", api(anthropic.COUNT_TOKENS), methods=["POST"]),
+            Route("/infill", api(Door(infill.handle)), methods=["POST"]),  # llama-server's
             Route("/tokenize", api(Door(tokens.tokenize)), methods=["POST"]),
             Route("/detokenize", api(Door(tokens.detokenize)), methods=["POST"]),
             Route("/tokenizer_info", api(Door(tokenizer_info.handle)), methods=["GET"]),

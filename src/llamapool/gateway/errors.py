@@ -2,7 +2,8 @@
 
 A bad request raises :class:`ApiError` naming the parameter, whichever API it came through; each API
 gives it its own shape: OpenAI's ``{"error": {...}}``, or Anthropic's ``{"type": "error", "error": {...}}``
-for Anthropic's API (every path under ``/v1/messages``). An error no endpoint answers (no such route, a
+for Anthropic's API (every path under ``/v1/messages``), or Cohere's ``{"id", "message"}`` for its rerank
+(``/v2/rerank``), whose message names the parameter. An error no endpoint answers (no such route, a
 method the route lacks, a bug, a request the origin guard refuses) takes the shape of the path's API
 (:func:`error_response`), so an Anthropic client reads each of them as its own.
 """
@@ -79,13 +80,34 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
+COHERE_PATH = "/v2/rerank"  # Cohere's v2 API: its rerank endpoint
+
+
+def cohere_body(e: ApiError) -> dict[str, Any]:
+    """Cohere's shape: ``{"id", "message"}``, the message saying which parameter (Cohere's errors have no
+    field of their own for it), prefixed as Cohere's are ("invalid request: ...")."""
+    import uuid
+
+    prefix = "invalid request: " if e.status == 400 else ""
+    return {"id": str(uuid.uuid4()), "message": prefix + e.message}
+
+
+def cohere_error(e: ApiError) -> JSONResponse:
+    """The error as an HTTP response in Cohere's shape."""
+    return JSONResponse(cohere_body(e), status_code=e.status, headers=e.headers)
+
+
 def error_body(e: ApiError, path: str) -> dict[str, Any]:
     """The error's body in the shape of the API ``path`` belongs to."""
+    if path == COHERE_PATH:
+        return cohere_body(e)
     return anthropic_body(e) if is_anthropic(path) else e.body()
 
 
 def error_response(path: str) -> Callable[[ApiError], JSONResponse]:
-    """The error response of the API ``path`` belongs to: Anthropic's or OpenAI's."""
+    """The error response of the API ``path`` belongs to: Anthropic's, Cohere's or OpenAI's."""
+    if path == COHERE_PATH:
+        return cohere_error
     return anthropic_error if is_anthropic(path) else openai_error
 
 

@@ -38,6 +38,7 @@ from llamapool.protocol.messages import (
     ModelAction,
     ModelActionReply,
     Prompt,
+    Rerank,
     Result,
     Run,
     SamplingParams,
@@ -103,10 +104,12 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         del d["batch"]
     if isinstance(msg, Embed):
         d["input"] = d.pop("inputs")
-    if isinstance(msg, (Generate, Embed, Tokenize, Detokenize)) and msg.model is None:
+    if isinstance(msg, Rerank) and not msg.max_tokens_per_doc:
+        del d["max_tokens_per_doc"]
+    if isinstance(msg, (Generate, Embed, Rerank, Tokenize, Detokenize)) and msg.model is None:
         del d["model"]
     if isinstance(msg, Tokenize):
-        for key in ("render", "messages", "tools"):
+        for key in ("render", "messages", "tools", "infill"):
             if not d[key]:
                 del d[key]
     if isinstance(msg, Generate):
@@ -404,9 +407,26 @@ def _embed(d: dict[str, Any], rid: str) -> Embed:
     return Embed(rid, inputs, *_timeout_model(d))
 
 
+def _rerank(d: dict[str, Any], rid: str) -> Rerank:
+    _check_keys(d, frozenset({"v", "type", "id", "query", "documents", "max_tokens_per_doc", "timeout", "model"}))
+    query = d.get("query")
+    if not isinstance(query, str) or not query:
+        raise _invalid("query", "must be a non-empty string")
+    docs = d.get("documents")
+    if not isinstance(docs, list) or not 0 < len(docs) <= MAX_INPUTS:
+        raise _invalid("documents", f"must be a list of 1 to {MAX_INPUTS} strings")
+    bad = next((i for i, x in enumerate(docs) if not isinstance(x, str)), None)
+    if bad is not None:
+        raise _invalid(f"documents[{bad}]", "must be a string")
+    n = d.get("max_tokens_per_doc", 0)
+    if not _is_int(n) or n < 0:
+        raise _invalid("max_tokens_per_doc", "must be a positive integer (0 or absent: no limit)")
+    return Rerank(rid, query, docs, n, *_timeout_model(d))
+
+
 def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
     _check_keys(d, frozenset({"v", "type", "id", "content", "add_special", "parse_special", "with_pieces",
-                              "timeout", "model", "render", "messages", "tools"}))
+                              "timeout", "model", "render", "messages", "tools", "infill"}))
     if d.get("render") is not None and not isinstance(d["render"], bool):
         raise _invalid("render", "must be a boolean")
     messages = d.get("messages")
@@ -420,7 +440,8 @@ def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
             tools = params.check_tools("tools", d["tools"])
         except params.ParamError as e:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, e.message, e.field) from None
-    content = "" if messages is not None and "content" not in d else d.get("content")
+    infill = _infill(d["infill"]) if d.get("infill") is not None else None
+    content = "" if (messages is not None or infill is not None) and "content" not in d else d.get("content")
     if not isinstance(content, str):
         raise _invalid("content", "is missing" if content is None
                        else f"must be a string, got {type(content).__name__}")
@@ -432,7 +453,43 @@ def _tokenize(d: dict[str, Any], rid: str) -> Tokenize:
         flags[key] = flag
     timeout, model = _timeout_model(d)
     return Tokenize(rid, content, flags["add_special"], flags["parse_special"], flags["with_pieces"], timeout, model,
-                    bool(d.get("render")), messages, tools)
+                    bool(d.get("render")), messages, tools, infill)
+
+
+INFILL_KEYS = frozenset({"input_prefix", "input_suffix", "input_extra", "prompt", "n_predict"})
+
+
+def _mixed(v: Any, field: str) -> str | list[str | int]:
+    """A text, or a list of texts and token ids (llama-server's mixed prompt)."""
+    if isinstance(v, str) or (isinstance(v, list) and all(
+            isinstance(p, str) or (_is_int(p) and 0 <= p <= MAX_TOKEN_ID) for p in v)):
+        return v
+    raise _invalid(field, "must be a string, or a list of strings and non-negative token ids")
+
+
+def _infill(v: Any) -> dict[str, Any]:
+    """A tokenize's ``infill`` parts (worker/infill.py); a bad one names its field (``infill.input_extra``)."""
+    if not isinstance(v, dict):
+        raise _invalid("infill", "must be a map")
+    _check_keys(v, INFILL_KEYS, "infill.")
+    out: dict[str, Any] = {}
+    for key in ("input_prefix", "input_suffix"):
+        if key in v:
+            out[key] = _mixed(v[key], f"infill.{key}")
+    extra = v.get("input_extra")
+    if (extra is not None and not isinstance(extra, list)) or not all(
+            isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f) for f in extra or []):
+        raise _invalid("infill.input_extra", "must be a list of [filename, text] pairs of strings")
+    if extra is not None:
+        out["input_extra"] = extra
+    if not isinstance(v.get("prompt", ""), str):
+        raise _invalid("infill.prompt", "must be a string")
+    out["prompt"] = v.get("prompt", "")
+    n = v.get("n_predict", -1)
+    if not _is_int(n) or not -1 <= n <= MAX_TOKEN_ID:
+        raise _invalid("infill.n_predict", "must be an integer from -1")
+    out["n_predict"] = n
+    return out
 
 
 def _detokenize(d: dict[str, Any], rid: str) -> Detokenize:
@@ -518,6 +575,7 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     StatusRequest.TYPE: _id_only(StatusRequest),
     MetricsRequest.TYPE: _id_only(MetricsRequest),
     Embed.TYPE: _with_id(_embed),
+    Rerank.TYPE: _with_id(_rerank),
     Tokenize.TYPE: _with_id(_tokenize),
     Detokenize.TYPE: _with_id(_detokenize),
     ModelAction.TYPE: _with_id(_model_action),

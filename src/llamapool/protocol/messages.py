@@ -92,6 +92,22 @@ class Embed:
 
 
 @dataclass(slots=True)
+class Rerank:
+    """Score each document against ``query`` (a cross-encoder's relevance, llama.cpp's rank pooling); one
+    ``embedding`` reply per document, by ``index``, whose vector is the score (one float32). Only a model
+    configured with ``task = "rerank"`` answers it. ``max_tokens_per_doc`` (> 0) truncates each document
+    to that many tokens; 0: a document is cut only where the pair would not fit a slot's context."""
+
+    TYPE: ClassVar[str] = "rerank"
+    id: str
+    query: str
+    documents: list[str]
+    max_tokens_per_doc: int = 0
+    timeout: float | None = None
+    model: str | None = None
+
+
+@dataclass(slots=True)
 class Tokenize:
     """A text's tokens by the model's tokenizer (llama-server's ``/tokenize``); one ``tokenize_reply``."""
 
@@ -109,6 +125,10 @@ class Tokenize:
     render: bool = False
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None
+    # infill (``/infill``, ``suffix``): the fill-in-the-middle prompt's tokens, assembled by the worker from
+    # ``input_prefix``, ``input_suffix`` (texts, or texts and token ids), ``input_extra`` ([filename, text]
+    # pairs), ``prompt`` and ``n_predict`` (worker/infill.py); ``content`` and the flags are then not used
+    infill: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -339,12 +359,14 @@ class Run:
     params: SamplingParams
     stream: bool
     req: str = ""
-    task: str = ""  # "" (generate), "embed", "tokenize" or "detokenize" (``prompt``: the text or token ids)
-    options: dict[str, Any] | None = None  # a tokenize's add_special, parse_special, with_pieces
+    task: str = ""  # "" (generate), "embed", "rerank", "tokenize" or "detokenize" (``prompt``: the text or
+    # token ids; a rerank's: the document)
+    options: dict[str, Any] | None = None  # a tokenize's add_special, parse_special, with_pieces; a rerank's
+    # query and max_tokens_per_doc
     after: int = -1  # one of ``n`` choices: the rid of its first choice, whose computed prompt it copies
 
 
-TASKS = ("", "embed", "tokenize", "detokenize")
+TASKS = ("", "embed", "rerank", "tokenize", "detokenize")
 LIGHT_TASKS = ("tokenize", "detokenize")  # answered on a worker's I/O path: they take no slot
 
 
@@ -380,7 +402,7 @@ class Done(NamedTuple):
     tool_calls: list[dict[str, Any]] | None = None
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
-    embedding: bytes | None = None  # an embed task's vector (float32 little-endian)
+    embedding: bytes | None = None  # an embed task's vector (float32 little-endian); a rerank's score
     tokens: list[Any] | None = None  # a tokenize task's tokens (``text`` is a detokenize task's text)
     stop: str = ""  # the stop string that ended it ("" for any other end)
 
@@ -435,6 +457,7 @@ class KVPart:
 Message = (
     Generate
     | Embed
+    | Rerank
     | Tokenize
     | Detokenize
     | Cancel

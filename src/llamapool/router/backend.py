@@ -296,7 +296,7 @@ class Backend(JobTable):
         if LOG.enabled("debug"):
             LOG.debug("dispatch", id=job.log_id, worker=w.name, rid=job.rid)
         self._send_worker(w, Run(job.rid, job.prompt, job.params, job.stream, job.log_id, task=job.task,
-                                 after=after))
+                                 options=job.options, after=after))  # options: a rerank's query
 
     def _dispatch_light(self) -> None:
         """Tokenize and detokenize jobs: each to the ready worker of its model with the most free slots,

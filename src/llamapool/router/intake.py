@@ -28,6 +28,7 @@ from llamapool.protocol.messages import (
     MetricsRequest,
     ModelAction,
     Prompt,
+    Rerank,
     SamplingParams,
     StatusRequest,
     Tokenize,
@@ -65,7 +66,7 @@ class Intake(JobTable):
             return
         if isinstance(msg, Generate):
             self._on_generate(client, msg)
-        elif isinstance(msg, (Embed, Tokenize, Detokenize)):
+        elif isinstance(msg, (Embed, Rerank, Tokenize, Detokenize)):
             self._on_task(client, msg)
         elif isinstance(msg, Cancel):
             for job in list(self.by_request.get((client, msg.id), ())):
@@ -118,23 +119,29 @@ class Intake(JobTable):
         ctx = max((w.hello.ctx_per_slot for w in self.workers.values() if w.model == model), default=0)
         return min(asked, ctx) if ctx else asked
 
-    def _on_task(self, client: bytes, msg: Embed | Tokenize | Detokenize) -> None:
-        """An embed (a job per input, each taking a slot of an embedding model's worker), or a tokenize
-        or detokenize (one job that takes no slot: the first worker of the model answers it at once)."""
+    def _on_task(self, client: bytes, msg: Embed | Rerank | Tokenize | Detokenize) -> None:
+        """An embed or a rerank (a job per input or document, each taking a slot of an embedding or rerank
+        model's worker, which computes those it holds together), or a tokenize or detokenize (one job
+        that takes no slot: the first worker of the model answers it at once)."""
         inputs: list[Any]
         options: dict[str, Any] | None
         if isinstance(msg, Embed):
             task, inputs, options = "embed", list(msg.inputs), None
+        elif isinstance(msg, Rerank):
+            task, inputs = "rerank", list(msg.documents)
+            options = {"query": msg.query, "max_tokens_per_doc": msg.max_tokens_per_doc}
         elif isinstance(msg, Tokenize):
             task, inputs = "tokenize", [msg.messages if msg.messages else msg.content]
             options = {"add_special": msg.add_special, "parse_special": msg.parse_special,
                        "with_pieces": msg.with_pieces}
             if msg.render:  # the tokens a generation of the prompt puts in KV (worker/tasks.py)
                 options = {"render": True, "tools": msg.tools}
+            if msg.infill is not None:  # a fill-in-the-middle prompt's tokens (worker/infill.py)
+                options = {"infill": msg.infill}
         else:
             task, inputs, options = "detokenize", [msg.tokens], None
         model = self.models[0] if msg.model is None else msg.model
-        why = self._refusal(client, msg.id, model, len(inputs) if task == "embed" else 0)
+        why = self._refusal(client, msg.id, model, len(inputs) if task in ("embed", "rerank") else 0)
         if why:
             code, message, fld = why
             self.metrics.outcome(code, len(inputs), model if model in self.models else self.models[0])

@@ -133,7 +133,7 @@ class Job:
     model: str = ""  # the model that runs it (a name in the pool)
     first_at: float = 0.0  # when its first chunk went to the client
     last_worker: str = ""  # the worker that ran it last (for the access log)
-    task: str = ""  # "" (generate), "embed", "tokenize", "detokenize" (messages.Run.task)
+    task: str = ""  # "" (generate), "embed", "rerank", "tokenize", "detokenize" (messages.Run.task)
     options: dict[str, Any] | None = None  # a tokenize's flags
     siblings: list[Job] = field(default_factory=list)  # the other choices of its prompt (``n``): they go with it
     losses: int = 0  # workers lost (not shut down) while it ran on them
@@ -285,7 +285,7 @@ class JobTable:
         """The client's Result of a worker's Done entry (an Embedding, TokenizeReply or DetokenizeReply
         for those tasks): the one place that converts them."""
         if job.task and done.reason != "cancelled":
-            if job.task == "embed":
+            if job.task in ("embed", "rerank"):
                 return Embedding(job.id, job.index, done.embedding or b"", done.prompt_tokens, worker)
             if job.task == "tokenize":
                 return TokenizeReply(job.id, done.tokens or [], worker)

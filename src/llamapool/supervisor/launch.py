@@ -35,7 +35,8 @@ def worker_spec(cfg: Config, slot: WorkerSlot, slots: list[WorkerSlot], curve: C
     return WorkerSpec(
         name=slot.name, backend=cfg.backend, device=slot.device, model_path=m.path,
         heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
-        engine=m.engine, model_name=m.name, boot_id=boot_id, embedding=m.embedding, pooling=m.pooling,
+        engine=m.engine, model_name=m.name, boot_id=boot_id, embedding=m.embedding or m.task == "rerank",
+        pooling="rank" if m.task == "rerank" else m.pooling,
         kv_events=kv_events, kv_events_block=cfg.kv_events.block_size if cfg.kv_events is not None else 16,
         **m.engine_settings(threads=threads, max_batch_tokens=budget,
                             kv_host=str(host_kv_share(m, len(live), bool(slot.gpus)))),
@@ -66,7 +67,7 @@ def gateway(cfg: Config, slot: WorkerSlot, curve: Curve, min_ready: int, log_env
                        allowed_hosts=list(http.allowed_hosts), cors_origins=list(http.cors_origins),
                        min_ready_workers=max(1, min_ready),
                        vllm_metric_names=cfg.metrics is not None and cfg.metrics.vllm_compatible_names,
-                       models=[{"name": m.name, "path": m.path, "embedding": m.embedding,
+                       models=[{"name": m.name, "path": m.path, "embedding": m.embedding, "task": m.task,
                                 "ctx_per_slot": m.ctx_per_slot, "chat_template": m.chat_template}
                                for m in cfg.models],
                        idle_timeout=http.idle_timeout, read_timeout=http.read_timeout,

@@ -22,7 +22,7 @@ the three buffers llama.cpp allocates when a worker loads the model with ``slots
   and, on a CPU worker, the host output buffer (``n_vocab x slots x 4``: a step's rows of logits),
   which lives in the same RAM.
 
-Calibrated with scripts/memory_calibrate.py against the buffer sizes llama.cpp prints when it loads
+Calibrated with tests/memory_calibrate.py against the buffer sizes llama.cpp prints when it loads
 Gemma 3 270M, SmolLM2 135M and the tests' tiny model on CPU (within +0 to +16 % of llama.cpp's
 total, never below), and against the context memory NVML measured for an 8B q8_0 model on an H100
 (docs/benchmarks.md's prefill sweep: within +2 %).

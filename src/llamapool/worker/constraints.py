@@ -215,10 +215,10 @@ class Masks:
 
     - ``inline`` (a CPU worker): at once, one row after another. Its decode takes every core, so a fill
       beside it would not overlap it, only wait to be scheduled (~0.15-0.3 ms a step against ~10 µs of
-      filling for 4 rows of the tiny model, scripts/engine_steps.py); and llguidance's parallel
+      filling for 4 rows of the tiny model, engine_steps.py, in git history); and llguidance's parallel
       executor hands each fill to a pool thread, which then spins before it sleeps (on this 2-core VM,
       8 streams of ``json_schema``: the worker's CPU a token went from 130-140 to 115 µs,
-      scripts/bench_sampling.py);
+      bench_sampling.py, in git history);
     - else (a GPU worker) with llguidance's parallel executor: the rows the next launch applies
       (``urgent``) at once, the others (``later``) when :meth:`fill_later` is called, right after the
       launch, while the GPU computes. A mask thread did that before, but it had to take the GIL from

@@ -7,6 +7,11 @@ in its own sequence of ONE ``llama_batch``, decodes it once and reads every sequ
 in the step that computes it: a ``Done`` carrying its vector as float32 bytes. It implements the
 ``Engine`` protocol of worker/contract.py; the worker's I/O thread refuses generation for it
 (worker/tasks.py).
+
+A reranker (``task = "rerank"``: pooling "rank") is the same engine with llama.cpp's rank pooling: each
+input is a query-document pair (worker/rerank.py), the pairs of every request waiting share the step's
+decode, and a pair's result is its score, the first float of the classification head's output (as
+llama-server's ``send_rerank`` reads it), not normalised.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import numpy as np
 from llamapool.protocol.messages import Done, ErrorCode, Failed, KVPart, Run, Step
 from llamapool.worker.engine import EngineConfig, EngineError, load_model
 from llamapool.worker.handover import Received
+from llamapool.worker.rerank import PairError, PairFormat
 from llamapool.worker.vocab import tokenize
 
-POOLING = {"mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS, "last": L.LLAMA_POOLING_TYPE_LAST}
+POOLING = {"mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS, "last": L.LLAMA_POOLING_TYPE_LAST,
+           "rank": L.LLAMA_POOLING_TYPE_RANK}
 POOLING_NAMES = {v: k for k, v in POOLING.items()}
 
 
@@ -48,7 +55,13 @@ class Embedder:
         # a pooled sequence cannot be split across micro-batches: a whole input fits one
         self.n_batch = max(cfg.max_batch_tokens, cfg.ctx_per_slot)
         self.ctx = self._context(POOLING.get(pooling, L.LLAMA_POOLING_TYPE_UNSPECIFIED))
-        if L.llama_pooling_type(self.ctx) not in POOLING_NAMES:  # the GGUF has none (or ranks): mean
+        self.pairs = PairFormat(self.model, self.vocab) if pooling == "rank" else None
+        # a pair fits a slot and the trained context (a BERT's positions end there)
+        self.pair_ctx = min(cfg.ctx_per_slot, L.llama_model_n_ctx_train(self.model))
+        if self.pairs is None and L.llama_pooling_type(self.ctx) == L.LLAMA_POOLING_TYPE_RANK:
+            L.llama_free(self.ctx)  # a reranker's GGUF listed as an embedding model: its vectors, mean pooled
+            self.ctx = self._context(L.LLAMA_POOLING_TYPE_MEAN)
+        if L.llama_pooling_type(self.ctx) not in POOLING_NAMES:  # the GGUF has none: mean
             L.llama_free(self.ctx)
             self.ctx = self._context(L.LLAMA_POOLING_TYPE_MEAN)
             log("the GGUF gives no pooling for embeddings: mean pooling (set model.pooling to choose)")
@@ -72,7 +85,10 @@ class Embedder:
         cp.kv_unified = True
         cp.n_ctx = cp.n_batch = cp.n_ubatch = self.n_batch
         cp.no_perf = True
-        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_AUTO if cfg.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # flash attention on GPUs only, as the generation engine (engine/model.py): CPU's rounds K and V to
+        # f16, and a reranker's scores then differed from llama.cpp's default by 1e-3
+        fa = cfg.flash_attn and cfg.gpu
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_AUTO if fa else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         if cfg.threads > 0:
             cp.n_threads = cp.n_threads_batch = cfg.threads
         ctx = L.llama_init_from_model(self.model, cp)
@@ -85,7 +101,8 @@ class Embedder:
     def desc(self) -> str:
         buf = ctypes.create_string_buffer(256)
         L.llama_model_desc(self.model, buf, 256)
-        return f"{buf.value.decode(errors='replace')} (embeddings, {self.pooling} pooling)"
+        what = "rerank" if self.pairs is not None else "embeddings"
+        return f"{buf.value.decode(errors='replace')} ({what}, {self.pooling} pooling)"
 
     @property
     def busy(self) -> bool:
@@ -114,9 +131,18 @@ class Embedder:
         return "off", self.n_batch, []
 
     def submit(self, run: Run, out: Step) -> None:
-        """Queue one input (text or token ids); a bad one fails into ``out``."""
+        """Queue one input (text or token ids; a reranker's: a document and its query); a bad one fails
+        into ``out``."""
         p = run.prompt
-        if isinstance(p, str):
+        if self.pairs is not None:
+            opts = run.options or {}
+            try:
+                tokens = self.pairs.tokens(str(opts.get("query", "")), p if isinstance(p, str) else "",
+                                           int(opts.get("max_tokens_per_doc") or 0), self.pair_ctx)
+            except PairError as e:
+                out.failed.append(Failed(run.rid, ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(e), e.field))
+                return
+        elif isinstance(p, str):
             tokens = tokenize(self.vocab, p, add_special=True, parse_special=False)
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             tokens = list(p)  # type: ignore[arg-type]
@@ -174,10 +200,13 @@ class Embedder:
                 out.failed.append(Failed(item.rid, ErrorCode.INTERNAL, f"llama_decode failed ({rc}) embedding "
                                          f"{len(take)} inputs of {n} tokens", None))
                 continue
-            vec = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype(np.float32)
-            norm = float(np.linalg.norm(vec))
-            if norm > 0:
-                vec /= norm
+            if self.pairs is not None:  # a score (llama-server's embd[0])
+                vec = np.array([ptr[0]], dtype=np.float32)
+            else:
+                vec = np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).astype(np.float32)
+                norm = float(np.linalg.norm(vec))
+                if norm > 0:
+                    vec /= norm
             out.done.append(Done(item.rid, "stop", "", len(item.tokens), 0, embedding=vec.astype("<f4").tobytes()))
         self.active = []
         self.step_s += time.perf_counter() - start

@@ -107,7 +107,7 @@ class Sampling:
         #   the GPU runs the step and checked on the host. No logits leave the GPU;
         # - "always": by the masked chain, its mask applied every step. A graph's masks are inputs,
         #   complete before the launch, so their filling no longer overlaps the GPU's step: on an H100
-        #   at 64 streams (1B and 8B, scripts/graph_mask_check.py) the rows ran at 0.79-0.83x of
+        #   at 64 streams (1B and 8B, graph_mask_check.py, in git history) the rows ran at 0.79-0.83x of
         #   "keeping", plain rows beside them at 0.68-0.75x;
         # - "keeping": by llama.cpp's greedy chain, which copies the row's logits to the host every step
         #   (32 MB a step at 64 rows of 128,256 tokens) for a refused pick, replaced from them.

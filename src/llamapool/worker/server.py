@@ -71,7 +71,8 @@ class WorkerSpec(EngineSettings):
     model_name: str = ""  # the model's name in the pool (its Hello says it; "" -> the pool's first model)
     boot_id: str = ""  # its daemon's incarnation, said in its Hello (the router refuses other daemons' workers)
     embedding: bool = False  # an embedding model (model.embedding): worker/embedder.py, not the generation engine
-    pooling: str = ""  # model.pooling: "mean" | "cls" | "last"; "" -> the GGUF's own
+    pooling: str = ""  # model.pooling: "mean" | "cls" | "last"; "" -> the GGUF's own; "rank": a reranker
+    # (task = "rerank": the embedding engine with llama.cpp's rank pooling)
     kv_events: str = ""  # [kv_events]: the supervisor's publisher inbox (ipc://) its KV-cache events go to; "": off
     kv_events_block: int = 16  # [kv_events] block_size
 
@@ -483,12 +484,13 @@ class WorkerIO:
     def answer(self, run: Run) -> bool:
         """Answer ``run`` here if it is a tokenize, a detokenize, or a task the model does not do
         (worker/tasks.py): it never waits behind the engine's step. False: the engine runs it."""
-        if run.task not in LIGHT_TASKS and (run.task == "embed") == self.spec.embedding:
+        kind = ("rerank" if self.spec.pooling == "rank" else "embed") if self.spec.embedding else ""
+        if run.task not in LIGHT_TASKS and run.task == kind:
             return False  # the common case, without importing llama.cpp's tokenizer here
         from llamapool.worker.tasks import io_answer
 
         controls = getattr(getattr(self.engine, "chat", None), "controls", None)
-        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, self.spec.embedding, controls,
+        report = io_answer(run, self.vocab, self.engine.n_vocab, self.spec.model_name, kind, controls,
                            getattr(self.engine, "prompts", None))
         if report is None:
             return False

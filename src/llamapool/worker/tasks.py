@@ -1,6 +1,6 @@
 """The runs a worker answers on its I/O thread, never queued behind generation: tokenize, detokenize,
-and a task its model does not do (an embedding asked of a generation model, or the reverse: a 400
-naming the model).
+and a task its model does not do (an embedding or a rerank asked of a generation model, or the reverse:
+a 400 naming the model).
 
 llama.cpp's tokenizer only reads the vocabulary, so it may run beside the engine thread's
 ``llama_decode`` (llama-server tokenizes in its HTTP threads the same way).
@@ -18,23 +18,31 @@ from llamapool.protocol.messages import LIGHT_TASKS, Done, ErrorCode, Failed, Ru
 from llamapool.worker.content_text import CHUNK_CONTROLS, ControlTexts, parsed_in_chunks
 from llamapool.worker.vocab import tokenize
 
+# what a worker's model is (its kind: the task it runs) and what each task does, for the refusals
+KINDS = {"": "a generation model", "embed": "an embedding model (embedding = true)",
+         "rerank": "a reranker (task = \"rerank\")"}
+DOES = {"": "generate", "embed": "compute embeddings", "rerank": "rerank documents"}
+HINT = {"": "", "embed": " (list its GGUF again as a model with embedding = true)",
+        "rerank": " (rerankers are models with task = \"rerank\": POST /v1/rerank, Client.rerank)"}
 
-def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, embedding: bool,
+
+def io_answer(run: Run, vocab: Any, n_vocab: int, model: str, kind: str,
               controls: ControlTexts | None = None, prompts: Any = None) -> Step | None:
-    """The answer to ``run`` given on the I/O path, or None when the engine thread runs it (``controls``:
-    the vocabulary's control tokens, for a text holding many; ``prompts``: the engine's
-    ``worker.engine.prompt.Prompts``, which renders a prompt as a generation would)."""
+    """The answer to ``run`` given on the I/O path, or None when the engine thread runs it (``kind``: the
+    task the model runs, "" (generate), "embed" or "rerank"; ``controls``: the vocabulary's control
+    tokens, for a text holding many; ``prompts``: the engine's ``worker.engine.prompt.Prompts``, which
+    renders a prompt as a generation would)."""
     entry: Done | Failed | None = None
-    if run.task == "embed" and not embedding:
-        entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is a generation model: it does not "
-                       f"compute embeddings (list its GGUF again as a model with embedding = true)", "model")
-    elif run.task == "" and embedding:
-        entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is an embedding model (embedding = "
-                       f"true): it does not generate; use it for embeddings", "model")
+    if run.task not in LIGHT_TASKS and run.task != kind:
+        entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} is {KINDS[kind]}: it does not "
+                       f"{DOES.get(run.task, run.task)}{HINT.get(run.task, '') if kind == '' else ''}"
+                       + (f"; use it to {DOES[kind]}" if kind else ""), "model")
     elif run.task in LIGHT_TASKS:
         if vocab is None:
             entry = Failed(run.rid, ErrorCode.INVALID_REQUEST, f"model {model!r} has no tokenizer (echo engine)",
                            "model")
+        elif run.task == "tokenize" and (run.options or {}).get("infill") is not None:
+            entry = _infill(run, vocab, n_vocab, model, prompts, controls)
         elif run.task == "tokenize" and (run.options or {}).get("render"):
             entry = _render(run, prompts)
         elif run.task == "tokenize":
@@ -59,13 +67,40 @@ def _render(run: Run, prompts: Any) -> Done | Failed:
     return Done(run.rid, "stop", "", 0, 0, tokens=list(ids))
 
 
+def _infill(run: Run, vocab: Any, n_vocab: int, model: str, prompts: Any,
+            controls: ControlTexts | None) -> Done | Failed:
+    """A fill-in-the-middle prompt's tokens (worker/infill.py), for the gateway to generate from."""
+    from llamapool.worker.infill import InfillError, infill_tokens
+
+    if prompts is None:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, "this model's worker does not render prompts", "model")
+    try:
+        ids = infill_tokens(vocab, n_vocab, prompts.ctx_per_slot, (run.options or {})["infill"], model,
+                            lambda text: _parsed(vocab, text, controls))
+    except InfillError as e:
+        return Failed(run.rid, ErrorCode.INVALID_REQUEST, str(e), e.field)
+    return Done(run.rid, "stop", "", 0, 0, tokens=ids)
+
+
+def _many_controls(text: str, controls: ControlTexts | None) -> bool:
+    """Whether ``text`` holds so many control-token texts that llama.cpp's parsing of them takes quadratic time."""
+    return controls is not None and len(list(itertools.islice(controls.find(text), CHUNK_CONTROLS))) == CHUNK_CONTROLS
+
+
+def _parsed(vocab: Any, text: str, controls: ControlTexts | None) -> list[int]:
+    """``text``'s tokens, special-token text read as those tokens (no BOS): 64 control tokens at a time."""
+    if not _many_controls(text, controls):
+        return tokenize(vocab, text, False, True)
+    assert controls is not None
+    return parsed_in_chunks(text, controls, lambda s: tokenize(vocab, s, False, True))
+
+
 def _tokenize(run: Run, vocab: Any, controls: ControlTexts | None) -> Done:
     opts = run.options or {}
     text = run.prompt if isinstance(run.prompt, str) else ""
     add, special = bool(opts.get("add_special")), bool(opts.get("parse_special", True))
-    if special and controls is not None and len(list(itertools.islice(controls.find(text), CHUNK_CONTROLS))) \
-            == CHUNK_CONTROLS:  # llama.cpp's parsing of many takes quadratic time: 64 at a time
-        ids = parsed_in_chunks(text, controls, lambda s: tokenize(vocab, s, False, True))
+    if special and _many_controls(text, controls):
+        ids = _parsed(vocab, text, controls)
         if add and L.llama_vocab_get_add_bos(vocab):
             ids.insert(0, L.llama_vocab_bos(vocab))
         if add and L.llama_vocab_get_add_eos(vocab):

@@ -1,4 +1,5 @@
-"""``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids."""
+"""``POST /v1/completions``: a prompt as text, texts, token ids, or lists of token ids; with ``suffix``, each
+prompt is the prefix of a fill-in-the-middle prompt (gateway/openai/infill.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 from starlette.responses import Response
 
 from llamapool.gateway.errors import bad
-from llamapool.gateway.openai import generation
+from llamapool.gateway.openai import generation, infill
 from llamapool.gateway.parsing import Generation, model_name
 from llamapool.gateway.serving import Call, Serving
 from llamapool.protocol import limits, params
@@ -52,4 +53,9 @@ def parse(body: Any) -> Generation:
 
 
 async def handle(s: Serving, call: Call) -> Response:
-    return await generation.serve(s, call, await s.generation(call, parse), chat=False)
+    return await generation.serve(s, call, await s.generation(call, lambda body: parse_fim(s, body)), chat=False)
+
+
+async def parse_fim(s: Serving, body: Any) -> Generation:
+    """``parse``, the prompts laid out with the model's FIM tokens around a ``suffix`` when there is one."""
+    return await infill.with_suffix(s, body, parse)

@@ -11,7 +11,7 @@ from llamapool.gateway.serving import Call, Serving
 
 
 async def handle(s: Serving, call: Call) -> Response:
-    req = await s.generation(call, completions.parse)  # checked as /v1/completions checks it
+    req = await s.generation(call, lambda body: completions.parse_fim(s, body))  # as /v1/completions checks it
     model = req.model or s.spec.model
     out = []
     for prompt in req.prompts:

@@ -125,7 +125,7 @@ class Engine:
         self.decode_s = 0.0  # time inside llama_decode (+ sampling on the GPU)
         self.faults = FaultInjector.from_env()  # tests only (LLAMAPOOL_INJECT_FAULT); None otherwise
         self.step_s = 0.0  # whole steps, Python work included
-        # where a GPU step's time goes (diagnostics, scripts/graph_mask_check.py): the host's work from the
+        # where a GPU step's time goes (diagnostics, graph_mask_check.py, in git history): the host's work from the
         # batch's tokens read to the next launch (the GPU idle), the llama_decode calls themselves (the
         # host's launch work), the waits for the GPU after them (decode_s = calls + waits)
         self.gap_s = self.call_s = 0.0

@@ -35,7 +35,7 @@ from llamapool.worker.engine.ngram import MATCH_MAX, Lookup
 
 MAX_DRAFT = limits.MAX_DRAFT  # draft tokens a sequence proposes at most a step (a request may ask for fewer)
 PRIOR = 0.5  # a new sequence's acceptance estimate
-DECAY = 0.9  # a step's weight in the acceptance estimate, against the one after it: in scripts/spec_sim.py
+DECAY = 0.9  # a step's weight in the acceptance estimate, against the one after it: in spec_sim.py (git history)
 # (the H100's step costs) 0.7 lost 5-25 % to three drafts every step at one stream, alpha 0.7 drawn by
 # token or in spans, widening on a lucky streak and stopping on an unlucky one; 0.9 is within 2-4 %
 SHRINK = 10.0  # the worker's recent acceptance weighs as this many tokens tried in a width's chances
@@ -309,7 +309,7 @@ class Drafter(Protocol):
 
 @dataclass
 class Calls:
-    """A proposer from a function of ``(rid, tokens so far, k)`` (an oracle: scripts/spec_oracle.py, tests)."""
+    """A proposer from a function of ``(rid, tokens so far, k)`` (an oracle: tests/spec_oracle.py)."""
 
     fn: Callable[[int, np.ndarray, int], list[int]]
 
