@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -385,3 +386,39 @@ def test_the_host_tier_keeps_each_adapter_sets_kv_apart(model_path: str, adapter
     finally:
         tiered.close()
         plain.close()
+
+
+def test_a_sighup_adds_and_removes_adapters(tmp_path: Path, model_path: str, adapters: dict[str, str],
+                                            expected: dict[tuple[str, str], str]) -> None:
+    """Adapters at run time by reload: an edited [[models.lora]] and a SIGHUP, the model's worker replaced."""
+    from llamapool import UnknownModelError
+    from tests.conftest import write_config
+
+    table = {"name": BASE, "path": model_path, "ctx_per_slot": 512, "max_batch_tokens": 512, "n_ubatch": 512,
+             "cpu_workers": 1, "deterministic": True}
+    d = launch(tmp_path, model_path, models=[table])
+    try:
+        d.wait_ready(1)
+        p = PROMPTS[1]
+        with d.client() as c:
+            with pytest.raises(UnknownModelError):
+                c.generate(p, model="tiny-a", max_tokens=2)
+            for n, lora in enumerate(([{"name": "tiny-a", "path": adapters["a"]}], [])):
+                write_config(d.config, model_path, d.config.parent / "run", models=[{**table, "lora": lora}])
+                d.proc.send_signal(signal.SIGHUP)
+                end = time.monotonic() + 120
+                while d.log.read_text(errors="replace").count("reload done") <= n:
+                    assert time.monotonic() < end, d.log_text()
+                    time.sleep(0.1)
+                d.wait_ready(1)
+                if lora:
+                    r = c.generate(p, model="tiny-a", max_tokens=MAX_TOKENS, temperature=0)
+                    assert r.text == expected[(p, "a")] and r.model == "tiny-a"
+                    assert c.status()["models"][0]["lora"] == [{"name": "tiny-a", "scale": 1.0}]
+                else:
+                    with pytest.raises(UnknownModelError):
+                        c.generate(p, model="tiny-a", max_tokens=2)
+                    assert "lora" not in c.status()["models"][0]
+            assert c.generate(p, max_tokens=MAX_TOKENS, temperature=0).text == expected[(p, "base")]
+    finally:
+        d.stop(signal.SIGQUIT, timeout=30)
