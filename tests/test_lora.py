@@ -225,6 +225,11 @@ def test_v1_models_lists_each_adapter_under_its_model(pool: tuple[Daemon, str]) 
     assert rows["tiny-a"]["parent"] == BASE and rows["tiny-b"]["lora_scale"] == 0.5
     assert "parent" not in rows["plain"]
     assert httpx.get(f"{url}/v1/models/tiny-b", timeout=10).json()["parent"] == BASE
+    # an adapter's vocabulary is its model's: tokenize names either (llama-server's /tokenize)
+    toks = [httpx.post(f"{url}/tokenize", json={"model": m, "content": PROMPTS[1]}, timeout=10)
+            for m in (BASE, "tiny-a")]
+    assert toks[0].status_code == 200 and toks[0].json()["tokens"], toks[0].text
+    assert toks[0].json() == toks[1].json(), toks[1].text
 
 
 @pytest.mark.parametrize(("model", "lora", "param"), [

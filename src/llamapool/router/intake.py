@@ -141,6 +141,8 @@ class Intake(JobTable):
         else:
             task, inputs, options = "detokenize", [msg.tokens], None
         model = self.models[0] if msg.model is None else msg.model
+        if model in self.adapters and task in ("tokenize", "detokenize"):  # an adapter's vocab is its model's
+            model = self.adapters[model][0]
         why = self._refusal(client, msg.id, model, len(inputs) if task in ("embed", "rerank") else 0)
         if why:
             code, message, fld = why
