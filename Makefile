@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/default.toml
 MODEL := models/gemma-3-270m-q4_k_m.gguf
 CHAT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
-# llama-cpp-python builds from source; skip the multimodal part we do not use.
-export CMAKE_ARGS ?= -DLLAVA_BUILD=off
+# llama-cpp-python builds from source, with libmtmd (its LLAVA_BUILD option, on by default): images (docs/models.md)
+export CMAKE_ARGS ?=
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
 .PHONY: install run test test-systemd test-netns lint clean k8s-tools k8s-manifests
@@ -22,13 +22,13 @@ CUDA_ARCHITECTURES ?= native
 LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
 ifeq ($(CUDA),1)
 LLAMA_CMAKE_ARGS := $(CMAKE_ARGS) -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES)
-LLAMA_BUILD := $(LLAMA_CPP_VERSION)-cuda-$(subst ;,_,$(CUDA_ARCHITECTURES))-$(shell cat $(LLAMA_PATCHES) /dev/null | sha256sum | cut -c1-12)
+LLAMA_BUILD := $(LLAMA_CPP_VERSION)-mtmd-cuda-$(subst ;,_,$(CUDA_ARCHITECTURES))-$(shell cat $(LLAMA_PATCHES) /dev/null | sha256sum | cut -c1-12)
 else
 LLAMA_CMAKE_ARGS := $(CMAKE_ARGS)
-LLAMA_BUILD := $(LLAMA_CPP_VERSION)-cpu
+LLAMA_BUILD := $(LLAMA_CPP_VERSION)-mtmd-cpu
 endif
 # what the venv's llama-cpp-python was built as: a CUDA build is redone when the patches or architectures
-# change; a CPU build of the pinned version is kept (the patches change only the CUDA backend)
+# change; a CPU build of the pinned version is kept (the patches change only the CUDA backend) when it has libmtmd
 LLAMA_STAMP := $(VENV)/.llama-cpp-$(LLAMA_BUILD)
 
 $(LLAMA_STAMP): pyproject.toml $(LLAMA_PATCHES)
@@ -36,7 +36,7 @@ $(LLAMA_STAMP): pyproject.toml $(LLAMA_PATCHES)
 		$(PYTHON) -m venv $(VENV); }
 	@$(BIN)/python -m pip install -q --upgrade pip
 	@if [ "$(CUDA)" != 1 ] && $(BIN)/python -c "import importlib.metadata as m; \
-		assert m.version('llama-cpp-python') == '$(LLAMA_CPP_VERSION)'" 2>/dev/null; then :; \
+		assert m.version('llama-cpp-python') == '$(LLAMA_CPP_VERSION)'; import llama_cpp.mtmd_cpp" 2>/dev/null; then :; \
 	elif [ "$(CUDA)" = 1 ]; then \
 		export PATH="$$PATH:/usr/local/cuda/bin"; command -v nvcc >/dev/null || { echo "make: CUDA=1 needs the CUDA" \
 			"toolkit's nvcc (not on PATH nor in /usr/local/cuda/bin): install it, or make install CUDA=0"; exit 1; }; \

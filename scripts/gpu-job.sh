@@ -58,7 +58,7 @@ case $PHASE in
 build)
   LLAMA_SDIST=$(ls $PWD/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb PIP_BUILD_ARGS=--no-build-isolation \
     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    CMAKE_ARGS="-DLLAVA_BUILD=off -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on" \
     bash scripts/llama-cpp-build.sh wheel /tmp/wh > "$OUT/logs/build.log" 2>&1
   el "patched build rc=$?"
   rm -rf /tmp/site/llama_cpp && python3 -m pip install -q --no-deps --target /tmp/site --upgrade /tmp/wh/llama_cpp_python-*.whl

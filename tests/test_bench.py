@@ -18,6 +18,7 @@ from aiohttp import web
 
 from llamapool.bench.drivers import Target, drive, measure, row
 from llamapool.bench.workloads import DEFAULT_CTX, FIXED, MIN_TOKENS, AgentWorkload, make_workload
+from tests.conftest import free_port
 
 # ---------------------------------------------------------------- workloads
 
@@ -484,3 +485,37 @@ def test_cli_peer_server_runs_the_daemon_then_the_peer(tmp_path: Any, model_path
     assert not (tmp_path / "run" / "frontend.sock").exists()  # the daemon it started has stopped
     bad = _bench_cli("--config", str(cfg), "--peer-server", str(tmp_path / "missing"))
     assert bad.returncode == 2 and "--peer-server" in bad.stderr and "not an executable" in bad.stderr
+
+
+def test_cli_kv_stall_runs_no_live_and_stalled_subscribers_side_by_side(start_daemon: Callable[..., Any],
+                                                                        tmp_path: Any) -> None:
+    """``--kv-stall`` against a daemon with ``[kv_events]`` on (its endpoint from ``--config``): the workload with
+    no subscriber, a live one (every batch read, none missed), a stalled one (never reads), measured once the
+    publisher drops, and none again (the stalled one gone, nothing dropped); every request answered in each.
+    (1-token blocks: more bytes of events a request, so that the stalled subscriber's kernel buffers fill in a
+    few runs.) Bad ``--kv-stall`` input is refused."""
+    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1},
+                     kv_events={"enable": True, "endpoint": f"tcp://*:{free_port()}", "hwm": 8, "block_size": 1})
+    rows_file = tmp_path / "kv.jsonl"
+    out = _bench_cli("--config", str(d.config), "--kv-stall", "-w", "short", "--prompt-tokens", "400",
+                     "--gen-tokens", "4", "-c", "4", "-n", "64", "--out", str(rows_file), timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(x) for x in rows_file.read_text().splitlines()]
+    assert [r["kv_subscriber"] for r in rows] == ["none", "live", "stalled", "none"]
+    for r in rows:
+        assert (r["mode"], r["requests"], r["errors"], r["gen_tokens"]) == ("kv-stall", 64, 0, 64 * 4)
+        assert r["tok_s"] > 0 and r["ttft_p90_ms"] >= r["ttft_p50_ms"] > 0 and r["engine_step_ms"] > 0
+    none, live, stalled, after = rows
+    assert none["kv_batches"] > 0 and "received_batches" not in none and after["kv_dropped"] == 0
+    assert live["gaps"] == 0 and live["bad_batches"] == 0 and live["received_batches"] >= live["kv_batches"] > 0
+    assert live["received_events"] > 0 and live["kv_dropped"] == 0
+    assert stalled["kv_primed"] and stalled["kv_prime_runs"] >= 1 and stalled["kv_dropped"] > stalled["kv_batches"]
+    # a batch refused for the stalled subscriber is refused for all: the live one beside it sees the gaps
+    assert stalled["beside_received_batches"] < stalled["kv_dropped"] and stalled["beside_bad_batches"] == 0
+    lines = out.stdout.splitlines()
+    assert "stalled / none (mean of both): tok/s" in lines[-1] and lines[-4].startswith("stalled")
+    for bad, why in (("udp://x", "ENDPOINT must be the PUB socket's tcp://"), ("", "--kv-stall needs ENDPOINT")):
+        out = _bench_cli("--endpoint", d.endpoint, "--kv-stall", bad, "--n-vocab", "100")
+        assert out.returncode == 2 and why in out.stderr, out.stderr
+    out = _bench_cli("--endpoint", d.endpoint, "--kv-stall", "--rate", "5", "--n-vocab", "100")
+    assert out.returncode == 2 and "--kv-stall" in out.stderr, out.stderr

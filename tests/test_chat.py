@@ -259,7 +259,7 @@ def test_model_without_a_template(start_daemon, tmp_path: Path) -> None:  # type
         assert isinstance(many[0], BadRequestError) and many[0].code == "no_chat_template"
         assert isinstance(many[1], Completion) and many[1].usage.completion_tokens >= 1
         for bad, field in (([{"role": "user", "content": "hi"}, {"content": "x"}], "messages[1].role"),
-                           ([{"role": "user", "content": ["x"]}], "messages[0].content"),
+                           ([{"role": "user", "content": ["x"]}], "messages[0].content[0]"),
                            ([], "messages")):
             with pytest.raises(BadRequestError) as e:
                 c.chat(bad, max_tokens=4)

@@ -191,7 +191,7 @@ def test_download_once_then_from_the_cache_with_the_endpoint_gone(fake_hub: Fake
                        capture_output=True, text=True, timeout=60)
     assert m.returncode == 0, m.stderr
     row = m.stdout.splitlines()[1].split()
-    assert row[:2] == ["tiny-F32", str(path)] and row[4:] == ["llama", "32,768", "chatml"], m.stdout
+    assert row[:2] == ["tiny-F32", str(path)] and row[4:] == ["llama", "32,768", "chatml", "text"], m.stdout
     fake_hub.stop()
     again = _fetch(env, f"hf:{REPO}/{FILE}")
     assert again.returncode == 0, again.stderr

@@ -5,12 +5,15 @@ the high-water mark costs dropped batches (counted, kept for replay), never a bl
 the tiny model, read by a subscriber written with msgpack and pyzmq alone (the format's independent reading):
 every full block of every prompt is announced, with the render endpoint's tokens and a linked parent chain,
 once; a slot's reuse, the host tier and the model's unload publish what leaves and arrives; replay returns
-what was published.
+what was published; and a subscriber stalled over TCP while prompts run costs the daemon counted drops,
+never a request (the throughput figure is ``llamapool bench --kv-stall``'s, docs/kubernetes.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -317,3 +320,84 @@ def test_render_refuses_what_the_generation_would(start_daemon: Callable[..., Da
         for text, r in zip(["hello", "hello <s> world"], texts, strict=True):  # BOS added, special text as text
             tok = _post(port, "/tokenize", {"content": text, "add_special": True, "parse_special": False})
             assert r["token_ids"] == tok["tokens"] and r["sampling_params"]["max_tokens"] == 5
+
+
+def _kv_dropped(d: Daemon) -> float:
+    with d.client() as c:
+        text = c.metrics()
+    found = re.search(r'^llamapool_kv_events_dropped_total\{where="publisher"\} (\S+)$', text, re.MULTILINE)
+    assert found, "the publisher's drop counter is in the metrics"
+    return float(found.group(1))
+
+
+async def _prompts_until_dropped(d: Daemon, n_vocab: int, start: float) -> tuple[int, int]:
+    """Prompts of 400 distinct tokens, 4 in flight, until the publisher has dropped (and a wave more): each must
+    complete within a generous timeout, else publishing blocked the engine. Returns (sent, tokens received)."""
+    from llamapool import AsyncClient
+
+    rng = np.random.default_rng(5)
+    sent = got = 0
+    dropped_waves = 0
+    sem = asyncio.Semaphore(4)
+    async with AsyncClient(d.endpoint, timeout=120) as client:
+
+        async def one(prompt: list[int]) -> int:
+            async with sem:
+                c = await asyncio.wait_for(client.generate(prompt, max_tokens=4, temperature=0, ignore_eos=True), 60)
+                return int(c.usage.completion_tokens)
+
+        while dropped_waves < 2 and sent < STALL_MAX_PROMPTS:
+            wave = [rng.integers(3, n_vocab, 400).tolist() for _ in range(32)]
+            got += sum(await asyncio.gather(*(one(p) for p in wave)))
+            sent += len(wave)
+            dropped_waves += await asyncio.to_thread(_kv_dropped, d) > start
+    return sent, got
+
+
+STALL_MAX_PROMPTS = 2000  # a bound on the test: with 1-token blocks a few hundred fill the kernel's buffers
+
+
+def test_a_stalled_tcp_subscriber_costs_counted_drops_never_a_request(start_daemon: Callable[..., Daemon]) -> None:
+    """A subscriber that connects over TCP, subscribes and never reads (a receive mark of 1, a 4 KiB kernel
+    buffer) while prompts run until its queue is past the publisher's mark: every request completes, the drops
+    are counted in the metrics, the daemon stays healthy, and then a fresh subscriber gets events and replay
+    still returns the buffered batches, the dropped ones included. (1-token blocks: more bytes of events a
+    prompt, so that the kernel's TCP buffers, megabytes, fill in a few hundred prompts.)"""
+    ev_port, replay_port = free_port(), free_port()
+    d = start_daemon(wait_workers=1, workers={"cpu_workers": 1, "slots": 4},
+                     kv_events={"enable": True, "endpoint": f"tcp://*:{ev_port}",
+                                "replay_endpoint": f"tcp://*:{replay_port}", "hwm": 8, "buffer_steps": 200_000,
+                                "block_size": 1})
+    d.wait_log("kv_events: publishing")
+    (worker,) = d.status()["workers"]
+    ctx = zmq.Context()
+    stalled = ctx.socket(zmq.SUB)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.RCVBUF, 4096)
+    stalled.connect(f"tcp://127.0.0.1:{ev_port}")
+    stalled.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    time.sleep(0.5)
+    start = _kv_dropped(d)
+    sent, got = asyncio.run(_prompts_until_dropped(d, worker["n_vocab"], start))
+    assert got == 4 * sent, "every request completed"
+    assert _kv_dropped(d) > start, f"the publisher never dropped in {sent} prompts"
+    (after,) = d.status()["workers"]
+    assert d.proc.poll() is None and (after["state"], after["pid"]) == ("ready", worker["pid"]), after
+    stalled.close(linger=0)
+    fresh = ctx.socket(zmq.SUB)
+    fresh.connect(f"tcp://127.0.0.1:{ev_port}")
+    fresh.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    time.sleep(0.5)
+    with d.client() as c:
+        c.generate(list(range(3, 60)), max_tokens=2, temperature=0)
+    assert fresh.poll(10_000), "a fresh subscriber gets events"
+    topic, seq, payload = fresh.recv_multipart()
+    _ts, events, _rank = msgpack.unpackb(payload)
+    assert topic.startswith(b"kv@") and events and events[0][0] in ("BlockStored", "BlockRemoved")
+    last = int.from_bytes(seq, "big")
+    got_back = _replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0)
+    seqs = [int.from_bytes(f[1], "big") for f in got_back]
+    assert seqs[: last + 1] == list(range(last + 1)), "replay has every batch, the dropped ones too"
+    assert msgpack.unpackb(got_back[last][2]) == msgpack.unpackb(payload)
+    fresh.close(linger=0)
+    ctx.term()

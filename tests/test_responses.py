@@ -145,7 +145,7 @@ def test_what_needs_state_llamapool_does_not_keep_is_refused_by_name(client: ope
     ({"input": None}, "input"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
-     "input[0].content[0].type"),
+     "input[0].content[0].image_url"),  # an image, to a model without a projector (tests/test_images.py)
     ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),

@@ -59,7 +59,8 @@ def fetch_models(cfg: Config) -> Config:
 
     wanted = [m.path for m in cfg.models if hub.is_ref(m.path)]
     wanted += [a[1] for m in cfg.models for a in m.lora if hub.is_ref(a[1])]  # [[models.lora]] paths
-    if not wanted:
+    projectors = [m.mmproj for m in cfg.models if hub.is_ref(m.mmproj)]
+    if not wanted and not projectors:
         return cfg
     from llamapool.supervisor.sdnotify import Notifier
 
@@ -71,14 +72,15 @@ def fetch_models(cfg: Config) -> Config:
             notifier.extend_timeout(60)
 
     if notifier.enabled:
-        notifier.notify(STATUS=f"downloading {', '.join(wanted)}", EXTEND_TIMEOUT_USEC=60_000_000)
+        notifier.notify(STATUS=f"downloading {', '.join(wanted + projectors)}", EXTEND_TIMEOUT_USEC=60_000_000)
         threading.Thread(target=keep_alive, name="download-keepalive", daemon=True).start()
     try:
         paths = {ref: str(hub.fetch(hub.parse(ref), say=log.info)) for ref in wanted}
+        projs = {ref: str(hub.fetch(hub.parse(ref, mmproj=True), say=log.info)) for ref in projectors}
     finally:
         done.set()
     return dataclasses.replace(cfg, models=tuple(
-        dataclasses.replace(m, path=paths.get(m.path, m.path),
+        dataclasses.replace(m, path=paths.get(m.path, m.path), mmproj=projs.get(m.mmproj, m.mmproj),
                             lora=tuple((n, paths.get(p, p), s) for n, p, s in m.lora)) for m in cfg.models))
 
 
@@ -308,35 +310,41 @@ def cmd_models(args: argparse.Namespace) -> int:
     from llamapool import hub
 
     cfg = load_config(args.config)
-    cols = ("MODEL", "FILE", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE")
+    cols = ("MODEL", "FILE", "SIZE", "ARCH", "CONTEXT", "CHAT TEMPLATE", "INPUT")
     rows: list[tuple[str, ...]] = []
     for m in cfg.models:
+        if m.engine == "llama" and not hub.is_ref(m.path) and os.path.isfile(m.path):
+            rows.append(_model_row(m, hub.gguf_info, hub.template_family))
+            continue
         if m.engine != "llama":
             rows.append((m.name, f"({m.engine} engine: no model file)", "-", "-", "-", "-"))
         elif hub.is_ref(m.path):
             rows.append((m.name, f"{m.path}: not downloaded yet (llamapool fetch-model {m.path})",
                          "-", "-", "-", "-"))
         else:
-            shown = os.path.relpath(m.path) if m.path.startswith(os.getcwd() + os.sep) else m.path
-            try:
-                g = hub.gguf_info(m.path)
-            except FileNotFoundError:
-                rows.append((m.name, f"{shown}: no such file", "-", "-", "-", "-"))
-                continue
-            except (OSError, ValueError) as e:
-                rows.append((m.name, f"{shown}: not a readable GGUF ({e})", "-", "-", "-", "-"))
-                continue
-            template = g.chat_template
-            if m.chat_template:  # the config's template file replaces the GGUF's
-                with open(m.chat_template) as fh:
-                    template = f"{hub.template_family(fh.read())} ({os.path.basename(m.chat_template)})"
-            rows.append((m.name, shown, _bytes(g.size), g.architecture, f"{g.context_length:,}" if g.context_length
-                         else "?", template))
+            rows.append((m.name, f"{m.path}: no such file", "-", "-", "-", "-"))
+    rows = [(*r, "-") if len(r) < len(cols) else r for r in rows]
     widths = [max(len(r[i]) for r in (cols, *rows)) for i in range(len(cols))]
     widths[1] += 1  # FILE: its paths stand three spaces from the sizes, as README.md shows the table
     for r in (cols, *rows):
         print("  ".join(v.ljust(widths[i]) for i, v in enumerate(r)).rstrip())
     return 0
+
+
+def _model_row(m: Any, gguf_info: Any, template_family: Any) -> tuple[str, ...]:
+    """A model's row of ``llamapool models``: what its GGUF's header says, and whether it takes images
+    (INPUT: "text, image" with an mmproj)."""
+    shown = os.path.relpath(m.path) if m.path.startswith(os.getcwd() + os.sep) else m.path
+    try:
+        g = gguf_info(m.path)
+    except (OSError, ValueError) as e:
+        return m.name, f"{shown}: not a readable GGUF ({e})", "-", "-", "-", "-", "-"
+    template = g.chat_template
+    if m.chat_template:  # the config's template file replaces the GGUF's
+        with open(m.chat_template) as fh:
+            template = f"{template_family(fh.read())} ({os.path.basename(m.chat_template)})"
+    return (m.name, shown, _bytes(g.size), g.architecture, f"{g.context_length:,}" if g.context_length else "?",
+            template, "text, image" if m.mmproj else "text")
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -355,6 +363,14 @@ def cmd_make_model(args: argparse.Namespace) -> int:
                              n_ff=args.n_ff, n_vocab=args.n_vocab, seed=args.seed, arch=args.reranker_arch)
         kind = "BERT" if args.reranker_arch == "bert" else "Qwen3"
         print(f"wrote {path} (a random-weight {kind} reranker: rank pooling, its scores mean nothing)")
+        return 0
+    if args.vision:
+        from llamapool.visiongen import make_vision_model
+
+        model, mmproj = make_vision_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer,
+                                          n_vocab=args.n_vocab, seed=args.seed)
+        print(f"wrote {model} and its projector {mmproj} (random weights: the reply depends on the image, "
+              f"and is gibberish); config: path = \"{model}\", mmproj = \"{mmproj}\"")
         return 0
     path = make_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                       n_head_kv=args.n_head_kv, n_ff=args.n_ff, n_vocab=args.n_vocab,
@@ -527,7 +543,10 @@ def _tool_commands(sub: Any) -> None:
     ms.set_defaults(fn=cmd_models)
 
     m = _sub(sub, "make-model", "write a random-weight llama GGUF (tests and benchmarks; its output is gibberish)")
-    m.add_argument("path", help="the GGUF file to write")
+    m.add_argument("path", help="the GGUF file to write (with --vision: the folder)")
+    m.add_argument("--vision", action="store_true",
+                   help="a vision model: PATH/model.gguf and its projector PATH/mmproj.gguf (Gemma 3's projector "
+                        "shape, 64 px images of 16 tokens; docs/models.md#images)")
     m.add_argument("--n-embd", type=int, default=64, help="embedding width (the 1B shape: 2048; 8B: 4096)")
     m.add_argument("--n-layer", type=int, default=2, help="layers (1B: 16; 8B: 32)")
     m.add_argument("--n-head", type=int, default=4, help="attention heads (1B and 8B: 32)")

@@ -161,6 +161,13 @@ class HttpConfig:
     responses_store: bool = True  # false: nothing is stored (store acts as false), previous_response_id is a 400
     responses_ttl: float = 30 * 86400.0  # seconds a stored response is kept (OpenAI's 30 days); "720h"
     responses_max_mb: float = 1024.0  # MiB the stored responses (their JSON) take at most: past it, the oldest go
+    # http(s) image URLs (gateway/fetch.py): fetched only with fetch_media = true, from the listed hosts (none:
+    # any), at most max_bytes and timeout seconds each, never from a private address unless fetch_media_private
+    fetch_media: bool = False
+    fetch_media_hosts: tuple[str, ...] = ()
+    fetch_media_max_bytes: int = 8 << 20
+    fetch_media_timeout: float = 10.0
+    fetch_media_private: bool = False
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -559,6 +566,25 @@ def _model_task(m: ModelConfig, key: str) -> ModelConfig:
     return dataclasses.replace(m, task=task, embedding=task == "embed")
 
 
+def _mmproj(key: str, m: ModelConfig, base_dir: Path | None) -> str:
+    """The model's projector: its cached file for an hf: reference (else the reference: `serve` downloads
+    it), a path resolved against ``base_dir``."""
+    if m.embedding or m.task in ("embed", "rerank") or m.engine != "llama":
+        raise ConfigError(f"{key}.mmproj: applies to a generation model (engine = \"llama\", no embedding, "
+                          f"no rerank)")
+    if not m.mmproj.startswith("hf:"):
+        return str((base_dir / m.mmproj).resolve()) if base_dir is not None and not Path(m.mmproj).is_absolute() \
+            else m.mmproj
+    from llamapool import hub
+
+    try:
+        ref = hub.parse(m.mmproj, mmproj=True)
+    except ValueError as e:
+        raise ConfigError(f"{key}.mmproj: {e}") from None
+    local = hub.cached(ref)
+    return str(local) if local else m.mmproj
+
+
 def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, listed: bool) -> ModelConfig:
     """Resolve one model's paths and name, and check the keys that depend on each other."""
     if m.engine not in ("llama", "echo"):
@@ -578,6 +604,8 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
         m = dataclasses.replace(m, path=str((base_dir / m.path).resolve()))
     if not m.name:
         m = dataclasses.replace(m, name=Path(m.path).stem or "llamapool")
+    if m.mmproj:
+        m = dataclasses.replace(m, mmproj=_mmproj(key, m, base_dir))
     if (listed or explicit) and not MODEL_NAME.fullmatch(m.name):
         raise ConfigError(f"{key}.name: {m.name!r} must be 1 to 64 letters, digits, '.', '_', '-' or '/', "
                           f"starting with a letter or digit" + ("" if explicit else " (set name = \"...\")"))

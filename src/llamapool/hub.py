@@ -51,6 +51,7 @@ class HubRef:
     file: str = ""
     quant: str = ""
     revision: str = "main"
+    mmproj: bool = False  # a model's projector (its repo's mmproj file), not the model
 
     def __str__(self) -> str:
         return f"{PREFIX}{self.repo}" + (f"/{self.file}" if self.file else f":{self.quant}" if self.quant else "")
@@ -71,6 +72,8 @@ class HubRef:
             if self.file not in ggufs:
                 raise HubError(f"{self}: the repo has no file {self.file}; its GGUF files: {_few(ggufs)}")
             chosen = [self.file]
+        elif self.mmproj:
+            chosen = [_mmproj_file(self, ggufs)]
         else:
             models = [f for f in ggufs if "mmproj" not in Path(f).name.lower()]
             if self.quant:
@@ -92,11 +95,26 @@ class HubRef:
         return chosen
 
 
+def _mmproj_file(ref: HubRef, ggufs: list[str]) -> str:
+    """The repo's projector file, as llama-server -hf finds it: a GGUF whose name has "mmproj"; of several,
+    the one of the reference's quantisation, else the F16 one, else BF16, F32, Q8_0, else the first."""
+    found = [f for f in ggufs if "mmproj" in Path(f).name.lower()]
+    if not found:
+        raise HubError(f"{ref}: the repo has no mmproj GGUF (a file with 'mmproj' in its name; its GGUF files: "
+                       f"{_few(ggufs)}); name one: {PREFIX}{ref.repo}/FILE.gguf")
+    for want in ([ref.quant] if ref.quant else []) + ["f16", "bf16", "f32", "q8_0"]:
+        pat = re.compile(rf"(^|[^A-Za-z0-9]){re.escape(want)}([^A-Za-z0-9]|$)", re.I)
+        hits = [f for f in found if pat.search(Path(f).name)]
+        if hits:
+            return hits[0]
+    return found[0]
+
+
 def is_ref(path: str) -> bool:
     return path.startswith(PREFIX)
 
 
-def parse(text: str) -> HubRef:
+def parse(text: str, mmproj: bool = False) -> HubRef:
     """``hf:OWNER/REPO:QUANT`` or ``hf:OWNER/REPO/FILE.gguf`` (``hf:OWNER/REPO``: its one GGUF);
     a ValueError that says what is wrong."""
     body = text[len(PREFIX):] if is_ref(text) else text
@@ -112,7 +130,7 @@ def parse(text: str) -> HubRef:
     file = "/".join(parts[2:])
     if file and (quant or not file.endswith(".gguf") or ".." in parts[2:] or "" in parts[2:]):
         raise ValueError(f"{text}: a file in the repo must be FILE.gguf, without ':QUANT'")
-    return HubRef("/".join(parts[:2]), file, quant)
+    return HubRef("/".join(parts[:2]), file, quant, mmproj=mmproj)
 
 
 def endpoint() -> str:

@@ -11,6 +11,7 @@
 - :mod:`~llamapool.bench.speculation`: ``--scenario speculation``, replies that copy their prompt, on vs off;
 - :mod:`~llamapool.bench.churn`: ``--scenario pool-churn``, a busy model beside on-demand models that churn;
 - :mod:`~llamapool.bench.plot`: ``--plot FILE`` (where matplotlib is installed);
+- :mod:`~llamapool.bench.kvsub`: ``--kv-stall``, the workload with no, a live and a stalled KV-event subscriber;
 - :mod:`~llamapool.bench.command`: the ``llamapool bench`` command.
 
 Nothing here is imported by the daemon, and nothing here imports :mod:`llamapool.cli`.

@@ -4,7 +4,8 @@ service) in the same run; or, with ``--router-only``, the router path without a 
 ``--scenario agent``, sessions whose context grows turn after turn (:mod:`llamapool.bench.agent`);
 ``--scenario speculation``, replies that copy their prompt, speculation on and off
 (:mod:`llamapool.bench.speculation`); ``--scenario pool-churn``, a busy model beside on-demand models
-loaded and evicted (:mod:`llamapool.bench.churn`).
+loaded and evicted (:mod:`llamapool.bench.churn`); or, with ``--kv-stall``, the workload with no, a live
+and a stalled KV-event subscriber (:mod:`llamapool.bench.kvsub`).
 
 Exits 1 when any request failed or came back short: a run with errors is not a figure.
 """
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="short: 128 prompt / 128 output tokens; rag: 1024/128; long: 4096/256; mixed: "
                         "log-normal lengths, median 512/128, sigma 0.8/0.6, clipped to --ctx")
     p.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length (mixed: its median)")
+    p.add_argument("--image-px", type=int, default=64, help="the image workload's image side in pixels (default "
+                   "64, the generated test projector's; its question is --prompt-tokens words, default 64)")
     p.add_argument("--gen-tokens", "--out-tokens", type=int,
                    help="override the workload's output length (mixed: its median; --scenario agent: each "
                         f"turn's, default {AgentWorkload.out})")
@@ -55,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "constrained neighbours cost plain streams, against -w short --beside short")
     _agent_arguments(p)
     _more_scenarios(p)
+    p.add_argument("--kv-stall", nargs="?", const="", metavar="ENDPOINT",
+                   help="against a daemon with [kv_events] on: the workload three times, with no KV-event "
+                        "subscriber, a live one and a stalled one (never reads), side by side with the "
+                        "publisher's drops; ENDPOINT: its PUB socket (default: --config's kv_events.endpoint)")
     p.add_argument("--n-vocab", type=int, default=0,
                    help="prompt ids are drawn below this (default: what the server reports)")
     p.add_argument("--http", metavar="URL",
@@ -158,6 +165,85 @@ def _reloader(args: argparse.Namespace, target: Any) -> Callable[[], None] | Non
     return lambda: os.kill(pid, signal.SIGHUP)
 
 
+def _kv_stall(args: argparse.Namespace, target: Any, n_vocab: int) -> int:
+    """``--kv-stall``: per concurrency, the workload with no, a live and a stalled KV-event subscriber
+    (:mod:`llamapool.bench.kvsub`), printed side by side (JSON rows with ``--json``)."""
+    from llamapool.bench import kvsub
+
+    try:
+        endpoint = _kv_endpoint(args, target)
+    except ValueError as e:
+        print(f"llamapool bench: {e}", file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    for c in args.concurrency or [8]:
+        try:
+            runs = asyncio.run(kvsub.measure_modes(_kv_run(args, target, n_vocab, c), _kv_metrics(target),
+                                                   endpoint, args.seed))
+        except ValueError as e:
+            print(f"llamapool bench: {e}", file=sys.stderr)
+            return 2
+        rows += runs
+        _append(args.out, runs)
+        if not args.json:
+            print(kvsub.table(runs), flush=True)
+        if not kvsub.stalled(runs)["kv_dropped"]:
+            print("llamapool bench: warning: the stalled subscriber cost the publisher no drop in the measured run: "
+                  "its queue never reached [kv_events] hwm (lower hwm, or send more requests)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    errors = sum(r["errors"] for r in rows)
+    if errors:
+        print(f"llamapool bench: {errors} request(s) failed or came back short: not a figure", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _kv_endpoint(args: argparse.Namespace, target: Any) -> str:
+    """``--kv-stall``'s publisher address (a ValueError says why there is none)."""
+    from llamapool.bench.kvsub import local_endpoint
+
+    if target.transport != "sdk" or args.rate or args.scenario or args.beside or args.ceiling:
+        raise ValueError("--kv-stall drives the daemon (not --http) in a closed loop: no --rate, --scenario, "
+                         "--beside or --ceiling")
+    if args.kv_stall:
+        if not args.kv_stall.startswith("tcp://"):
+            raise ValueError(f"--kv-stall: ENDPOINT must be the PUB socket's tcp:// address, got {args.kv_stall!r}")
+        return str(args.kv_stall)
+    if not args.config:
+        raise ValueError("--kv-stall needs ENDPOINT (e.g. tcp://127.0.0.1:5557) or --config with [kv_events]")
+    from llamapool.config import load_config
+
+    kv = load_config(args.config).kv_events
+    if kv is None or not kv.endpoint.startswith("tcp://"):
+        raise ValueError(f"--kv-stall: {args.config} has no [kv_events] enable = true with a tcp:// endpoint")
+    return local_endpoint(kv.endpoint)
+
+
+def _kv_run(args: argparse.Namespace, target: Any, n_vocab: int, c: int) -> Callable[[int], Any]:
+    """``--kv-stall``'s one run of the workload at ``c`` streams, seeded ``seed``: its row as a dict."""
+    from llamapool.bench.drivers import measure
+    from llamapool.bench.workloads import make_workload
+
+    async def run(seed: int) -> dict[str, Any]:
+        work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=seed, ctx=args.ctx,
+                             prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                             top_logprobs=args.top_logprobs)
+        return (await measure(target, work, c, args.procs, not args.no_progress)).as_dict()
+
+    return run
+
+
+def _kv_metrics(target: Any) -> Callable[[], Any]:
+    async def metrics() -> str:
+        from llamapool import AsyncClient
+
+        async with AsyncClient(target.address, timeout=30, **target.keys) as client:
+            return await client.metrics()
+
+    return metrics
+
+
 def _router_only(args: argparse.Namespace) -> int:
     from llamapool.bench.router_only import run as router_only
 
@@ -196,6 +282,8 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
     if not n_vocab:
         print("llamapool bench: the server did not say its vocabulary size; pass --n-vocab", file=sys.stderr)
         return 2
+    if args.kv_stall is not None:
+        return _kv_stall(args, target, n_vocab)
     if args.scenario == "agent":
         return _agent(args, target, n_vocab, info)
     if args.scenario:
@@ -208,7 +296,7 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
         try:
             work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=args.seed, ctx=args.ctx,
                                  prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                                 top_logprobs=args.top_logprobs)
+                                 top_logprobs=args.top_logprobs, image_px=args.image_px)
             side = None if not args.beside else make_workload(
                 args.beside, len(work.requests) + c, n_vocab, seed=args.seed + 1, ctx=args.ctx,
                 prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, top_logprobs=args.top_logprobs)

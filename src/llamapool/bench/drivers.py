@@ -39,6 +39,7 @@ reports it took from its cache (the SDK's ``usage.cached_tokens``; over HTTP, Op
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import multiprocessing
 import queue as queue_mod
@@ -113,6 +114,7 @@ class BenchRow:
     decode_tok_s: float  # C / ITL p50
     e2e_p50_ms: float = 0.0
     e2e_p99_ms: float = 0.0
+    ttft_p90_ms: float = 0.0
     rate: float = 0.0  # open loop: the offered Poisson rate, requests/s (0: closed loop at C streams)
     seed: int = 0
     ctx: int = 0
@@ -188,7 +190,8 @@ class SdkTransport(_Transport):
             extra.update(logprobs=True, top_logprobs=req.top_logprobs)
         if req.n > 1:
             extra["n"] = req.n
-        stream = self.client.stream(list(req.prompt), max_tokens=req.max_tokens, temperature=req.temperature,
+        prompt: Any = req.messages() if req.image else list(req.prompt)
+        stream = self.client.stream(prompt, max_tokens=req.max_tokens, temperature=req.temperature,
                                     ignore_eos=True, model=req.model or None, **extra)
         counts = [0] * req.n  # tokens so far of each choice
         async with stream:
@@ -272,6 +275,8 @@ class HttpTransport(_Transport):
         extra: dict[str, Any] = dict(self.extra_body)
         if req.model:
             extra["model"] = req.model
+        if req.image:
+            return self._image_body(req, extra)
         if req.json_schema is not None:
             extra["json_schema"] = req.json_schema  # both's field
         if self.openai:
@@ -283,6 +288,19 @@ class HttpTransport(_Transport):
             extra["n_probs"] = max(1, req.top_logprobs)
         return {"prompt": list(req.prompt), "n_predict": req.max_tokens, "temperature": req.temperature, "stream": True,
                 "ignore_eos": True, **extra}
+
+    def _image_body(self, req: Request, extra: dict[str, Any]) -> dict[str, Any]:
+        """An image request: OpenAI's chat with an ``image_url`` data: URL (the URL's /v1/chat/completions), or
+        llama-server's /completion with ``multimodal_data`` (its marker where the image goes)."""
+        b64 = base64.b64encode(req.image).decode()
+        if self.openai:
+            return {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
+                {"type": "text", "text": req.text}]}], "max_tokens": req.max_tokens, "temperature": req.temperature,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
+        return {"prompt": {"prompt_string": f"<__media__>{req.text}", "multimodal_data": [b64]},
+                "n_predict": req.max_tokens, "temperature": req.temperature, "stream": True, "ignore_eos": True,
+                **extra}
 
     async def reply(self, req: Request, on_tokens: OnTokens) -> Reply:
         """A request of ``n`` choices is ``n`` requests at once (an HTTP server's one choice each)."""
@@ -300,7 +318,8 @@ class HttpTransport(_Transport):
         return Reply(sum(r.tokens for r in done), done[0].cached_tokens)
 
     async def _run_one(self, req: Request, on_tokens: OnTokens) -> Reply:
-        async with self.session.post(self.url, json=self.body(req)) as resp:
+        url = self.url[: -len("/completions")] + "/chat/completions" if req.image and self.openai else self.url
+        async with self.session.post(url, json=self.body(req)) as resp:
             if resp.status != 200:
                 raise ReplyError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             return await (self._openai(resp, on_tokens) if self.openai else self._llama(resp, on_tokens))
@@ -547,7 +566,7 @@ def row(workload: Workload, target: Target, concurrency: int, procs: int, parts:
         ttft_p50_ms=1e3 * pct(ttft, 0.5), ttft_p99_ms=1e3 * pct(ttft, 0.99),
         itl_p50_ms=1e3 * itl50, itl_p99_ms=1e3 * pct(itl, 0.99),
         decode_tok_s=concurrency / itl50 if itl50 > 0 else 0.0, seed=workload.seed, ctx=workload.ctx,
-        e2e_p50_ms=1e3 * pct(e2e, 0.5), e2e_p99_ms=1e3 * pct(e2e, 0.99),
+        e2e_p50_ms=1e3 * pct(e2e, 0.5), e2e_p99_ms=1e3 * pct(e2e, 0.99), ttft_p90_ms=1e3 * pct(ttft, 0.9),
         address=target.address, error_samples=[s for p in parts for s in p.error_samples][:MAX_ERROR_SAMPLES])
 
 

@@ -13,6 +13,10 @@ ignores EOS, so each request must return exactly ``max_tokens`` tokens.
 | ``json`` | 128 | 128, each request constrained by :data:`BENCH_SCHEMA` |
 | ``logprobs`` | 128 | 128, each token with its logprob and the 5 likeliest (``top_logprobs``: 0 to 20) |
 | ``n4`` | 128 | 4 x 128: each request asks for 4 choices (a quarter of the streams, as many sequences) |
+| ``image`` | a chat: an image (``image_px`` square, its own per request) and a 64-word question | 64 |
+
+``image`` needs a model with a projector (docs/models.md#images): its prompt is the image's tokens and the
+question's (about one a word), each request's image another PNG, so none is in the prefix cache.
 
 ``mixed`` draws each request's output length first, then its prompt length, both from log-normal
 distributions (``exp(N(ln median, sigma))``, rounded), and clips them so that every request fits the
@@ -41,7 +45,9 @@ CHOICES = {"n4": 4}  # choices per request of a workload (the others: 1)
 BENCH_SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "text": {"type": "string"}, "list": {"type": "array", "items": {"type": "string"}}, "n": {"type": "integer"}},
     "required": ["text", "list", "n"], "additionalProperties": False}
-NAMES = (*FIXED, "mixed")
+IMAGE = (64, 64)  # the image workload's question words and output tokens
+IMAGE_PX = 64  # its images' side (the generated test projector's; Gemma 3's is 896)
+NAMES = (*FIXED, "mixed", "image")
 # the mixed workload's log-normal parameters: median and sigma (of the log) for prompt and output
 MIXED_PROMPT_MEDIAN = 512
 MIXED_PROMPT_SIGMA = 0.8
@@ -61,6 +67,13 @@ class Request:
     n: int = 1  # choices (each of max_tokens tokens)
     temperature: float = 0.0  # 0: greedy
     model: str = ""  # the pool's model to ask ("": the server's default)
+    image: bytes = b""  # the image workload: a PNG, and the question (``text``) after it, as a chat
+    text: str = ""
+
+    def messages(self) -> list[dict[str, Any]]:
+        """An image request's chat, as the SDK sends it (the file's bytes in a part)."""
+        return [{"role": "user", "content": [{"type": "image", "data": self.image},
+                                             {"type": "text", "text": self.text}]}]
 
 
 @dataclass(frozen=True)
@@ -97,9 +110,45 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> int:
     return round(rng.lognormvariate(math.log(median), sigma))
 
 
+def png(side: int, rng: random.Random) -> bytes:
+    """A ``side`` x ``side`` RGB PNG of a pattern ``rng`` picks (smooth: it compresses well)."""
+    import struct
+    import zlib
+
+    a, b, c = (rng.randrange(1, 9) for _ in range(3))
+    off = [rng.randrange(256) for _ in range(3)]
+    rows = bytearray()
+    for y in range(side):
+        rows.append(0)
+        rows += bytes(v for x in range(side) for v in ((x * a + off[0]) % 256, (y * b + off[1]) % 256,
+                                                        ((x + y) * c + off[2]) % 256))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(rows))) + \
+        chunk(b"IEND", b"")
+
+
+def image_workload(n: int, *, seed: int = 0, ctx: int = DEFAULT_CTX, words: int | None = None,
+                   gen_tokens: int | None = None, image_px: int = IMAGE_PX, temperature: float = 0.0) -> Workload:
+    """``n`` image requests: each its own image of ``image_px`` square and a question of ``words`` words."""
+    from llamapool.modelgen import _WORDS
+
+    if not 8 <= image_px <= 4096:
+        raise ValueError(f"image: the image side {image_px} must be 8 to 4096 pixels")
+    rng = random.Random(f"llamapool-bench/image/{seed}")
+    vocab = _WORDS.split()
+    reqs = tuple(Request((), gen_tokens or IMAGE[1], temperature=temperature, image=png(image_px, rng),
+                         text=" ".join(rng.choice(vocab) for _ in range(words or IMAGE[0])))
+                 for _ in range(n))
+    return Workload("image", reqs, seed, ctx)
+
+
 def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = DEFAULT_CTX,
                   prompt_tokens: int | None = None, gen_tokens: int | None = None,
-                  top_logprobs: int | None = None, temperature: float = 0.0) -> Workload:
+                  top_logprobs: int | None = None, temperature: float = 0.0, image_px: int = IMAGE_PX) -> Workload:
     """``n`` requests of workload ``name``; the same arguments always give the same requests.
 
     ``prompt_tokens``/``gen_tokens`` override the fixed lengths of ``short``/``rag``/``long``, and
@@ -109,6 +158,9 @@ def make_workload(name: str, n: int, n_vocab: int, *, seed: int = 0, ctx: int = 
     """
     if name not in NAMES:
         raise ValueError(f"unknown workload {name!r}; one of {', '.join(NAMES)}")
+    if name == "image":
+        return image_workload(n, seed=seed, ctx=ctx, words=prompt_tokens, gen_tokens=gen_tokens, image_px=image_px,
+                              temperature=temperature)
     if n_vocab <= FIRST_ID:
         raise ValueError(f"n_vocab {n_vocab} leaves no ordinary token ids")
     if n < 0 or ctx < 2 * MIN_TOKENS:

@@ -47,10 +47,20 @@ class GatewaySpec:
     responses_store: str = ""
     responses_ttl: float = 30 * 86400.0
     responses_max_bytes: int = 1 << 30
-    # the pool's models as configured: {"name", "path", "embedding", "task", "ctx_per_slot", "chat_template"}
-    # each (/v1/embeddings without a model takes the first embedding model, /v1/rerank the first reranker;
-    # /tokenizer_info reads the GGUF)
+    # the pool's models as configured: {"name", "path", "embedding", "task", "ctx_per_slot", "chat_template",
+    # "vision"} each (/v1/embeddings without a model takes the first embedding model, /v1/rerank the first
+    # reranker; "vision": it has an mmproj, it takes images; /tokenizer_info reads the GGUF)
     models: list[dict[str, Any]] = field(default_factory=list)
+    # [http] fetch_media and its bounds: {"enabled", "hosts", "max_bytes", "timeout", "private"} (gateway/fetch.py)
+    fetch_media: dict[str, Any] = field(default_factory=lambda: {"enabled": False, "hosts": [],
+                                                                 "max_bytes": 8 << 20, "timeout": 10.0,
+                                                                 "private": False})
+
+    def takes_images(self, model: str | None) -> bool | None:
+        """Whether the model (None: the default one) takes images; None when the gateway does not know it."""
+        name = model or self.model
+        found = next((m for m in self.models if m.get("name") == name), None)
+        return None if found is None or "vision" not in found else bool(found["vision"])
 
     def embedding_model(self) -> str | None:
         """The pool's first embedding model, None when it has none."""

@@ -21,6 +21,7 @@ from llamapool.client.aio import AsyncStream
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway.errors import ApiError, anthropic_body, anthropic_error, bad, not_an_object, unsupported
+from llamapool.gateway.media import Media
 from llamapool.gateway.parsing import Generation, checked, model_name, stream_flag
 from llamapool.gateway.serving import Call, Door, Serving, closing, merge, sse
 from llamapool.protocol import limits, params
@@ -51,15 +52,32 @@ def _joined(blocks: list[dict[str, Any]]) -> str:
     return "".join(b["text"] for b in blocks if b.get("type") == "text")
 
 
-def _user(content: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
-    """A user turn: its tool results as ``tool`` messages, then its text as a user message. A result must
-    answer one of ``calls``, the ids of the assistant turn's tool_use blocks just before it (Anthropic's
-    API refuses any other ``tool_use_id``)."""
+def _image(block: dict[str, Any], at: str, images: Media) -> dict[str, Any]:
+    """An ``image`` block as the protocol's image part: its ``source`` base64 or a URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        assert isinstance(source, dict)
+        return images.from_base64(source.get("data"), f"{at}.source.data", source.get("media_type"))
+    if kind == "url":
+        assert isinstance(source, dict)
+        return images.from_url(source.get("url"), f"{at}.source.url")
+    raise bad(f"{at}.source", f"'{at}.source' must be {{'type': 'base64', 'media_type', 'data'}} or "
+                              f"{{'type': 'url', 'url'}}, got {limits.show(source)[:80]}")
+
+
+def _user(content: Any, at: str, calls: set[str], images: Media) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages, then its text (and images, as parts) as a user
+    message. A result must answer one of ``calls``, the ids of the assistant turn's tool_use blocks just
+    before it (Anthropic's API refuses any other ``tool_use_id``)."""
     out: list[dict[str, Any]] = []
     texts: list[dict[str, Any]] = []
     for j, block in enumerate(_texts(content, at, ("text", "tool_result", "image", "document"))):
         if block["type"] == "text":
             texts.append(block)
+            continue
+        if block["type"] == "image":
+            texts.append(_image(block, f"{at}[{j}]", images))
             continue
         if block["type"] != "tool_result":
             raise unsupported(f"{at}[{j}].type", f"'{at}[{j}].type': {block['type']} blocks are not supported "
@@ -76,7 +94,9 @@ def _user(content: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
             text = f"Error: {text}"
         out.append({"role": "tool", "tool_call_id": use_id, "content": text})
     if texts or not out:
-        out.append({"role": "user", "content": _joined(texts)})
+        with_images = any(b["type"] == "image" for b in texts)
+        out.append({"role": "user", "content": [{"type": "text", "text": b["text"]} if b["type"] == "text" else b
+                                                for b in texts] if with_images else _joined(texts)})
     return out
 
 
@@ -99,7 +119,7 @@ def _assistant(content: Any, at: str) -> dict[str, Any]:
     return msg
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(body: dict[str, Any], images: Media) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = body.get("system")
     if system is not None:
@@ -116,7 +136,8 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad(f"{at}.content", f"'{at}.content' is required")
         if role == "user":
             before = out[-1] if out and out[-1]["role"] == "assistant" else {}
-            out.extend(_user(m["content"], f"{at}.content", {c["id"] for c in before.get("tool_calls", ())}))
+            out.extend(_user(m["content"], f"{at}.content", {c["id"] for c in before.get("tool_calls", ())},
+                             images))
         else:
             out.append(_assistant(m["content"], f"{at}.content"))
     return out
@@ -241,10 +262,11 @@ def parse_messages(body: Any, count_only: bool = False) -> Generation:
         field = e.field.replace("parallel_tool_calls", "tool_choice").replace("response_format", "output_config")
         raise bad(field, e.message.replace("'response_format'", "'output_config'")) from None
     stream = stream_flag(body) and not count_only
-    messages = _messages(body)
+    images = Media()
+    messages = _messages(body, images)
     return Generation([messages], typed, stream, False, model_name(body),  # type: ignore[list-item]
                       renames={"response_format.json_schema": "output_config.format",
-                               "response_format": "output_config"})
+                               "response_format": "output_config"}, media=images if images.fields else None)
 
 
 # ---------------------------------------------------------------- responses

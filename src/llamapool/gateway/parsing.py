@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from llamapool.gateway.errors import ApiError, bad
+from llamapool.gateway.media import Media
 from llamapool.protocol import limits, params
 from llamapool.protocol.messages import Prompt
 
@@ -28,6 +29,7 @@ class Generation:
     # a contract parameter the body gave under another name -> that name (errors name it so)
     renames: dict[str, str] = field(default_factory=dict)
     priority: str | None = None  # its class (keys.CLASSES) from service_tier or priority; None: default
+    media: Media | None = None  # its images (gateway/media.py): their fields, URLs to fetch; None: none
 
     def renamed(self, e: ApiError) -> ApiError:
         """``e`` naming the body's field where it names a renamed parameter."""

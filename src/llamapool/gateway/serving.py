@@ -27,7 +27,7 @@ from llamapool.client.calls import generate_frame, new_id
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway import GatewaySpec
-from llamapool.gateway.errors import ApiError, Messages, from_llamapool, is_anthropic, openai_error
+from llamapool.gateway.errors import ApiError, Messages, bad, from_llamapool, is_anthropic, openai_error
 from llamapool.gateway.openai.store import Owner, ResponseStore
 from llamapool.gateway.parsing import Generation, json_body, priority_class, ratelimit_headers, renamed
 from llamapool.log import Logger
@@ -177,6 +177,8 @@ class Serving:
         body = json_body(raw)
         parsed = parse(body)
         req = await parsed if inspect.isawaitable(parsed) else parsed
+        if req.media is not None:
+            await self.media(req)
         req.priority, asked = priority_class(body, is_anthropic(call.request.url.path))
         call.n_prompts, call.renames = len(req.prompts), req.renames
         if asked not in (None, "priority"):  # the router's 'priority' errors name the field the body used
@@ -184,6 +186,19 @@ class Serving:
         if len(raw) > self.spec.max_message_bytes - ENCODING_SLACK:
             self.check_encoded(req)
         return req
+
+    async def media(self, req: Generation) -> None:
+        """A request with images: refused (400 naming the first) for a model that takes none; its http(s)
+        images fetched where ``[http] fetch_media`` allows (gateway/fetch.py), else refused."""
+        assert req.media is not None
+        if self.spec.takes_images(req.model) is False:
+            at = req.media.fields[0]
+            raise bad(at, f"'{at}' is an image, and the model {req.model or self.spec.model!r} takes none (its "
+                          f"config sets no mmproj: docs/models.md#images)")
+        if req.media.fetches:
+            from llamapool.gateway.fetch import fetch_all
+
+            await fetch_all(req.media.fetches, self.spec.fetch_media)
 
     def check_encoded(self, req: Generation) -> None:
         """A 413 when ``req``'s message to the router would pass ``server.max_message_bytes``."""

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from llamapool import keys
-from llamapool.protocol import control, params
+from llamapool.protocol import control, media, params
 from llamapool.protocol.messages import (
     MODEL_ACTIONS,
     PROTOCOL_VERSION,
@@ -249,6 +249,7 @@ def _messages(v: list[Any], field: str) -> list[ChatMessage]:
     """A chat: maps with a ``role`` (1 to 64 characters) and a ``content`` string; an assistant message
     may carry ``tool_calls`` instead of content, a ``tool`` message its ``tool_call_id`` and ``name``."""
     out = []
+    images = 0
     for i, m in enumerate(v):
         at = f"{field}[{i}]"
         if not isinstance(m, dict):
@@ -262,15 +263,46 @@ def _messages(v: list[Any], field: str) -> list[ChatMessage]:
         if m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{at}.tool_calls")
             msg["content"] = msg["content"] or ""
-        if not isinstance(msg["content"], str):
+        if isinstance(msg["content"], list):
+            msg["content"] = _parts(msg["content"], f"{at}.content")
+            images += sum(p["type"] == "image" for p in msg["content"])
+            if images > media.MAX_MEDIA:
+                raise _invalid(f"{at}.content", f"the chat has more than {media.MAX_MEDIA} images; a request may "
+                                                f"have at most {media.MAX_MEDIA}")
+        elif not isinstance(msg["content"], str):
             raise _invalid(f"{at}.content", "is missing" if msg["content"] is None
-                           else f"must be a string, got {type(msg['content']).__name__}")
+                           else f"must be a string or a list of parts, got {type(msg['content']).__name__}")
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str) or len(m[key]) > MAX_ID_LEN:
                     raise _invalid(f"{at}.{key}", f"must be a string of at most {MAX_ID_LEN} characters")
                 msg[key] = m[key]
         out.append(msg)
+    return out
+
+
+def _parts(v: list[Any], at: str) -> list[dict[str, Any]]:
+    """A content of parts: ``{"type": "text", "text": str}`` and ``{"type": "image", "data": bytes}`` (an
+    image file's bytes, its header checked: protocol/media.py), in order."""
+    if not v:
+        raise _invalid(at, "must not be an empty list of parts")
+    out: list[dict[str, Any]] = []
+    for j, p in enumerate(v):
+        pat = f"{at}[{j}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            out.append({"type": "text", "text": p["text"]})
+        elif kind == "image":
+            data = p.get("data")
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise _invalid(f"{pat}.data", "must be the image file's bytes (msgpack bin)")
+            try:
+                media.image_info(bytes(data))
+            except media.MediaError as e:
+                raise _invalid(f"{pat}.data", str(e)) from None
+            out.append({"type": "image", "data": bytes(data)})
+        else:
+            raise _invalid(pat, "must be a part {'type': 'text', 'text': str} or {'type': 'image', 'data': bytes}")
     return out
 
 

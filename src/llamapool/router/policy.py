@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
+from llamapool.protocol.media import as_text
 from llamapool.protocol.messages import Prompt
 
 TEXT_PREFIXES = (64, 256)  # characters: the short keys; then one a TEXT_BLOCK
@@ -36,7 +37,8 @@ def prefix_keys(prompt: Prompt) -> tuple[int, ...]:
     and more) shares a key with its previous turn as long as most of that turn, not only a common system
     prompt, and finds the worker whose KV (in a slot or its host tier) holds it."""
     if prompt and isinstance(prompt[0], dict):  # chat messages: the text they render from
-        prompt = "".join(f"\x00{m['role']}\x00{m['content']}" for m in prompt)  # type: ignore[index]
+        # (an image as its hash: protocol/media.py)
+        prompt = "".join(f"\x00{m['role']}\x00{as_text(m['content'])}" for m in prompt)  # type: ignore[index]
     seq: str | tuple[int, ...]
     if isinstance(prompt, str):
         seq, short, block = prompt, TEXT_PREFIXES, TEXT_BLOCK

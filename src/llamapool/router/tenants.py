@@ -20,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llamapool.keys import CLASSES, DEFAULT_TENANT, KeysFile, TenantSettings
+from llamapool.protocol.media import as_text
 from llamapool.protocol.messages import ErrorCode, Prompt
 
 
@@ -149,7 +150,7 @@ def estimate_tokens(prompt: Prompt) -> int:
     if isinstance(prompt, str):
         return len(prompt.encode()) // 3 + 1
     if prompt and isinstance(prompt[0], dict):
-        return sum(len(str(m.get("content") or "").encode()) // 3 + 8 for m in prompt)  # type: ignore[union-attr]
+        return sum(len(as_text(m.get("content")).encode()) // 3 + 8 for m in prompt)  # type: ignore[union-attr]
     return len(prompt)
 
 

@@ -68,8 +68,12 @@ def gateway(cfg: Config, slot: WorkerSlot, curve: Curve, min_ready: int, log_env
                        min_ready_workers=max(1, min_ready),
                        vllm_metric_names=cfg.metrics is not None and cfg.metrics.vllm_compatible_names,
                        models=[{"name": m.name, "path": m.path, "embedding": m.embedding, "task": m.task,
-                                "ctx_per_slot": m.ctx_per_slot, "chat_template": m.chat_template}
+                                "ctx_per_slot": m.ctx_per_slot, "chat_template": m.chat_template,
+                                "vision": bool(m.mmproj)}
                                for m in cfg.models],
+                       fetch_media={"enabled": http.fetch_media, "hosts": list(http.fetch_media_hosts),
+                                    "max_bytes": http.fetch_media_max_bytes, "timeout": http.fetch_media_timeout,
+                                    "private": http.fetch_media_private},
                        idle_timeout=http.idle_timeout, read_timeout=http.read_timeout,
                        max_connections=http.max_connections, send_timeout=http.send_timeout,
                        send_buffer_bytes=http.send_buffer_bytes,

@@ -40,6 +40,7 @@ measured with llama.cpp's CUDA build).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -75,17 +76,20 @@ class MemoryNeed:
     ctx_per_slot: int
     process: int = 0  # the worker process beside llama.cpp's buffers (CUDA context, or RAM of a CPU worker)
     host: int = 0  # a CPU worker's host KV tier (workers.kv_host), in the same RAM
+    projector: int = 0  # the model's mmproj (model.mmproj): its file's bytes
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.host + self.process
+        return self.weights + self.kv + self.compute + self.host + self.process + self.projector
 
     def text(self) -> str:
         """``253 MiB weights + 36 MiB KV (8 x 2048 tokens) + 70 MiB compute + 96 MiB process = 455 MiB``."""
         host = f" + {fmt_bytes(self.host)} host KV tier" if self.host else ""
         process = f" + {fmt_bytes(self.process)} process" if self.process else ""
-        return (f"{fmt_bytes(self.weights)} weights + {fmt_bytes(self.kv)} KV ({self.slots} x {self.ctx_per_slot} "
-                f"tokens) + {fmt_bytes(self.compute)} compute{host}{process} = {fmt_bytes(self.total)}")
+        proj = f" + {fmt_bytes(self.projector)} projector" if self.projector else ""
+        return (f"{fmt_bytes(self.weights)} weights{proj} + {fmt_bytes(self.kv)} KV ({self.slots} x "
+                f"{self.ctx_per_slot} tokens) + {fmt_bytes(self.compute)} compute{host}{process} = "
+                f"{fmt_bytes(self.total)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,9 +205,15 @@ def need_of(shape: Shape, slots: int, ctx_per_slot: int, n_ubatch: int, gpu: boo
 
 
 def estimate(path: str | os.PathLike[str], slots: int, ctx_per_slot: int, n_ubatch: int, gpu: bool,
-             flash_attn: bool = True) -> MemoryNeed:
-    """What a worker of the GGUF at ``path`` needs (the module docstring's formula). ``FileNotFoundError``
-    for a missing file, ``ValueError`` for one that is not a model GGUF."""
+             flash_attn: bool = True, mmproj: str = "") -> MemoryNeed:
+    """What a worker of the GGUF at ``path`` needs (the module docstring's formula), its projector
+    ``mmproj`` (a file: its size) included. ``FileNotFoundError`` for a missing file, ``ValueError`` for one
+    that is not a model GGUF."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
-    return need_of(read_shape(path), slots, ctx_per_slot, n_ubatch, gpu, flash_attn)
+    need = need_of(read_shape(path), slots, ctx_per_slot, n_ubatch, gpu, flash_attn)
+    if mmproj:
+        if not Path(mmproj).is_file():
+            raise FileNotFoundError(f"projector file {mmproj} (model.mmproj) does not exist")
+        need = dataclasses.replace(need, projector=os.path.getsize(mmproj))
+    return need

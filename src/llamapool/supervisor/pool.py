@@ -57,7 +57,8 @@ def host_kv_share(m: ModelConfig, workers: int, gpu: bool = False) -> int:
 def _estimate(m: ModelConfig, gpu: bool) -> memory.MemoryNeed | str:
     ubatch = memory.worker_ubatch(m.n_ubatch, step_budget(m.max_batch_tokens, m.slots, gpu), m.slots)
     try:
-        return memory.estimate(m.path, m.slots, m.ctx_per_slot, ubatch, gpu=gpu, flash_attn=m.flash_attn)
+        return memory.estimate(m.path, m.slots, m.ctx_per_slot, ubatch, gpu=gpu, flash_attn=m.flash_attn,
+                               mmproj=m.mmproj)
     except (OSError, ValueError, KeyError) as e:
         LOG.warning(f"{m.name}: cannot estimate its memory from {m.path}: {e}", model=m.name)
         return f"unknown ({e})"

@@ -216,17 +216,39 @@ class ChatFormatter:
         native = tools if tools and fmt.native else None
         return fmt.messages(list(messages), tools), lambda msgs: template.render(msgs, tools=native)
 
-    def tokens(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def tokens(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None,
+               marker: str = "") -> list[int]:
         """The prompt's tokens: rendered, special tokens parsed where the template writes them (in the
-        contents too with ``parse_special_in_content``), BOS added once when the model wants one."""
+        contents too with ``parse_special_in_content``), BOS added once when the model wants one. With a
+        ``marker`` (an image's place in a content: protocol.media.MEDIA_MARKER), each one the rendered text
+        holds is :data:`MEDIA_TOKEN` in the tokens, the text on either side tokenized apart (as libmtmd does)."""
         msgs, render = self._renderer(messages, tools)
+        parsed, raw = (_split_at(marker, self._tokenize), _split_at(marker, self._raw)) if marker \
+            else (self._tokenize, self._raw)
         if self.parse_special_in_content:
-            tokens = self._tokenize(render(msgs))
+            tokens = parsed(render(msgs))
         else:
-            tokens = chat_tokens(msgs, render, self.controls, self._tokenize, self._raw)
+            tokens = chat_tokens(msgs, render, self.controls, parsed, raw)
         if self.add_bos and (not tokens or tokens[0] != self.bos):
             tokens.insert(0, self.bos)
         return tokens
+
+
+MEDIA_TOKEN = -1  # an image's place in ChatFormatter.tokens' output (with a marker)
+
+
+def _split_at(marker: str, tokenize: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
+    """``tokenize`` of the text between the markers, each marker :data:`MEDIA_TOKEN`."""
+    def split(text: str) -> list[int]:
+        out: list[int] = []
+        for k, piece in enumerate(text.split(marker)):
+            if k:
+                out.append(MEDIA_TOKEN)
+            if piece:
+                out += tokenize(piece)
+        return out
+
+    return split
 
 
 def control_texts(vocab: Any) -> ControlTexts:

@@ -105,6 +105,10 @@ class EngineSettings:
     # LoRA adapters of the model ([[models.lora]] tables): (name, path, scale) each; a request names them by
     # name (or index) in ``lora``, or as its model (the adapter at its scale); worker/engine/adapters.py
     lora: tuple[tuple[str, str, float], ...] = ()
+    # The model's multimodal projector (an mmproj GGUF, libmtmd: docs/models.md#images): a path (relative: to
+    # the config file) or an hf: reference ("hf:OWNER/REPO": the repo's mmproj file, as llama-server -hf
+    # finds it); "" -> the model takes no images
+    mmproj: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_split, tuple):  # a JSON or TOML list

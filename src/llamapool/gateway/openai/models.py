@@ -25,10 +25,12 @@ async def listed(s: Serving) -> list[dict[str, Any]]:
     for m in models or [{"name": s.spec.model, "workers": []}]:
         out.append({"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool",
                     "workers": m["workers"],
+                    "input_modalities": ["text", "image"] if s.spec.takes_images(m["name"]) else ["text"],
                     **{k: m[k] for k in ("state", "load", "pinned", "devices", "reason") if k in m}})
         # its LoRA adapters, each a model name (vLLM lists them so, its base as "parent")
         out += [{"id": a["name"], "object": "model", "created": 0, "owned_by": "llamapool", "parent": m["name"],
-                 "lora_scale": a["scale"], "workers": m["workers"]} for a in m.get("lora", ())]
+                 "lora_scale": a["scale"], "workers": m["workers"], "input_modalities": out[-1]["input_modalities"]}
+                for a in m.get("lora", ())]
     return out
 
 

@@ -29,6 +29,7 @@ from llamapool.client.aio import AsyncStream
 from llamapool.client.errors import LlamapoolError
 from llamapool.client.types import Completion, StreamChunk
 from llamapool.gateway.errors import ApiError, bad, not_an_object, unsupported
+from llamapool.gateway.media import Media
 from llamapool.gateway.openai import stored
 from llamapool.gateway.openai.generation import cross_checked
 from llamapool.gateway.openai.store import Stored
@@ -63,15 +64,22 @@ def _refuse_state(body: dict[str, Any]) -> None:
             raise unsupported(key, f"'{key}' is not supported: {NO_STATE}")
 
 
-def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str:
-    """A message's content: a string, or a list of text parts (joined); another part is refused by name."""
+def _text(content: Any, at: str, kinds: tuple[str, ...], images: Media | None = None) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or a list of text parts (joined); with ``images`` (a user message's),
+    ``input_image`` parts too (then the protocol's parts). Another part is refused by name."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad(at, f"'{at}' must be a string or a list of content parts, got {limits.show(content)[:80]}")
-    texts = []
+    texts, parts = [], []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images is not None:
+            if part.get("file_id") is not None and part.get("image_url") is None:
+                raise unsupported(f"{at}[{j}].file_id", f"'{at}[{j}].file_id': llamapool has no files API; send "
+                                                        f"the image as image_url (a data: URL)")
+            parts.append(images.from_url(part.get("image_url"), f"{at}[{j}].image_url"))
+            continue
         if kind not in kinds:
             if isinstance(kind, str) and kind:
                 raise unsupported(f"{at}[{j}].type", f"'{at}[{j}].type': content parts of type {kind!r:.80} are "
@@ -80,10 +88,11 @@ def _text(content: Any, at: str, kinds: tuple[str, ...]) -> str:
         if not isinstance(part.get("text"), str):
             raise bad(f"{at}[{j}].text", f"'{at}[{j}].text' must be a string")
         texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts if len(parts) > len(texts) else "".join(texts)
 
 
-def _message(item: dict[str, Any], at: str) -> dict[str, Any]:
+def _message(item: dict[str, Any], at: str, images: Media | None = None) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise bad(f"{at}.role", f"'{at}.role' must be one of user, system, developer, assistant, got {role!r:.80}")
@@ -93,7 +102,7 @@ def _message(item: dict[str, Any], at: str) -> dict[str, Any]:
     if role == "assistant" and isinstance(item["content"], list):  # a refusal's text is in 'refusal'
         item = {**item, "content": [{**p, "text": p.get("refusal", "")} if isinstance(p, dict) and
                                     p.get("type") == "refusal" else p for p in item["content"]]}
-    text = _text(item["content"], f"{at}.content", kinds)
+    text = _text(item["content"], f"{at}.content", kinds, images if role == "user" else None)
     return {"role": "system" if role == "developer" else role, "content": text}
 
 
@@ -115,7 +124,8 @@ def _output(item: dict[str, Any], at: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
 
 
-def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str], named: str = "") -> None:
+def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str], named: str = "",
+           images: Media | None = None) -> None:
     """``input`` items as chat messages; consecutive ``function_call`` items are one assistant turn.
     ``named``: the field the items came from (a stored conversation's), else each is ``input[i]``."""
     for i, item in enumerate(items):
@@ -124,7 +134,7 @@ def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str], 
             raise bad(at, f"'{at}' must be an input item (a message, function_call or function_call_output)")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append(_message(item, at))
+            messages.append(_message(item, at, images))
         elif kind == "function_call":
             call = _call(item, at)
             last = messages[-1] if messages else None
@@ -144,7 +154,8 @@ def _items(items: list[Any], messages: list[dict[str, Any]], fields: list[str], 
         fields.append(at)
 
 
-def _messages(body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _messages(body: dict[str, Any], history: list[dict[str, Any]],
+              images: Media | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """The chat: ``instructions``, the stored conversation's items (``history``), ``input``."""
     messages: list[dict[str, Any]] = []
     fields: list[str] = []
@@ -154,13 +165,13 @@ def _messages(body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[list
             raise bad("instructions", "'instructions' must be a string")
         messages.append({"role": "system", "content": instructions})
         fields.append("instructions")
-    _items(history, messages, fields, CHAINED)
+    _items(history, messages, fields, CHAINED, images)
     given = body.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
         fields.append("input")
     elif isinstance(given, list) and given:
-        _items(given, messages, fields)
+        _items(given, messages, fields, images=images)
     else:
         raise bad("input", "'input' must be a string or a non-empty list of input items")
     if not messages or all(m["role"] == "system" for m in messages):
@@ -256,10 +267,11 @@ def parse(body: Any, history: list[dict[str, Any]] | None = None, store: bool = 
         raise not_an_object()
     _refuse_state(body)
     sent = _sampling(body)
-    messages, fields = _messages(body, history or [])
+    images = Media()
+    messages, fields = _messages(body, history or [], images)
     gen = Generation([messages], sent, stream_flag(body), False, model_name(body),  # type: ignore[list-item]
                      renames={"response_format.json_schema": "text.format", "response_format": "text.format",
-                              "max_tokens": "max_output_tokens"})
+                              "max_tokens": "max_output_tokens"}, media=images if images.fields else None)
     echo = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",

@@ -31,6 +31,7 @@ from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.hostkv import HostTier, model_identity
 from llamapool.worker.engine.kvcache import KVSlots
 from llamapool.worker.engine.kvevents import BlockTracker
+from llamapool.worker.engine.media import EmbdBatch, Projector
 from llamapool.worker.engine.model import EngineConfig, EngineError, context_params, load_model
 from llamapool.worker.engine.output import PENDING, Deferred, Output
 from llamapool.worker.engine.prompt import Prompts
@@ -82,7 +83,10 @@ class Engine:
             self.chat = ChatFormatter.load(self.model, self.vocab, cfg.chat_template, cfg.parse_special_in_content)
         except TemplateFileError as e:
             raise EngineError(str(e)) from None
-        self.prompts = Prompts(self.vocab, self.n_vocab, self.chat, cfg.ctx_per_slot)
+        self.projector = self._projector(cfg)
+        self.prompts = Prompts(self.vocab, self.n_vocab, self.chat, cfg.ctx_per_slot, self.projector)
+        # a step's image embeddings: a llama_decode of their own, before its token batch (_feed_media)
+        self.embd_batch = EmbdBatch(cp.n_batch, self.projector.n_embd) if self.projector is not None else None
         self.output = Output(self.vocab, self.sampling, self.chat.tool_format)
         self.mem = L.llama_get_memory(self.ctx)
         self.batch = Batch(cp.n_batch)
@@ -140,6 +144,25 @@ class Engine:
         except EngineError:
             L.llama_model_free(self.model)
             raise
+
+    def _projector(self, cfg: EngineConfig) -> Projector | None:
+        """The model's mmproj (model.mmproj), loaded by libmtmd; None without one."""
+        if not cfg.mmproj:
+            return None
+        if not os.path.isfile(cfg.mmproj):
+            self._free_early()
+            raise EngineError(f"the projector file {cfg.mmproj} (model.mmproj) does not exist")
+        try:
+            return Projector(cfg.mmproj, self.model, cfg.gpu, cfg.threads or os.cpu_count() or 1)
+        except EngineError:
+            self._free_early()
+            raise
+
+    def _free_early(self) -> None:
+        """What __init__ made before it failed."""
+        self.sampling.close()
+        L.llama_free(self.ctx)
+        L.llama_model_free(self.model)
 
     def _kv_slots(self, cfg: EngineConfig) -> KVSlots:
         """The KV cache's slots, with the host tier and, with [kv_events], the block tracker of both."""
@@ -260,6 +283,8 @@ class Engine:
         self.sampling.close()
         if self.kv.host is not None:
             self.kv.host.close()
+        if self.projector is not None:
+            self.projector.close()
         L.llama_free(self.ctx)
         self.adapters.close()
         L.llama_model_free(self.model)
@@ -279,7 +304,15 @@ class Engine:
             spec = spec_of(run.params, self.chat.tool_format)
             adapters = self.adapters.resolve(run.params.lora)
             self.sampling.check(run.params)
-            tokens = self.prompts.tokens(run.prompt, run.params.tools)
+            tokens, media = self.prompts.media_tokens(run.prompt, run.params.tools)
+            room = self.embd_batch.capacity if self.embd_batch is not None else 0
+            big = next((m for m in media if m.n > room), None)
+            if big is not None:
+                raise ParamError("messages", f"an image of the prompt is {big.n} tokens; a step holds at most "
+                                             f"{room} (raise model.max_batch_tokens)")
+            if media and run.params.echo and run.params.logprobs:
+                raise ParamError("logprobs", "a prompt's own logprobs ('echo' with 'logprobs') are not computed "
+                                             "for a prompt with images")
         except ParamError as e:
             out.failed.append(Failed(run.rid, ErrorCode.INVALID_REQUEST, e.message, e.field))
             return
@@ -292,7 +325,8 @@ class Engine:
             return
         # converted once: planning, admission, prefill, cache; a grammar compiles meanwhile
         grammar = None if spec is None else self.grammars.compile(spec)
-        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar, adapters=adapters))
+        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar, media=media,
+                                    adapters=adapters))
         self.arrivals.add(len(tokens))
 
     def abort(self, rid: int, out: Step) -> None:
@@ -325,6 +359,10 @@ class Engine:
         # a prompt's logprobs: all computed
         seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs,
                                       tag=self.adapters.tag(w.adapters))
+        cut = next((m.start for m in w.media if m.start < reused < m.end), -1)
+        if cut >= 0:  # a prefix that ends inside an image: the image is fed again whole
+            L.llama_memory_seq_rm(self.mem, seq_id, cut, -1)
+            reused = cut
         try:
             closing = None if w.grammar is None else self.grammars.start(w.grammar.result(), self._budget(w))
             sampling = self.sampling.admit(seq_id, p, closing, host=self.spec.on_host(p))
@@ -336,7 +374,7 @@ class Engine:
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
             sampling=sampling, text=self.prompts.text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
             fault=self.faults.kind(run.prompt) if self.faults is not None else "",
-            drafting=self.spec.start(sampling), adapters=w.adapters,
+            drafting=self.spec.start(sampling), media=w.media, adapters=w.adapters,
         )
         seq.history = np.zeros(min(len(prompt) + p.max_tokens, self.cfg.ctx_per_slot) + 1, np.int32)
         seq.history[: len(prompt)] = prompt
@@ -526,6 +564,8 @@ class Engine:
         chunk = self._plan(out)
         if self.adapters.names:
             self._rejoin(chunk)
+        if self.projector is not None:
+            self._feed_media(chunk, out)
         wide = 1 + self.spec.propose(chunk, self.active, self.steps)
         if self._prompt_turn:
             filled = fill_apart(self.batch, chunk, self.active, self.mem, self.cfg.n_ubatch)
@@ -551,6 +591,64 @@ class Engine:
                 seq.skipped = False
         if chunk:
             self.adapters.apply(self.ctx, self._lora_turn)
+
+    def _feed_media(self, chunk: dict[int, int], out: Step) -> None:
+        """The step's images, scheduled as prompt tokens: a prompt (of ``chunk``) at an image's first position
+        has the image encoded and its embeddings decoded (a ``llama_decode`` of their own, before the step's
+        token batch) out of the tokens the plan gave it (``scheduler.plan_step``: the step target's budget);
+        an image larger than that goes whole, one a step (the oldest prompt's first). Then each prompt's text
+        chunk is what is left of its tokens, up to where its next image starts (none left: it waits, out of
+        ``chunk``)."""
+        assert self.projector is not None and self.embd_batch is not None
+        eb, fed = self.embd_batch, False
+        for sid in sorted(chunk, key=lambda i: (self.active[i].arrived, i)):
+            seq: Sequence | None = self.active[sid]
+            allow = chunk[sid]
+            while seq is not None and seq.media and seq.prefilling:
+                span = next((m for m in seq.media if m.start == seq.n_past), None)
+                if span is None or span.chunk is None or (fed and span.n > allow) or span.n > eb.capacity - eb.n:
+                    break
+                try:
+                    rows = self.projector.encode(span)
+                except Exception as e:  # this request fails, not the worker
+                    self._drop(seq, e, out)
+                    break
+                L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)  # a padding token it had (batch.fill)
+                eb.add(sid, seq.n_past, rows)
+                span.chunk = span.owner = None  # fed: libmtmd's copy of its pixels goes
+                allow, fed = allow - span.n, True
+                seq.n_past = span.end
+                if self.projector.non_causal:  # the image attends to itself whole: a decode of its own
+                    self._decode_embd([seq], out)
+                seq = self.active.get(sid) if self.active.get(sid) is seq else None
+            if seq is not None and seq.media and seq.prefilling:
+                L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)  # a padding token it had (batch.fill)
+                nxt = next((m.start for m in seq.media if m.start >= seq.n_past), len(seq.tokens))
+                chunk[sid] = min(allow, nxt - seq.n_past)
+        if eb.n:
+            self._decode_embd([s for s in self.active.values() if s.seq_id in chunk and s.media], out)
+        for sid in list(chunk):
+            seq = self.active.get(sid)
+            if seq is None or chunk[sid] <= 0:
+                del chunk[sid]
+
+    def _decode_embd(self, seqs: list[Sequence], out: Step) -> None:
+        """Decode the embedding batch; on failure its sequences fail (the worker goes on)."""
+        assert self.embd_batch is not None
+        causal = not self.projector or not self.projector.non_causal
+        if not causal:
+            L.llama_set_causal_attn(self.ctx, False)
+        try:
+            rc = self.embd_batch.decode(self.ctx)
+        finally:
+            if not causal:
+                L.llama_set_causal_attn(self.ctx, True)
+        if rc != 0:
+            for seq in seqs:
+                if self.active.get(seq.seq_id) is seq and seq.media:
+                    out.failed.append(Failed(seq.rid, ErrorCode.INTERNAL, f"llama_decode of image embeddings "
+                                                                          f"returned {rc}", None))
+                    self._release(seq)
 
     def _launch(self, order: list[Sequence], out: Step) -> bool:
         """Start decoding the batch; on failure every active sequence fails with the reason."""

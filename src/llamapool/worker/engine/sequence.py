@@ -10,6 +10,7 @@ import numpy as np
 
 from llamapool.protocol.messages import ErrorCode, Run, SamplingParams, TokenLogprob
 from llamapool.worker.engine.adapters import BASE, Key
+from llamapool.worker.engine.media import MediaSpan
 from llamapool.worker.engine.spec import Drafting
 from llamapool.worker.sampling import SeqSampling
 from llamapool.worker.text import TextStream
@@ -42,6 +43,7 @@ class Sequence:
     tail: int = 0  # filler positions written after the step's tokens (a step with drafts: batch.fill)
     adapters: Key = BASE  # its LoRA adapter set (worker/engine/adapters.py): decoded in steps of that set only
     skipped: bool = False  # a step of another adapter set left it out (a padding token may follow its KV)
+    media: list[MediaSpan] = field(default_factory=list)  # its prompt's images (media.py), in order
 
     def generated_token(self, tok: int) -> None:
         """``tok`` is its next output token (the token its next step feeds)."""
@@ -82,6 +84,7 @@ class Waiting:
     grammar: Future[Any] | None = None  # the compiled constraint (a matcher to copy), compiling meanwhile
     checked: bool = False  # its compiled grammar was checked against its budget (Engine._refuse_bad_grammars)
     adapters: Key = BASE  # its LoRA adapter set, resolved on arrival
+    media: list[MediaSpan] = field(default_factory=list)  # its prompt's images (media.py)
 
     @property
     def rid(self) -> int:
