@@ -159,6 +159,8 @@ def _toml(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (a [[models.lora]] table inside a list)
+        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 

@@ -57,8 +57,10 @@ def fetch_models(cfg: Config) -> Config:
     from llamapool import hub
     from llamapool import log as logmod
 
-    wanted = [m for m in cfg.models if hub.is_ref(m.path) or hub.is_ref(m.mmproj)]
-    if not wanted:
+    wanted = [m.path for m in cfg.models if hub.is_ref(m.path)]
+    wanted += [a[1] for m in cfg.models for a in m.lora if hub.is_ref(a[1])]  # [[models.lora]] paths
+    projectors = [m.mmproj for m in cfg.models if hub.is_ref(m.mmproj)]
+    if not wanted and not projectors:
         return cfg
     from llamapool.supervisor.sdnotify import Notifier
 
@@ -70,17 +72,16 @@ def fetch_models(cfg: Config) -> Config:
             notifier.extend_timeout(60)
 
     if notifier.enabled:
-        notifier.notify(STATUS=f"downloading {', '.join(m.path for m in wanted)}", EXTEND_TIMEOUT_USEC=60_000_000)
+        notifier.notify(STATUS=f"downloading {', '.join(wanted + projectors)}", EXTEND_TIMEOUT_USEC=60_000_000)
         threading.Thread(target=keep_alive, name="download-keepalive", daemon=True).start()
     try:
-        paths = {m.path: str(hub.fetch(hub.parse(m.path), say=log.info)) for m in wanted if hub.is_ref(m.path)}
-        projs = {m.mmproj: str(hub.fetch(hub.parse(m.mmproj, mmproj=True), say=log.info))
-                 for m in wanted if hub.is_ref(m.mmproj)}
+        paths = {ref: str(hub.fetch(hub.parse(ref), say=log.info)) for ref in wanted}
+        projs = {ref: str(hub.fetch(hub.parse(ref, mmproj=True), say=log.info)) for ref in projectors}
     finally:
         done.set()
     return dataclasses.replace(cfg, models=tuple(
-        dataclasses.replace(m, path=paths.get(m.path, m.path), mmproj=projs.get(m.mmproj, m.mmproj))
-        for m in cfg.models))
+        dataclasses.replace(m, path=paths.get(m.path, m.path), mmproj=projs.get(m.mmproj, m.mmproj),
+                            lora=tuple((n, paths.get(p, p), s) for n, p, s in m.lora)) for m in cfg.models))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -347,8 +348,16 @@ def _model_row(m: Any, gguf_info: Any, template_family: Any) -> tuple[str, ...]:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from llamapool.modelgen import make_model, make_reranker
+    from llamapool.modelgen import make_lora, make_model, make_reranker
 
+    if args.lora:
+        try:
+            path = make_lora(args.path, args.lora, rank=args.rank, alpha=args.alpha, seed=args.seed)
+        except (OSError, ValueError) as e:
+            print(f"llamapool make-model: --lora: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {path} (a random-weight LoRA adapter of {args.lora}: [[models.lora]] path)")
+        return 0
     if args.reranker:
         path = make_reranker(args.path, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
                              n_ff=args.n_ff, n_vocab=args.n_vocab, seed=args.seed, arch=args.reranker_arch)
@@ -559,6 +568,11 @@ def _tool_commands(sub: Any) -> None:
     m.add_argument("--reranker-arch", default="bert", choices=("bert", "qwen3"),
                    help="with --reranker: bert (bge-reranker's layout, a WordPiece vocab) or qwen3 "
                         "(Qwen3-Reranker's: causal, yes/no head, a rerank template)")
+    m.add_argument("--lora", metavar="BASE", default="",
+                   help="write a random-weight LoRA adapter of the GGUF BASE instead (attn_q, attn_v, ffn_up; "
+                        "the shape options are BASE's): greedy output under it differs from BASE's")
+    m.add_argument("--rank", type=int, default=8, help="with --lora: the adapter's rank")
+    m.add_argument("--alpha", type=float, default=16.0, help="with --lora: adapter.lora.alpha (scale alpha/rank)")
     m.set_defaults(fn=cmd_make_model)
 
     k = _sub(sub, "keygen", "write a CURVE key pair: NAME.key (secret, 0600) and NAME.pub")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -16,7 +17,7 @@ from llamapool.protocol.endpoints import default_frontend as default_frontend
 from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
 from llamapool.protocol.endpoints import ipc_path as ipc_path
 from llamapool.protocol.endpoints import needs_curve as needs_curve
-from llamapool.worker.settings import SPECULATIVE, EngineSettings, host_kv_bytes, parse_size, size_bytes
+from llamapool.worker.settings import MAX_LORA_SCALE, SPECULATIVE, EngineSettings, host_kv_bytes, parse_size, size_bytes
 from llamapool.worker.settings import step_budget as step_budget
 
 
@@ -263,6 +264,12 @@ class Config:
         return [m.name for m in self.models]
 
     @property
+    def adapters(self) -> list[tuple[str, str, float]]:
+        """Every model's LoRA adapters as (adapter name, model name, scale): a request naming the adapter as
+        its model is the model's with the adapter at that scale."""
+        return [(a[0], m.name, a[2]) for m in self.models for a in m.lora]
+
+    @property
     def runtime_dir(self) -> Path:
         return Path(self.server.runtime_dir) if self.server.runtime_dir else default_runtime_dir()
 
@@ -405,6 +412,8 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
             raise ConfigError(f"{key}: must be [at least, at most] workers, 0 <= at least <= at most, "
                               f"at most >= 1, e.g. [1, 4], got {value!r}")
         return tuple(value)
+    if rule == "model.lora":
+        return _lora_tables(key, value)
     if rule in _DURATIONS and isinstance(value, str):
         value = _duration(key, value)
     if isinstance(default, tuple):  # a list of strings
@@ -438,6 +447,58 @@ def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
             and value < 0:
         raise ConfigError(f"{key}: must be >= 0, got {value!r}")
     return value
+
+
+def _lora_tables(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
+    """``[[models.lora]]`` tables: ``name`` (as a model's), ``path`` (a GGUF adapter, or an ``hf:`` reference)
+    and ``scale`` (default 1.0, finite, at most ``MAX_LORA_SCALE`` either way); names unique in the model."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(f"{key}: must be [[{key}]] tables of name, path and scale")
+    out: list[tuple[str, str, float]] = []
+    for i, t in enumerate(value):
+        at = f"{key}[{i}]"
+        unknown = sorted(set(t) - {"name", "path", "scale"})
+        if unknown:
+            raise ConfigError(f"{at}.{unknown[0]}: unknown key (known: name, path, scale)")
+        name, path, scale = t.get("name"), t.get("path"), t.get("scale", 1.0)
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+            raise ConfigError(f"{at}.name: must be 1 to 64 letters, digits, '.', '_', '-' or '/', starting with a "
+                              f"letter or digit (requests name the adapter by it), got {name!r}")
+        if name in [a[0] for a in out]:
+            raise ConfigError(f"{at}.name: {name!r} is also the name of another adapter of the model")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{at}.path: is required (a LoRA adapter GGUF, or hf:OWNER/REPO/FILE.gguf)")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                or abs(scale) > MAX_LORA_SCALE:
+            raise ConfigError(f"{at}.scale: must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}, "
+                              f"got {scale!r}")
+        out.append((name, path, float(scale)))
+    return tuple(out)
+
+
+def _lora_paths(key: str, m: ModelConfig, base_dir: Path | None) -> ModelConfig:
+    """The model's adapter paths resolved as its own ``path`` is: relative to the config file, or an ``hf:``
+    reference's cached file (else the reference, which ``serve`` downloads)."""
+    if not m.lora:
+        return m
+    if m.engine != "llama" or m.embedding or m.task in ("embed", "rerank"):
+        raise ConfigError(f"{key}.lora: adapters apply to a generative llama model (not an embedding model, a "
+                          f"reranker or the echo engine)")
+    from llamapool import hub
+
+    resolved = []
+    for i, (name, path, scale) in enumerate(m.lora):
+        if hub.is_ref(path):
+            try:
+                ref = hub.parse(path)
+            except ValueError as e:
+                raise ConfigError(f"{key}.lora[{i}].path: {e}") from None
+            local = hub.cached(ref)
+            path = str(local) if local else str(ref)
+        elif base_dir is not None and not Path(path).is_absolute():
+            path = str((base_dir / path).resolve())
+        resolved.append((name, path, scale))
+    return dataclasses.replace(m, lora=tuple(resolved))
 
 
 def _section(name: str, cls: type, raw: Any, base: Any = None, rule: str = "") -> Any:
@@ -480,6 +541,12 @@ def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) 
         if m.name in seen:
             raise ConfigError(f"{key}.name: {m.name!r} is also the name of {seen[m.name]}: names must be unique")
         seen[m.name] = key
+    for (key, _), m in zip(named, models, strict=True):  # an adapter is named as a model is (vLLM's way)
+        for i, (name, _path, _scale) in enumerate(m.lora):
+            if name in seen:
+                raise ConfigError(f"{key}.lora[{i}].name: {name!r} is also the name of {seen[name]}: model and "
+                                  f"adapter names must be unique")
+            seen[name] = f"{key}.lora[{i}]"
     _check_overlap(named, models)
     return tuple(models)
 
@@ -542,6 +609,7 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
     if (listed or explicit) and not MODEL_NAME.fullmatch(m.name):
         raise ConfigError(f"{key}.name: {m.name!r} must be 1 to 64 letters, digits, '.', '_', '-' or '/', "
                           f"starting with a letter or digit" + ("" if explicit else " (set name = \"...\")"))
+    m = _lora_paths(key, m, base_dir)
     if m.chat_template:
         from llamapool.worker.chat import check_template_file  # Jinja2 only, no llama.cpp
 

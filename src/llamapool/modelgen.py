@@ -556,3 +556,46 @@ def _qwen3_reranker(n_embd: int, n_layer: int, n_head: int, n_ff: int, n_vocab: 
         w.add_chat_template([{"name": "rerank", "template": template}])
 
     return metadata, tensors
+
+
+LORA_TARGETS = ("attn_q", "attn_v", "ffn_up")  # make_lora's default: the matrices an adapter changes
+
+
+def make_lora(path: str | os.PathLike[str], base: str | os.PathLike[str], *, rank: int = 8, alpha: float = 16.0,
+              targets: tuple[str, ...] = LORA_TARGETS, seed: int = 1) -> Path:
+    """Write a random-weight LoRA adapter GGUF for the GGUF ``base`` (one :func:`make_model` wrote, or any
+    llama.cpp model with those matrices) to ``path`` and return it as a Path.
+
+    As llama.cpp's ``llama_adapter_lora_init`` reads one (src/llama-adapter.cpp): ``general.type`` =
+    "adapter", the base's ``general.architecture``, ``adapter.type`` = "lora", ``adapter.lora.alpha``; for
+    each of the base's ``blk.N.<target>.weight`` (``targets``) the pair ``blk.N.<target>.weight.lora_a``
+    (numpy shape (rank, in)) and ``.lora_b`` ((out, rank)), f32. llama.cpp adds ``scale * alpha / rank * B @
+    A`` to the matrix; A is N(0, 1/in) and B N(0, 1/rank), so at alpha = rank and scale 1 the change is as
+    large as the matrix itself (the defaults double it): greedy output differs from the base's. Same arguments
+    give the same bytes; the file appears atomically."""
+    import gguf
+
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"rank must be a positive int, got {rank!r}")
+    reader = gguf.GGUFReader(str(base))
+    arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    if arch_field is None:
+        raise ValueError(f"{base}: no general.architecture: not a model GGUF")
+    wanted = [(t.name, int(t.shape[1]), int(t.shape[0])) for t in reader.tensors  # ggml ne: (in, out)
+              if len(t.shape) == 2 and t.name.endswith(".weight") and t.name.split(".")[-2] in targets
+              and t.name.startswith("blk.")]
+    if not wanted:
+        raise ValueError(f"{base}: none of the matrices {', '.join(targets)} is in the model")
+    rng, f32 = np.random.default_rng(seed), gguf.GGMLQuantizationType.F32
+    tensors = []
+    for name, n_out, n_in in wanted:
+        tensors += [(f"{name}.lora_a", _random_matrix(rng, (rank, n_in), n_in**-0.5, f32)),
+                    (f"{name}.lora_b", _random_matrix(rng, (n_out, rank), rank**-0.5, f32))]
+
+    def metadata(w: Any) -> None:
+        w.add_name("llamapool-random-lora")
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+
+    return _write_reranker(path, str(arch_field.contents()), metadata, tensors)

@@ -190,7 +190,7 @@ def _tools(body: dict[str, Any], sent: dict[str, Any]) -> None:
 
 # top-level fields: those honoured, and those accepted that mean nothing here (no debug line for them)
 HONOURED = frozenset(("model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k", "stop_sequences",
-                      "stream", "tools", "tool_choice", "output_config", "output_format", "thinking"))
+                      "stream", "tools", "tool_choice", "output_config", "output_format", "thinking", "lora"))
 ACCEPTED = frozenset(("metadata", "cache_control", "service_tier", "container", "inference_geo", "speed",
                       "diagnostics", "user_profile_id", "workspace_id", "context_management", "mcp_servers"))
 
@@ -244,7 +244,7 @@ def parse_messages(body: Any, count_only: bool = False) -> Generation:
     if max_tokens is None and not count_only:
         raise bad("max_tokens", "'max_tokens' is required")
     sent: dict[str, Any] = {"max_tokens": 1 if count_only else checked("max_tokens", max_tokens)}
-    for key in ("temperature", "top_p", "top_k"):
+    for key in ("temperature", "top_p", "top_k", "lora"):  # lora: llama-server's adapters field, as on chat
         if body.get(key) is not None and not count_only:
             sent[key] = checked(key, body[key])
     if body.get("stop_sequences") and not count_only:

@@ -62,6 +62,7 @@ class PoolModels:
 
     TYPE: ClassVar[str] = "pool_models"
     names: list[str] = field(default_factory=list)
+    adapters: list[tuple[str, str, float]] = field(default_factory=list)  # (adapter, model, scale): Config.adapters
 
 
 @dataclass(slots=True)

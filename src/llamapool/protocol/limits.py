@@ -16,6 +16,8 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # token ids per logit_bias map
 MAX_TOKEN_ID = 2**31 - 1  # a logit_bias key (the worker also checks it against the model's vocab)
+MAX_LORA = 16  # LoRA adapter entries per request (``lora``)
+MAX_LORA_SCALE = 16.0  # a LoRA adapter's scale, per request and in [[models.lora]]: finite, |scale| <= this
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,6 +100,40 @@ def check_speculative(name: str, v: Any) -> bool | int:
         return v
     raise ParamError(name, f"'{name}' must be true, false or the most draft tokens a step (an integer from 0 to "
                            f"{limits.MAX_DRAFT}), got {limits.show(v)[:80]}")
+
+
+def check_lora(name: str, v: Any) -> tuple[dict[str, Any], ...]:
+    """llama-server's ``[{"id": N, "scale": S}]``, or an adapter by ``name``: at most ``limits.MAX_LORA`` entries,
+    ids from 0, scales finite and at most ``limits.MAX_LORA_SCALE`` either way (no scale: the adapter's
+    configured one). The worker checks the ids and names against the model's adapters."""
+    if not isinstance(v, (list, tuple)) or len(v) > limits.MAX_LORA:
+        raise ParamError(name, f"'{name}' must be a list of at most {limits.MAX_LORA} adapters "
+                               f"({{\"id\": N, \"scale\": S}} or {{\"name\": ..., \"scale\": S}})")
+    out = []
+    for i, e in enumerate(v):
+        at = f"{name}[{i}]"
+        if not isinstance(e, dict) or ("id" in e) == ("name" in e) or set(e) - {"id", "name", "scale"}:
+            raise ParamError(at, f"'{at}' must be {{\"id\": N, \"scale\": S}} or {{\"name\": ..., \"scale\": S}} "
+                                 f"(one of id and name), got {limits.show(e)[:80]}")
+        kept: dict[str, Any] = {}
+        if "id" in e:
+            if not isinstance(e["id"], int) or isinstance(e["id"], bool) or not 0 <= e["id"] <= limits.MAX_TOKEN_ID:
+                raise ParamError(f"{at}.id", f"'{at}.id' must be an adapter's index (an integer from 0), "
+                                             f"got {limits.show(e['id'])[:80]}")
+            kept["id"] = e["id"]
+        else:
+            if not isinstance(e["name"], str) or not 0 < len(e["name"]) <= 64:
+                raise ParamError(f"{at}.name", f"'{at}.name' must be an adapter's name, "
+                                               f"got {limits.show(e['name'])[:80]}")
+            kept["name"] = e["name"]
+        s = e.get("scale")
+        if s is not None:
+            if not limits.is_number(s, False) or not math.isfinite(s) or abs(s) > limits.MAX_LORA_SCALE:
+                raise ParamError(f"{at}.scale", f"'{at}.scale' must be a number from -{limits.MAX_LORA_SCALE:g} to "
+                                                f"{limits.MAX_LORA_SCALE:g}, got {limits.show(s)[:80]}")
+            kept["scale"] = float(s)
+        out.append(kept)
+    return tuple(out)
 
 
 def _text(name: str, v: Any) -> str:
@@ -247,6 +282,9 @@ class SamplingParams:
         check_speculative, "speculative decoding (drafts from the prompt and output, verified in the batch; "
                            "the text is the same): true (the model's setting), false, or the most draft "
                            "tokens a step (0 to 8)"))
+    lora: tuple[dict[str, Any], ...] = field(default=(), metadata=_meta(
+        check_lora, 'LoRA adapters of the model to apply, llama-server\'s [{"id": N, "scale": S}] (or "name"; '
+                    'no scale: the configured one; docs/http.md#lora)'))
 
     @property
     def greedy(self) -> bool:
@@ -342,4 +380,6 @@ def from_wire(raw: dict[str, Any]) -> SamplingParams:
     router checked the request's): read back as they are, with no second check."""
     if "stop" in raw:
         raw = {**raw, "stop": tuple(raw["stop"])}
+    if "lora" in raw:
+        raw = {**raw, "lora": tuple(raw["lora"])}
     return SamplingParams(**raw)

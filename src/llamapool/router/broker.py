@@ -97,6 +97,7 @@ class Router(Intake, Backend):
                     security.set_server_keys(sock, cfg.curve)
                     self.monitors.append(sock.get_monitor_socket(security.HANDSHAKE_EVENTS))
         self.models: list[str] = list(cfg.models) or [""]  # the first is the default model
+        self.adapters = {a: (m, s) for a, m, s in cfg.adapters}
         self.tenancy = Tenancy(cfg.tenants, cfg.rate_window, cfg.tenant_idle)
         self.queues: dict[str, FairQueue[Job]] = {m: FairQueue(self.tenancy.weight) for m in self.models}
         self.jobs: dict[int, Job] = {}
@@ -247,6 +248,7 @@ class Router(Intake, Backend):
                 self._retire(w)
         elif isinstance(cmd, PoolModels):
             self.models = list(cmd.names) or [""]
+            self.adapters = {a: (m, s) for a, m, s in cmd.adapters}
             self.metrics.model = self.models[0]
             for model in self.models:
                 self._queue(model)

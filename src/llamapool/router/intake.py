@@ -3,6 +3,7 @@ reason (:meth:`Intake._refusal`, one place); status, metrics and an operator's m
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,10 @@ class Intake(JobTable):
 
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         model = self.models[0] if msg.model is None else msg.model
+        named = ""
+        if model in self.adapters:  # an adapter named as the model (vLLM's way): its model, with it applied
+            named, (model, scale) = model, self.adapters[model]
+            msg.params = dataclasses.replace(msg.params, lora=({"name": named, "scale": scale}, *msg.params.lora))
         n = msg.params.n
         tenant, rank = msg.tenant or DEFAULT_TENANT, CLASSES.index(msg.priority or "default")
         max_tokens = self._max_tokens(model, msg.params.max_tokens)
@@ -96,7 +101,7 @@ class Intake(JobTable):
             for j in range(n):  # choice j of prompt i is the reply with index i * n + j
                 job = Job(self.next_rid, client, msg.id, i * n + j, prompt, params.choice(msg.params, j), msg.stream,
                           now, deadline, keys=keys, log_id=f"{msg.id}/{i * n + j}" if msg.batch or n > 1 else msg.id,
-                          model=model, tenant=tenant, rank=rank)
+                          model=model, tenant=tenant, rank=rank, named=named)
                 self.next_rid += 1
                 self.jobs[job.rid] = job
                 if j == 0:
@@ -136,6 +141,8 @@ class Intake(JobTable):
         else:
             task, inputs, options = "detokenize", [msg.tokens], None
         model = self.models[0] if msg.model is None else msg.model
+        if model in self.adapters and task in ("tokenize", "detokenize"):  # an adapter's vocab is its model's
+            model = self.adapters[model][0]
         why = self._refusal(client, msg.id, model, len(inputs) if task in ("embed", "rerank") else 0)
         if why:
             code, message, fld = why

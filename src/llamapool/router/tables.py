@@ -98,6 +98,8 @@ class RouterConfig:
     step_timeout: float = 60.0
     affinity_slack: int = 4  # a worker holding the prompt's prefix may have this many fewer free slots
     models: tuple[str, ...] = ("",)  # the pool's model names; the first is the default model
+    # the models' LoRA adapters, each named as a model is (vLLM's way): (adapter, its model, its scale)
+    adapters: tuple[tuple[str, str, float], ...] = ()
     curve: security.KeyPair | None = None  # the router's key: CURVE on its tcp:// sockets (ZAP checks clients)
     local_key: bytes = b""  # the supervisor's internal public key (Z85): its own workers use it
     boot_id: str = ""  # this daemon's incarnation: its own workers' hellos carry it ("" = not checked)
@@ -141,6 +143,7 @@ class Job:
     reserved: int = 0  # tokens it reserved of its tenant's tpm until it ends
     on_slot: bool = False  # it holds a slot (its tenant's share counts it)
     prompt_tokens: int = 0  # its prompt's tokens, once its first chunk told them
+    named: str = ""  # the adapter the request named as its model (its replies name it): ``model`` is its base
 
 
 @dataclass(eq=False)
@@ -196,6 +199,7 @@ class JobTable:
     back: zmq.Socket[Any]  # workers (ROUTER)
     on_event: Callable[[control.Event], None]  # to the supervisor (thread-safe)
     models: list[str]  # the pool's model names; the first is the default
+    adapters: dict[str, tuple[str, float]]  # LoRA adapters named as models: adapter -> (its model, its scale)
     queues: dict[str, FairQueue[Job]]  # waiting prompts per model, by class and fair share (router/tenants.py)
     tenancy: Tenancy  # each tenant's settings and counts
     jobs: dict[int, Job]  # every prompt not answered yet, by rid
@@ -270,7 +274,7 @@ class JobTable:
         if isinstance(reply, (Result, Error)):
             reply.ratelimit = self.tenancy.limits(job.tenant, time.monotonic()) if counted else None
         if not isinstance(reply, Error):
-            reply.model = job.model
+            reply.model = job.named or job.model
         self.metrics.outcome(reply.code if isinstance(reply, Error) else outcome, 1, job.model)
         self.metrics.of(job.model).e2e.observe(time.monotonic() - job.queued_at)
         self._reply(job.client, reply)
@@ -363,5 +367,11 @@ class JobTable:
                            self.model_rows)
 
     def _status(self, rid: str) -> StatusReply:
-        return self.fleet().status(rid)
+        """The fleet's status; each model's row lists its LoRA adapters (``lora``: /v1/models lists them)."""
+        reply = self.fleet().status(rid)
+        for row in reply.models:
+            lora = [{"name": a, "scale": s} for a, (m, s) in self.adapters.items() if m == row["name"]]
+            if lora:
+                row["lora"] = lora
+        return reply
 

@@ -92,6 +92,7 @@ def router_config(cfg: Config) -> RouterConfig:
         queue_timeout=s.queue_timeout, max_message_bytes=s.max_message_bytes,
         heartbeat_interval=w.heartbeat_interval, heartbeat_liveness=w.heartbeat_liveness,
         step_timeout=w.step_timeout, affinity_slack=s.affinity_slack, models=tuple(cfg.model_names),
+        adapters=tuple(cfg.adapters),
         tenants=tenants_of(cfg), rate_window=s.rate_window, flex_queue_timeout=s.flex_queue_timeout,
         tenant_idle=s.tenant_idle,
     )

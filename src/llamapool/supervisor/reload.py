@@ -78,7 +78,7 @@ class Reloader:
                  f"{len(added)} worker(s) to start, {len(removed)} to retire, {len(staying)} to replace")
         state.cfg = new
         logmod.configure(new.log.format, new.log.level)
-        state.command(PoolModels(list(new.model_names)))
+        state.command(PoolModels(list(new.model_names), new.adapters))
         table = tenants or KeysFile()
         state.command(TenantTable([t.to_row() for t in table.tenants.values()], table.defaults.to_row()))
         state.spawn(self.gateways.reload())

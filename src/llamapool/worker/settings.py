@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from llamapool.protocol.limits import MAX_LORA_SCALE
+
 SPECULATIVE = ("auto", "ngram", "off")  # model.speculative's values
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -100,6 +102,9 @@ class EngineSettings:
     # machine's workers, at most 8x the worker's KV cache; GPU workers: off, not yet measured faster there),
     # a size ("16GiB"), or "0" (off). A worker's spec carries the bytes, resolved by the supervisor.
     kv_host: str = "auto"
+    # LoRA adapters of the model ([[models.lora]] tables): (name, path, scale) each; a request names them by
+    # name (or index) in ``lora``, or as its model (the adapter at its scale); worker/engine/adapters.py
+    lora: tuple[tuple[str, str, float], ...] = ()
     # The model's multimodal projector (an mmproj GGUF, libmtmd: docs/models.md#images): a path (relative: to
     # the config file) or an hf: reference ("hf:OWNER/REPO": the repo's mmproj file, as llama-server -hf
     # finds it); "" -> the model takes no images
@@ -108,6 +113,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_split, tuple):  # a JSON or TOML list
             object.__setattr__(self, "tensor_split", tuple(self.tensor_split))
+        if not isinstance(self.lora, tuple) or any(not isinstance(a, tuple) for a in self.lora):  # from JSON
+            object.__setattr__(self, "lora", tuple((str(n), str(p), float(s)) for n, p, s in self.lora))
 
     def engine_settings(self, **changes: Any) -> dict[str, Any]:
         """These settings alone (of any class that extends them), with ``changes``, as keyword
@@ -119,5 +126,5 @@ class EngineSettings:
         return {n: changes.get(n, getattr(self, n)) for n in names}
 
 
-__all__ = ["SPECULATIVE", "EngineSettings", "host_kv_bytes", "machine_ram", "parse_size", "size_bytes",
-           "step_budget"]
+__all__ = ["MAX_LORA_SCALE", "SPECULATIVE", "EngineSettings", "host_kv_bytes", "machine_ram", "parse_size",
+           "size_bytes", "step_budget"]

@@ -16,15 +16,22 @@ from llamapool.protocol.messages import MODEL_ACTIONS
 
 async def listed(s: Serving) -> list[dict[str, Any]]:
     """The pool's models in OpenAI's shape, each with its worker ids ("workers": not OpenAI's,
-    clients ignore it)."""
+    clients ignore it), each followed by its LoRA adapters ("parent": the model)."""
     try:  # the router's list is the current one (a reload may have changed it)
         models = (await s.client.status(timeout=2.0)).get("models") or []
     except LlamapoolError:
         models = []
-    return [{"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool", "workers": m["workers"],
-             "input_modalities": ["text", "image"] if s.spec.takes_images(m["name"]) else ["text"],
-             **{k: m[k] for k in ("state", "load", "pinned", "devices", "reason") if k in m}}
-            for m in models or [{"name": s.spec.model, "workers": []}]]
+    out = []
+    for m in models or [{"name": s.spec.model, "workers": []}]:
+        out.append({"id": m["name"], "object": "model", "created": 0, "owned_by": "llamapool",
+                    "workers": m["workers"],
+                    "input_modalities": ["text", "image"] if s.spec.takes_images(m["name"]) else ["text"],
+                    **{k: m[k] for k in ("state", "load", "pinned", "devices", "reason") if k in m}})
+        # its LoRA adapters, each a model name (vLLM lists them so, its base as "parent")
+        out += [{"id": a["name"], "object": "model", "created": 0, "owned_by": "llamapool", "parent": m["name"],
+                 "lora_scale": a["scale"], "workers": m["workers"], "input_modalities": out[-1]["input_modalities"]}
+                for a in m.get("lora", ())]
+    return out
 
 
 async def handle_list(s: Serving, call: Call) -> Response:

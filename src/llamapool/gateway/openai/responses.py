@@ -245,7 +245,7 @@ def _format(body: dict[str, Any], sent: dict[str, Any]) -> None:
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
     sent: dict[str, Any] = {"max_tokens": limited(body, "max_output_tokens", "max_tokens") or UNTIL_THE_END}
-    for key in ("temperature", "top_p"):
+    for key in ("temperature", "top_p", "lora"):  # lora: llama-server's adapters field, as on chat
         if body.get(key) is not None:
             sent[key] = checked(key, body[key])
     include = body.get("include") or []

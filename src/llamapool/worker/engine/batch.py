@@ -79,9 +79,9 @@ def fill(b: Batch, chunk: dict[int, int], active: dict[int, Sequence], cached: d
     outputs: list[tuple[int, Sequence]] = []
     for k, sid in enumerate(range(lo, hi + 1)):
         running = active.get(sid)
-        if running is None or sid not in chunk:  # a free slot between busy ones: pad it past its cached
-            # prefix; or a prompt that waits out a decode step (deterministic mode): past its computed part
-            keep = cached.get(sid) if running is None else running.tokens[: running.n_past]
+        if running is None or sid not in chunk:  # a free slot between busy ones: pad it past its cached prefix;
+            # or one that waits out the step (deterministic prompts, other adapter sets): past its computed part
+            keep = cached.get(sid) if running is None else running.history[: running.n_past]
             n = len(keep) if keep is not None else 0
             L.llama_memory_seq_rm(mem, sid, n, -1)
             if wide > 1:

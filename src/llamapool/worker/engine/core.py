@@ -25,6 +25,7 @@ from llamapool.protocol.messages import Done, ErrorCode, Failed, KVPart, Run, St
 from llamapool.protocol.params import ParamError
 from llamapool.worker.chat import ChatFormatter, TemplateFileError
 from llamapool.worker.constraints import Grammars, spec_of
+from llamapool.worker.engine.adapters import BASE, Adapters, Key, fair_pick
 from llamapool.worker.engine.batch import Batch, fill, fill_apart
 from llamapool.worker.engine.draft import DraftModel, draft_path
 from llamapool.worker.engine.hostkv import HostTier, model_identity
@@ -58,6 +59,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.model, self._tensor_split = load_model(cfg)
+        self.adapters = self._adapters(cfg)  # [[models.lora]]: loaded once, applied per step
+        self._lora_turn: Key = BASE  # the adapter set of the last step (round robin: fair_pick)
         cp = context_params(cfg)
         # Backend sampling: each sequence id carries a sampler chain that runs inside the decode
         # graph on the GPU, so the host picks no token for those rows (worker/sampling.py).
@@ -133,6 +136,14 @@ class Engine:
         self._synced = 0.0  # when the last synchronize returned (0: none since the last launch)
         self.sampled_tokens = 0  # output rows sampled: tokens generated, each step's ending ones included
         self.sampling_steps = 0  # (sequence, step) pairs with output rows: tokens a step = sampled / this
+
+    def _adapters(self, cfg: EngineConfig) -> Adapters:
+        """The model's LoRA adapters, loaded (the model freed when one cannot be)."""
+        try:
+            return Adapters(self.model, cfg.lora)
+        except EngineError:
+            L.llama_model_free(self.model)
+            raise
 
     def _projector(self, cfg: EngineConfig) -> Projector | None:
         """The model's mmproj (model.mmproj), loaded by libmtmd; None without one."""
@@ -275,6 +286,7 @@ class Engine:
         if self.projector is not None:
             self.projector.close()
         L.llama_free(self.ctx)
+        self.adapters.close()
         L.llama_model_free(self.model)
 
     # ------------------------------------------------------------ requests in and out
@@ -290,6 +302,7 @@ class Engine:
                 raise ParamError("n", f"'n' is {run.params.n}; a worker of this model has {self.cfg.slots} slots "
                                       f"(workers.slots), and a prompt's choices run on one worker")
             spec = spec_of(run.params, self.chat.tool_format)
+            adapters = self.adapters.resolve(run.params.lora)
             self.sampling.check(run.params)
             tokens, media = self.prompts.media_tokens(run.prompt, run.params.tools)
             room = self.embd_batch.capacity if self.embd_batch is not None else 0
@@ -312,7 +325,8 @@ class Engine:
             return
         # converted once: planning, admission, prefill, cache; a grammar compiles meanwhile
         grammar = None if spec is None else self.grammars.compile(spec)
-        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar, media=media))
+        self.waiting.append(Waiting(run, np.asarray(tokens, dtype=np.int32), self.steps, grammar, media=media,
+                                    adapters=adapters))
         self.arrivals.add(len(tokens))
 
     def abort(self, rid: int, out: Step) -> None:
@@ -343,7 +357,8 @@ class Engine:
         p = run.params
         prompt_logprobs = p.echo and p.logprobs
         # a prompt's logprobs: all computed
-        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs)
+        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs,
+                                      tag=self.adapters.tag(w.adapters))
         cut = next((m.start for m in w.media if m.start < reused < m.end), -1)
         if cut >= 0:  # a prefix that ends inside an image: the image is fed again whole
             L.llama_memory_seq_rm(self.mem, seq_id, cut, -1)
@@ -359,7 +374,7 @@ class Engine:
             rid=run.rid, seq_id=seq_id, tokens=prompt, params=p, stream=run.stream,
             sampling=sampling, text=self.prompts.text_stream(p), n_past=reused, arrived=w.arrived, reused=reused,
             fault=self.faults.kind(run.prompt) if self.faults is not None else "",
-            drafting=self.spec.start(sampling), media=w.media,
+            drafting=self.spec.start(sampling), media=w.media, adapters=w.adapters,
         )
         seq.history = np.zeros(min(len(prompt) + p.max_tokens, self.cfg.ctx_per_slot) + 1, np.int32)
         seq.history[: len(prompt)] = prompt
@@ -458,20 +473,21 @@ class Engine:
     def _plan(self, out: Step) -> dict[int, int]:
         """This step's tokens per sequence id (``scheduler.plan_step``), waiting runs admitted as planned."""
         now = self.steps
-        if not self.waiting and not any(s.n_past < len(s.tokens) for s in self.active.values()):
+        active = self._of_turn()  # this step's adapter set's sequences (all of them without adapters)
+        if not self.waiting and not any(s.n_past < len(s.tokens) for s in active.values()):
             self._prompt_turn = False  # no prompt work: a decode token each, no budget to size (~30 µs a step)
-            return dict.fromkeys(self.active, 1)
+            return dict.fromkeys(active, 1)
         self._refuse_bad_grammars(out)
         prompts = [PromptWork(s.seq_id, len(s.tokens) - s.n_past, s.arrived)
-                   for s in self.active.values() if s.prefilling]
+                   for s in active.values() if s.prefilling]
         prompts += [PromptWork(i, len(w.tokens), w.arrived, running=False)
-                    for i, w in enumerate(self.waiting) if self._may_start(w)]
+                    for i, w in enumerate(self.waiting) if w.adapters == self._lora_turn and self._may_start(w)]
         ahead, free = [], len(self.free_ids)  # what could run this step, first in line first
         for p in sorted(prompts, key=lambda p: priority(p, now)):
             if p.running or free > 0:
                 ahead.append(p)
                 free -= not p.running
-        decoding = [s.seq_id for s in self.active.values() if not s.prefilling]
+        decoding = [s.seq_id for s in active.values() if not s.prefilling]
         # a hold only while decoding sequences speculate (their replies end at different steps as drafts are
         # kept); else a prompt that arrives while others decode starts at once (its time to first token)
         if self.target.auto and not self.deterministic and ahead \
@@ -499,6 +515,16 @@ class Engine:
                                           self.cfg.n_ubatch)
         self.budget = budget
         return chunk
+
+    def _of_turn(self) -> dict[int, Sequence]:
+        """The running sequences this step decodes: those of one adapter set, each set with work taking its
+        turn (llama.cpp applies adapters to the whole context); all of them when the model has no adapters."""
+        if not self.adapters.names:
+            return self.active
+        free = bool(self.free_ids)
+        sets = {s.adapters for s in self.active.values()} | {w.adapters for w in self.waiting if free and w.ready}
+        self._lora_turn = fair_pick(sets, self._lora_turn)
+        return {i: s for i, s in self.active.items() if s.adapters == self._lora_turn}
 
     def _may_start(self, w: Waiting) -> bool:
         """Its grammar is compiled; and a prompt's second and later choices (``n``) wait until the first
@@ -536,6 +562,8 @@ class Engine:
         """Plan this step's tokens (``_plan``) and fill the batch (``batch.fill``); return the sequences
         with an output."""
         chunk = self._plan(out)
+        if self.adapters.names:
+            self._rejoin(chunk)
         if self.projector is not None:
             self._feed_media(chunk, out)
         wide = 1 + self.spec.propose(chunk, self.active, self.steps)
@@ -551,6 +579,18 @@ class Engine:
         self._split = filled.split
         self._shape = filled.shape
         return filled.outputs
+
+    def _rejoin(self, chunk: dict[int, int]) -> None:
+        """Sequences a step of another adapter set left out may have had a padding token past their KV
+        (``batch.fill``): it leaves before they decode again; then the context takes this step's set."""
+        for sid, seq in self.active.items():
+            if sid not in chunk:
+                seq.skipped = True
+            elif seq.skipped:
+                L.llama_memory_seq_rm(self.mem, sid, seq.n_past, -1)
+                seq.skipped = False
+        if chunk:
+            self.adapters.apply(self.ctx, self._lora_turn)
 
     def _feed_media(self, chunk: dict[int, int], out: Step) -> None:
         """The step's images, scheduled as prompt tokens: a prompt (of ``chunk``) at an image's first position

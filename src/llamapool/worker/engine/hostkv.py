@@ -215,12 +215,15 @@ class HostTier:
     def stats(self) -> TierStats:
         return self.store.stats
 
-    def hashes(self, tokens: np.ndarray) -> list[int]:
-        return block_hashes(tokens, self.identity)
+    def hashes(self, tokens: np.ndarray, tag: bytes = b"") -> list[int]:
+        """The block hashes of ``tokens`` as KV computed under the LoRA adapter set ``tag`` (b"": the base
+        model's; worker/engine/adapters.py): KV of another set never shares a hash."""
+        return block_hashes(tokens, self.identity + tag)
 
-    def save(self, seq_id: int, tokens: np.ndarray) -> None:
-        """Copy slot ``seq_id``'s KV of ``tokens`` (its cells beyond them already removed) into the store."""
-        hashes = self.hashes(tokens)
+    def save(self, seq_id: int, tokens: np.ndarray, tag: bytes = b"") -> None:
+        """Copy slot ``seq_id``'s KV of ``tokens`` (its cells beyond them already removed, computed under the
+        adapter set ``tag``) into the store."""
+        hashes = self.hashes(tokens, tag)
         if not hashes or self.store.covers(tokens, hashes) or not self._worth_saving():
             return
         t0 = time.perf_counter()
@@ -235,7 +238,7 @@ class HostTier:
         if wrote != size:
             self.buffers.give(blob)
             return
-        entry = Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity, self.buffers.held(blob))
+        entry = Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity + tag, self.buffers.held(blob))
         if not self.store.add(entry):
             self.buffers.give(blob)
         else:
@@ -254,10 +257,10 @@ class HostTier:
             self.stats.unsaved += 1
         return not self._sampled
 
-    def lookup(self, tokens: np.ndarray, limit: int, vram: int) -> tuple[int, int]:
+    def lookup(self, tokens: np.ndarray, limit: int, vram: int, tag: bytes = b"") -> tuple[int, int]:
         """(entry id, tokens to reuse) when restoring beats both the VRAM prefix ``vram`` and recomputing;
-        (-1, 0) otherwise. At most ``limit`` tokens are reused."""
-        hashes = self.hashes(tokens[:limit])
+        (-1, 0) otherwise. At most ``limit`` tokens are reused, of KV computed under the adapter set ``tag``."""
+        hashes = self.hashes(tokens[:limit], tag)
         if not hashes:
             return -1, 0
         eid, n = self.store.find(tokens[:limit], hashes)
@@ -277,7 +280,7 @@ class HostTier:
         it saves that slot's KV, which may need room)."""
         self.store.kept = eid
 
-    def restore(self, eid: int, seq_id: int, n: int) -> bool:
+    def restore(self, eid: int, seq_id: int, n: int, tag: bytes = b"") -> bool:
         """Copy entry ``eid`` into the empty slot ``seq_id`` and keep its first ``n`` tokens; False (the slot
         left empty, the entry dropped) when llama.cpp refuses it or it is not this model's."""
         entry = self.store.entries.get(eid)
@@ -286,7 +289,7 @@ class HostTier:
             return False
         size = int(entry.blob.nbytes)
         t0 = time.perf_counter()
-        ok = entry.identity == self.identity and \
+        ok = entry.identity == self.identity + tag and \
             L.llama_state_seq_set_data_ext(self.ctx, _ptr(entry.blob), size, seq_id, _FLAGS) == size
         if not ok:
             L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), seq_id, -1, -1)
@@ -309,8 +312,9 @@ class HostTier:
 
     def take_in(self, got: Received) -> bool:
         """An entry a draining sibling handed over: kept when it is this model's and build's and intact."""
-        hashes = self.hashes(got.tokens)
-        if got.identity != self.identity or not got.intact or self.store.covers(got.tokens, hashes) \
+        hashes = block_hashes(got.tokens, got.identity)  # its identity carries its adapter set's tag
+        mine = got.identity[: len(self.identity)] == self.identity
+        if not mine or not got.intact or self.store.covers(got.tokens, hashes) \
                 or not self.store.add(Entry(got.tokens, got.blob, hashes, got.identity)):
             self.stats.refused += 1
             return False

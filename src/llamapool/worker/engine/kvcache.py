@@ -33,11 +33,15 @@ class KVSlots:
         self.keep_output = keep_output
         self.free_ids: deque[int] = deque(range(slots))
         self.cached: dict[int, np.ndarray] = {}  # free seq id -> tokens its KV still holds
+        # seq id -> the tag of the LoRA adapter set its KV was computed under (worker/engine/adapters.py; absent:
+        # the base model's, b""): a prefix is reused, here and in the host tier, under the same tag only
+        self.tags: dict[int, bytes] = {}
         self.reused_tokens = 0  # prompt tokens started sequences had from the cache
         self.copied_streams = 0  # prefix shares that copied a KV stream buffer
         self.events = events  # kv-events: what the slots hold, in blocks (worker/engine/kvevents.py); None: off
 
-    def take(self, want: np.ndarray, running: Iterable[Sequence], reuse: bool = True) -> tuple[int, int]:
+    def take(self, want: np.ndarray, running: Iterable[Sequence], reuse: bool = True,
+             tag: bytes = b"") -> tuple[int, int]:
         """A free sequence id for the prompt ``want`` and how many of its leading tokens are already in KV.
 
         The KV of every running sequence's computed prompt, and of recently finished sequences
@@ -49,22 +53,24 @@ class KVSlots:
         when that is cheaper than computing what it adds (``HostTier.lookup``).
         At least the last prompt token is always computed, for its logits; in deterministic mode the last
         two (``computed``): a prompt's tokens are then always computed at least two at a time, as without a
-        prefix cache (docs/http.md#determinism).
+        prefix cache (docs/http.md#determinism). ``tag``: the adapter set the prompt runs under; only KV of
+        the same tag is reused.
         """
-        src, best = self._in_vram(want, running) if self.prefix_cache and reuse else (-1, 0)
+        src, best = self._in_vram(want, running, tag) if self.prefix_cache and reuse else (-1, 0)
         if self.host is not None and reuse and len(want) - self.computed >= BLOCK:
-            eid, n = self.host.lookup(want, len(want) - self.computed, best)
+            eid, n = self.host.lookup(want, len(want) - self.computed, best, tag)
             if eid >= 0:
                 self.host.hold(eid)  # saving the emptied slot's KV must not drop the entry it will take
                 try:
                     seq_id = self._evict(self._least_worth())
                 finally:
                     self.host.hold(-1)
-                if self.host.restore(eid, seq_id, n):
+                if self.host.restore(eid, seq_id, n, tag):
+                    self._tag(seq_id, tag)
                     self._held(seq_id, want[:n])  # kv-events
                     return seq_id, n
                 self.free_ids.appendleft(seq_id)  # emptied: the VRAM's prefixes are looked for again
-                src, best = self._in_vram(want, running) if self.prefix_cache else (-1, 0)
+                src, best = self._in_vram(want, running, tag) if self.prefix_cache else (-1, 0)
         if best and src in self.free_ids and not self._keep_apart(src, best):
             seq_id = src
             self.free_ids.remove(seq_id)
@@ -78,15 +84,25 @@ class KVSlots:
         if best:
             L.llama_memory_seq_rm(self.mem, seq_id, best, -1)
         self.cached.pop(seq_id, None)
+        self._tag(seq_id, tag)
         self._held(seq_id, want[:best])  # kv-events
         return seq_id, best
 
-    def _in_vram(self, want: np.ndarray, running: Iterable[Sequence]) -> tuple[int, int]:
-        """(slot, tokens) of the longest prefix of ``want`` held in a slot, running or free ((-1, 0): none)."""
+    def _tag(self, seq_id: int, tag: bytes) -> None:
+        if tag:
+            self.tags[seq_id] = tag
+        else:
+            self.tags.pop(seq_id, None)
+
+    def _in_vram(self, want: np.ndarray, running: Iterable[Sequence], tag: bytes = b"") -> tuple[int, int]:
+        """(slot, tokens) of the longest prefix of ``want`` held in a slot of ``tag``, running or free ((-1, 0):
+        none)."""
         src, best = -1, 0
         in_kv = list(self.cached.items())
         in_kv += [(s.seq_id, s.tokens[: s.n_past]) for s in running if s.n_past]
         for sid, have in in_kv:
+            if self.tags.get(sid, b"") != tag:
+                continue
             n = min(len(have), len(want) - self.computed)
             if n <= best:
                 continue
@@ -119,7 +135,7 @@ class KVSlots:
         keep = self.cached.get(seq_id)
         if self.host is not None and keep is not None and len(keep) >= BLOCK:
             L.llama_memory_seq_rm(self.mem, seq_id, len(keep), -1)  # a padding token or a reply's last cells
-            self.host.save(seq_id, keep)
+            self.host.save(seq_id, keep, self.tags.get(seq_id, b""))
 
     def save_all(self) -> None:
         """Every free slot's cached prefix into the host tier (a drain, before the tier is handed over)."""

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from llamapool.protocol.messages import ErrorCode, Run, SamplingParams, TokenLogprob
+from llamapool.worker.engine.adapters import BASE, Key
 from llamapool.worker.engine.media import MediaSpan
 from llamapool.worker.engine.spec import Drafting
 from llamapool.worker.sampling import SeqSampling
@@ -40,6 +41,8 @@ class Sequence:
     ahead: int = 0  # tokens taken this step and not emitted yet (a stop string may end it before them)
     drafting: Drafting | None = None  # its speculation (None: it does not speculate)
     tail: int = 0  # filler positions written after the step's tokens (a step with drafts: batch.fill)
+    adapters: Key = BASE  # its LoRA adapter set (worker/engine/adapters.py): decoded in steps of that set only
+    skipped: bool = False  # a step of another adapter set left it out (a padding token may follow its KV)
     media: list[MediaSpan] = field(default_factory=list)  # its prompt's images (media.py), in order
 
     def generated_token(self, tok: int) -> None:
@@ -80,6 +83,7 @@ class Waiting:
     arrived: int
     grammar: Future[Any] | None = None  # the compiled constraint (a matcher to copy), compiling meanwhile
     checked: bool = False  # its compiled grammar was checked against its budget (Engine._refuse_bad_grammars)
+    adapters: Key = BASE  # its LoRA adapter set, resolved on arrival
     media: list[MediaSpan] = field(default_factory=list)  # its prompt's images (media.py)
 
     @property
