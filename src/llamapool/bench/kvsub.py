@@ -39,7 +39,7 @@ import zmq
 
 MODES = ("none", "live", "stalled", "none")  # the baseline on both sides of the others: drift shows
 STALLED_RCVBUF = 4096  # bytes: the stalled subscriber's kernel receive buffer
-PRIME_S = 600.0  # the most the stalled run waits for the publisher to drop
+PRIME_S = 300.0  # the most the stalled run waits for the publisher to drop (or to let the subscriber go)
 JOIN_S = 0.5  # a SUB socket's subscription reaches the publisher a moment after it connects
 COUNTERS = {"batches": r"llamapool_kv_events_batches_total", "events": r"llamapool_kv_events_events_total",
             "dropped": r'llamapool_kv_events_dropped_total\{where="publisher"\}',
@@ -115,13 +115,21 @@ class StalledSubscriber:
         self.sock.setsockopt(zmq.RCVHWM, 1)
         self.sock.setsockopt(zmq.RCVBUF, STALLED_RCVBUF)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # the publisher's heartbeat lets it go: told by a monitor socket
+        self.monitor: zmq.Socket[bytes] = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(endpoint)
         self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def let_go(self) -> bool:
+        """The publisher's heartbeat disconnected it (it reconnects by itself, and stalls again)."""
+        return bool(self.monitor.poll(0))
 
     def start(self) -> None:
         pass
 
     def stop(self) -> dict[str, int]:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
         return {}
 
@@ -142,7 +150,8 @@ async def measure_modes(run: Callable[[int], Awaitable[dict[str, Any]]], metrics
             await asyncio.sleep(JOIN_S)
         beside = None
         if mode == "stalled":
-            primed = await prime(run, metrics, seed + 100)
+            assert isinstance(sub, StalledSubscriber)
+            primed = await prime(run, metrics, seed + 100, sub.let_go)
             beside = LiveSubscriber(endpoint)  # what a live subscriber gets while another one stalls
             beside.start()
             await asyncio.sleep(JOIN_S)
@@ -162,12 +171,12 @@ async def measure_modes(run: Callable[[int], Awaitable[dict[str, Any]]], metrics
 
 
 async def prime(run: Callable[[int], Awaitable[dict[str, Any]]], metrics: Callable[[], Awaitable[str]],
-                seed: int) -> dict[str, Any]:
+                seed: int, let_go: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Unmeasured runs of the workload (seeds from ``seed``) until the publisher drops: until then the stalled
     subscriber's batches go into the kernel's TCP buffers (megabytes: Linux
     grows a socket's send buffer up to ``net.ipv4.tcp_wmem``'s maximum, and goes on growing it after the
     first drops) and the publisher's queue. At most ``PRIME_S`` seconds; says how many runs it took and
-    whether the publisher was dropping."""
+    whether the publisher was dropping or had let the subscriber go (``kv_let_go``)."""
     end = time.monotonic() + PRIME_S
     runs = 0
     before = kv_counters(await metrics())
@@ -177,8 +186,8 @@ async def prime(run: Callable[[int], Awaitable[dict[str, Any]]], metrics: Callab
         after = kv_counters(await metrics())
         if row["errors"]:
             break
-        if after["dropped"] > before["dropped"]:
-            return {"kv_prime_runs": runs, "kv_primed": True}
+        if after["dropped"] > before["dropped"] or let_go():  # past the mark, or let go by the heartbeat first
+            return {"kv_prime_runs": runs, "kv_primed": True, "kv_let_go": let_go()}
         before = after
     return {"kv_prime_runs": runs, "kv_primed": False}
 

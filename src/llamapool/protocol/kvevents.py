@@ -39,9 +39,11 @@ class Stored:
     tokens: tuple[int, ...]
     block: int
     medium: str
+    lora_name: str | None = None  # the LoRA adapter set the KV was computed under (None: the base model)
 
     def encode(self) -> list[Any]:
-        return [STORED, list(self.hashes), self.parent, list(self.tokens), self.block, None, self.medium, None]
+        return [STORED, list(self.hashes), self.parent, list(self.tokens), self.block, None, self.medium,
+                self.lora_name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,8 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event]]:
 def _event(e: list[Any]) -> Event:
     if e[0] == STORED:
         return Stored(tuple(int(h) for h in e[1]), None if e[2] is None else int(e[2]),
-                      tuple(int(t) for t in e[3]), int(e[4]), str(e[6]))
+                      tuple(int(t) for t in e[3]), int(e[4]), str(e[6]),
+                      None if len(e) < 8 or e[7] is None else str(e[7]))
     if e[0] == REMOVED:
         return Removed(tuple(int(h) for h in e[1]), str(e[2]))
     if e[0] == CLEARED:

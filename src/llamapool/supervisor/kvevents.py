@@ -89,7 +89,7 @@ class PodBlocks:
                 run = i
             elif not fresh and run >= 0:
                 parent = e.hashes[run - 1] if run else e.parent
-                out.append(Stored(e.hashes[run:i], parent, e.tokens[run * b:i * b], b, e.medium))
+                out.append(Stored(e.hashes[run:i], parent, e.tokens[run * b:i * b], b, e.medium, e.lora_name))
                 run = -1
         return out
 

@@ -82,6 +82,11 @@ class Adapters:
         text = repr([(self._ids[i], s) for i, s in key]).encode()
         return b"lora:" + hashlib.blake2b(text, digest_size=16).digest()
 
+    def name(self, key: Key) -> str:
+        """The set's name, as requests name it: an adapter's name ("a", or "a@0.5" at another scale than its
+        configured one), several joined by "+" ("" for the base model)."""
+        return "+".join(self.names[i] + ("" if s == self.scales[i] else f"@{s:g}") for i, s in key)
+
     def apply(self, ctx: Any, key: Key) -> None:
         """Make the context decode with the adapter set ``key`` (nothing to do when it already does)."""
         if key == self.current:

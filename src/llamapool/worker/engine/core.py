@@ -357,8 +357,10 @@ class Engine:
         p = run.params
         prompt_logprobs = p.echo and p.logprobs
         # a prompt's logprobs: all computed
-        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs,
-                                      tag=self.adapters.tag(w.adapters))
+        tag = self.adapters.tag(w.adapters)
+        if tag and self.kv.events is not None:  # kv-events: its blocks carry the adapter set's name
+            self.kv.events.names[tag] = self.adapters.name(w.adapters)
+        seq_id, reused = self.kv.take(prompt, self.active.values(), reuse=not prompt_logprobs, tag=tag)
         cut = next((m.start for m in w.media if m.start < reused < m.end), -1)
         if cut >= 0:  # a prefix that ends inside an image: the image is fed again whole
             L.llama_memory_seq_rm(self.mem, seq_id, cut, -1)

@@ -65,8 +65,9 @@ class Entry:
     tokens: np.ndarray  # int32
     blob: np.ndarray  # uint8
     hashes: list[int]
-    identity: bytes  # the model file and build it was computed by
+    identity: bytes  # the model file and build it was computed by (and its adapter set's tag)
     held: int = 0  # bytes it takes of the bound (a page-locked slab: pinned.py); 0: its state's own
+    tag: bytes = b""  # the LoRA adapter set it was computed under (worker/engine/adapters.py): b"", the base
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +155,7 @@ class HostStore:
         self.stats.bytes += entry.nbytes
         self.stats.entries = len(self.entries)
         if self.events is not None:  # kv-events
-            self.events.stored(eid, entry.tokens)
+            self.events.stored(eid, entry.tokens, entry.tag)
         return True
 
     def make_room(self, tokens: np.ndarray, hashes: list[int], nbytes: int) -> None:
@@ -238,7 +239,8 @@ class HostTier:
         if wrote != size:
             self.buffers.give(blob)
             return
-        entry = Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity + tag, self.buffers.held(blob))
+        entry = Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity + tag, self.buffers.held(blob),
+                      tag)
         if not self.store.add(entry):
             self.buffers.give(blob)
         else:
@@ -315,7 +317,8 @@ class HostTier:
         hashes = block_hashes(got.tokens, got.identity)  # its identity carries its adapter set's tag
         mine = got.identity[: len(self.identity)] == self.identity
         if not mine or not got.intact or self.store.covers(got.tokens, hashes) \
-                or not self.store.add(Entry(got.tokens, got.blob, hashes, got.identity)):
+                or not self.store.add(Entry(got.tokens, got.blob, hashes, got.identity,
+                                            tag=got.identity[len(self.identity):])):
             self.stats.refused += 1
             return False
         self.stats.handed_in += 1

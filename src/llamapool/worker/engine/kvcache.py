@@ -168,7 +168,7 @@ class KVSlots:
             if tokens is None:
                 self.events.clear(seq_id)
             else:
-                self.events.hold(seq_id, tokens)
+                self.events.hold(seq_id, tokens, tag=self.tags.get(seq_id, b""))
 
     def grown(self, running: Iterable[Sequence]) -> None:
         """Once a step: the running sequences whose computed tokens completed a block since the last
@@ -180,7 +180,7 @@ class KVSlots:
         for s in running:
             n = min(s.n_past, s.n_history)
             if n // ev.block > ev.held(s.seq_id):
-                ev.hold(s.seq_id, s.history[:n], extends=True)
+                ev.hold(s.seq_id, s.history[:n], extends=True, tag=self.tags.get(s.seq_id, b""))
 
     def cells(self, running: Iterable[Sequence]) -> int:
         """KV cells in use: running sequences' computed tokens and kept prefixes."""
