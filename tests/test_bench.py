@@ -510,7 +510,7 @@ def test_cli_kv_stall_runs_no_live_and_stalled_subscribers_side_by_side(start_da
     assert none["kv_batches"] > 0 and "received_batches" not in none and after["kv_dropped"] == 0
     assert live["gaps"] == 0 and live["bad_batches"] == 0 and live["received_batches"] >= live["kv_batches"] > 0
     assert live["received_events"] > 0 and live["kv_dropped"] == 0
-    assert stalled["kv_primed"] and stalled["kv_prime_runs"] >= 1
+    assert 1 <= stalled["kv_prime_runs"] <= 5  # until a drop or a let-go (the heartbeat's), at most PRIME_RUNS
     # the live one beside the stalled one is never cut off for long (the heartbeat lets the stalled one go)
     assert stalled["beside_received_batches"] > 0 and stalled["beside_bad_batches"] == 0, stalled
     lines = out.stdout.splitlines()

@@ -350,7 +350,7 @@ OK_CHAT: list[Any] = [{"role": "developer", "content": "Be brief."}, {"role": "u
     ([{"role": "user", "content": []}], {}, "messages[0].content", "invalid_value"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"},
                                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}], {},
-     "messages[0].content[1].type", "unsupported_parameter"),
+     "messages[0].content[1].image_url", "invalid_value"),  # a model without a projector (docs/models.md#images)
     ([{"role": "user", "content": [{"type": "text"}]}], {}, "messages[0].content[0].text", "invalid_value"),
     ([{"role": "user", "content": ["a"]}], {}, "messages[0].content[0]", "invalid_value"),
     ([{"role": "user", "content": "x"}], {"stream": True, "stream_options": {"include_usage": "x"}},

@@ -142,8 +142,11 @@ def test_prefix_reuse_beyond_the_sliding_window_matches_llama_cpp(daemon: Daemon
             time.sleep(0.2)
     assert first.usage.prompt_tokens > 600  # longer than the 512-token window
     assert reused > 500, f"the second prompt's shared prefix was not reused ({reused} tokens)"
-    assert (first.text, first.usage.completion_tokens) == greedy(reference, PREFIXED[0])
-    assert (second.text, second.usage.completion_tokens) == greedy(reference, PREFIXED[1])
+    for prompt, done in ((PREFIXED[0], first), (PREFIXED[1], second)):
+        want = greedy(reference, prompt)
+        if (done.text, done.usage.completion_tokens) != want:  # a verified draft's rows round otherwise (a
+            split = near_tie_split(reference, prompt, done.text, want[0])  # near tie, as in a micro-batch)
+            assert split is not None and split[2] < NEAR_TIE, (prompt, done.text, want, split)
 
 
 def test_output_is_unchanged_by_a_stream_running_beside_it(daemon: Daemon, reference: Any) -> None:

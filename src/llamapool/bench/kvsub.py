@@ -39,7 +39,8 @@ import zmq
 
 MODES = ("none", "live", "stalled", "none")  # the baseline on both sides of the others: drift shows
 STALLED_RCVBUF = 4096  # bytes: the stalled subscriber's kernel receive buffer
-PRIME_S = 300.0  # the most the stalled run waits for the publisher to drop (or to let the subscriber go)
+PRIME_S = 120.0  # the most the stalled run waits for the publisher to drop (or to let the subscriber go) ...
+PRIME_RUNS = 5  # ... in at most this many unmeasured runs (the heartbeat lets a stalled subscriber go in seconds)
 JOIN_S = 0.5  # a SUB socket's subscription reaches the publisher a moment after it connects
 COUNTERS = {"batches": r"llamapool_kv_events_batches_total", "events": r"llamapool_kv_events_events_total",
             "dropped": r'llamapool_kv_events_dropped_total\{where="publisher"\}',
@@ -175,12 +176,13 @@ async def prime(run: Callable[[int], Awaitable[dict[str, Any]]], metrics: Callab
     """Unmeasured runs of the workload (seeds from ``seed``) until the publisher drops: until then the stalled
     subscriber's batches go into the kernel's TCP buffers (megabytes: Linux
     grows a socket's send buffer up to ``net.ipv4.tcp_wmem``'s maximum, and goes on growing it after the
-    first drops) and the publisher's queue. At most ``PRIME_S`` seconds; says how many runs it took and
-    whether the publisher was dropping or had let the subscriber go (``kv_let_go``)."""
+    first drops) and the publisher's queue. At most ``PRIME_RUNS`` runs and ``PRIME_S`` seconds; says how many
+    runs it took and whether the publisher was dropping or had let the subscriber go (``kv_let_go``; a
+    subscriber that stopped reading may not see its own disconnection: ``kv_primed`` false then)."""
     end = time.monotonic() + PRIME_S
     runs = 0
     before = kv_counters(await metrics())
-    while time.monotonic() < end:
+    while time.monotonic() < end and runs < PRIME_RUNS:
         row = await run(seed + runs)
         runs += 1
         after = kv_counters(await metrics())
