@@ -365,10 +365,12 @@ def cmd_make_model(args: argparse.Namespace) -> int:
         print(f"wrote {path} (a random-weight {kind} reranker: rank pooling, its scores mean nothing)")
         return 0
     if args.vision:
-        from llamapool.visiongen import make_vision_model
+        from llamapool.visiongen import TOWERS, make_vision_model
 
         model, mmproj = make_vision_model(args.path, n_embd=args.n_embd, n_layer=args.n_layer,
-                                          n_vocab=args.n_vocab, seed=args.seed)
+                                          n_vocab=args.n_vocab, seed=args.seed, n_head=args.n_head,
+                                          n_head_kv=args.n_head_kv, n_ff=args.n_ff, qtype=args.type,
+                                          **TOWERS[args.vision_tower])
         print(f"wrote {model} and its projector {mmproj} (random weights: the reply depends on the image, "
               f"and is gibberish); config: path = \"{model}\", mmproj = \"{mmproj}\"")
         return 0
@@ -547,6 +549,9 @@ def _tool_commands(sub: Any) -> None:
     m.add_argument("--vision", action="store_true",
                    help="a vision model: PATH/model.gguf and its projector PATH/mmproj.gguf (Gemma 3's projector "
                         "shape, 64 px images of 16 tokens; docs/models.md#images)")
+    m.add_argument("--vision-tower", default="tiny", choices=("tiny", "siglip-so400m"),
+                   help="with --vision: the projector's shape: tiny (64 px, 16 tokens, for tests) or Gemma 3's "
+                        "SigLIP So400m (896 px, 256 tokens, 27 layers: benchmarks)")
     m.add_argument("--n-embd", type=int, default=64, help="embedding width (the 1B shape: 2048; 8B: 4096)")
     m.add_argument("--n-layer", type=int, default=2, help="layers (1B: 16; 8B: 32)")
     m.add_argument("--n-head", type=int, default=4, help="attention heads (1B and 8B: 32)")

@@ -12,20 +12,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from llamapool.modelgen import make_model
 
+# make-model --vision-tower: the projector's shape (image side, patch, pooling, width, layers, heads, FFN)
+TOWERS = {
+    "tiny": {"image_size": 64, "patch_size": 8, "n_merge": 2, "v_embd": 32, "v_layer": 1, "v_head": 2, "v_ff": 64},
+    # Gemma 3's (SigLIP So400m): 896 px, 14 px patches, 4 x 4 pooling: 256 tokens an image
+    "siglip-so400m": {"image_size": 896, "patch_size": 14, "n_merge": 4, "v_embd": 1152, "v_layer": 27,
+                      "v_head": 16, "v_ff": 4304},
+}
 MODEL_FILE = "model.gguf"
 MMPROJ_FILE = "mmproj.gguf"
 
 
 def make_vision_model(folder: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, n_vocab: int = 512,
                       image_size: int = 64, patch_size: int = 8, n_merge: int = 2, v_embd: int = 32,
-                      v_layer: int = 1, v_head: int = 2, v_ff: int = 64, seed: int = 0) -> tuple[Path, Path]:
-    """Write ``folder/model.gguf`` (a random llama model, ChatML template) and ``folder/mmproj.gguf`` (its
-    projector); return both paths. Same arguments, same bytes."""
+                      v_layer: int = 1, v_head: int = 2, v_ff: int = 64, seed: int = 0,
+                      **text: Any) -> tuple[Path, Path]:
+    """Write ``folder/model.gguf`` (a random llama model, ChatML template; ``text``: more of
+    :func:`make_model`'s shape arguments) and ``folder/mmproj.gguf`` (its projector); return both paths.
+    Same arguments, same bytes."""
     side = image_size // patch_size
     if image_size % patch_size or side % n_merge:
         raise ValueError(f"image_size ({image_size}) must divide by patch_size ({patch_size}), and the "
@@ -34,7 +44,7 @@ def make_vision_model(folder: str | os.PathLike[str], *, n_embd: int = 64, n_lay
         raise ValueError(f"v_embd ({v_embd}) must divide by v_head ({v_head}) into an even head size")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    model = make_model(out / MODEL_FILE, n_embd=n_embd, n_layer=n_layer, n_vocab=n_vocab, seed=seed)
+    model = make_model(out / MODEL_FILE, n_embd=n_embd, n_layer=n_layer, n_vocab=n_vocab, seed=seed, **text)
     mmproj = out / MMPROJ_FILE
     tmp = mmproj.with_name(f".{mmproj.name}.{os.getpid()}.tmp")
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +23,15 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from llamapool.bench.workloads import DEFAULT_CTX, NAMES, AgentWorkload
+from llamapool.bench.workloads import DEFAULT_CTX, NAMES, AgentWorkload, Workload
+
+
+def _spread(work: Workload, models: list[str]) -> Workload:
+    """``work`` with request i asking ``models[i % len(models)]`` (no models: as it was)."""
+    if not models:
+        return work
+    reqs = tuple(dataclasses.replace(r, model=models[i % len(models)]) for i, r in enumerate(work.requests))
+    return dataclasses.replace(work, requests=reqs)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--workload", choices=NAMES, default="short",
                    help="short: 128 prompt / 128 output tokens; rag: 1024/128; long: 4096/256; mixed: "
                         "log-normal lengths, median 512/128, sigma 0.8/0.6, clipped to --ctx")
+    p.add_argument("--model", nargs="+", metavar="NAME", default=[],
+                   help="the pool's models (or LoRA adapters) to ask, request i the (i mod N)th (default: the "
+                        "server's first model)")
     p.add_argument("--prompt-tokens", type=int, help="override the workload's prompt length (mixed: its median)")
     p.add_argument("--image-px", type=int, default=64, help="the image workload's image side in pixels (default "
                    "64, the generated test projector's; its question is --prompt-tokens words, default 64)")
@@ -297,6 +309,7 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
             work = make_workload(args.workload, args.requests or 4 * c, n_vocab, seed=args.seed, ctx=args.ctx,
                                  prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                                  top_logprobs=args.top_logprobs, image_px=args.image_px)
+            work = _spread(work, args.model)
             side = None if not args.beside else make_workload(
                 args.beside, len(work.requests) + c, n_vocab, seed=args.seed + 1, ctx=args.ctx,
                 prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, top_logprobs=args.top_logprobs)
@@ -315,6 +328,8 @@ def main(args: argparse.Namespace, endpoint: str = "", server_public_key: str = 
             row["top_logprobs"] = args.top_logprobs
         if side is not None:
             row["beside"] = args.beside
+        if args.model:
+            row["models"] = args.model
         if args.ceiling:
             from llamapool.bench.ceiling import measure as ceiling
 

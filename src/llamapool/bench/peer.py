@@ -84,12 +84,14 @@ class LlamaServer:
     """llama-server on ``model``: ``slots`` slots of ``ctx_per_slot`` tokens (per-slot KV), no host cache."""
 
     def __init__(self, binary: str, model: str, slots: int, ctx_per_slot: int, log: Path, cpu: bool = False,
-                 threads: int = PEER_THREADS):
+                 threads: int = PEER_THREADS, mmproj: str = ""):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [binary, "-m", model, "-ngl", "0" if cpu else "99", "-np", str(slots),
                      "-c", str(slots * ctx_per_slot), "-fa", "on", "-t", str(threads), "--cache-ram", "0",
                      "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)]
+        if mmproj:  # the model's projector: the image workload's requests carry an image each
+            self.args += ["--mmproj", mmproj] + (["--no-mmproj-offload"] if cpu else [])
         libs = [str(Path(binary).resolve().parent)]
         spec = importlib.util.find_spec("llama_cpp")
         if spec and spec.origin:
@@ -125,7 +127,8 @@ def _runs(target: Any, service: str, args: argparse.Namespace, n_vocab: int) -> 
 
     rows = []
     for c in args.concurrency or [8]:
-        kw = {"seed": args.seed, "ctx": args.ctx, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens}
+        kw = {"seed": args.seed, "ctx": args.ctx, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+              "image_px": args.image_px}
         asyncio.run(measure(target, make_workload(args.workload, c, n_vocab, **{**kw, "gen_tokens": 8}), c))
         res = asyncio.run(measure(target, make_workload(args.workload, args.requests or 4 * c, n_vocab, **kw), c,
                                   args.procs, not args.no_progress))
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace, endpoint: str, keys: dict[str, str]) -> tuple[
         _stop(proc)
     cpu = model.devices == "cpu"
     srv = LlamaServer(args.peer_server, model.path, model.slots, model.ctx_per_slot, logs / "llama-server.log", cpu,
-                      (model.threads or PEER_THREADS) if cpu else PEER_THREADS)
+                      (model.threads or PEER_THREADS) if cpu else PEER_THREADS, model.mmproj)
     try:
         srv.wait_healthy()
         rows += _runs(Target("http-llama", srv.url, args.timeout), "llama-server", args, n_vocab)

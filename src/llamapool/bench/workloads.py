@@ -117,17 +117,20 @@ def png(side: int, rng: random.Random) -> bytes:
 
     a, b, c = (rng.randrange(1, 9) for _ in range(3))
     off = [rng.randrange(256) for _ in range(3)]
-    rows = bytearray()
-    for y in range(side):
-        rows.append(0)
-        rows += bytes(v for x in range(side) for v in ((x * a + off[0]) % 256, (y * b + off[1]) % 256,
-                                                        ((x + y) * c + off[2]) % 256))
+    import numpy as np
+
+    x = np.arange(side, dtype=np.int64)[None, :]
+    y = np.arange(side, dtype=np.int64)[:, None]
+    rgb = np.stack([np.broadcast_to((x * a + off[0]) % 256, (side, side)),
+                    np.broadcast_to((y * b + off[1]) % 256, (side, side)),
+                    ((x + y) * c + off[2]) % 256], axis=-1).astype(np.uint8)
+    rows = np.concatenate([np.zeros((side, 1), np.uint8), rgb.reshape(side, 3 * side)], axis=1).tobytes()
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(rows))) + \
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + \
         chunk(b"IEND", b"")
 
 
