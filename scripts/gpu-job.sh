@@ -13,13 +13,15 @@
 #   bash scripts/gpu-job.sh patch-cuda        # only libggml-cuda with patches/llama.cpp, over the bundle's (~4 min)
 #   bash scripts/gpu-job.sh images            # the image workload, llamapool then llama-server (same GGUF pair)
 #   bash scripts/gpu-job.sh lora              # 64 streams on the base model, then spread over 4 adapters
-#   PHASES="patch-cuda agent images" bash scripts/gpu-job.sh all   # several phases in order, one log
+#   PHASES="patch-cuda agent images,SHAPE=1b" bash scripts/gpu-job.sh all   # phases in order, each with its own
+#                                             # settings after commas; one log
 #
 # Settings (environment): SHAPE (1b, 8b or tiny: a random q8_0 model of Llama-3.2-1B's body or Llama-3.1-8B's
 # shape, written on the machine, default 8b), C (streams, default 64), WORKLOADS (side-by-side: default
 # "short rag"), SECONDS_PHASE (churn: default 30), OUT (default /tmp/out: one JSON-lines file a command,
 # the services' logs under OUT/logs); agent: SESSIONS, TURNS (default 32, 6), KV (the kv_host values, default
-# "32GiB 0"), MBT (max_batch_tokens values tried with the first KV, default 0: auto), PEER (0: no llama-server). Carry .gpu/ (cp -r ../shared/device/* .gpu/) and nothing large.
+# "32GiB 0"), MBT (max_batch_tokens values tried with the first KV, default 0: auto), PEER (0: no llama-server), CTX (slot size),
+# EXTRA (0: only the agent runs, not short/rag/reload). Carry .gpu/ (cp -r ../shared/device/* .gpu/) and nothing large.
 # Without .gpu/ or nvidia-smi (a check of the job elsewhere, e.g. SHAPE=tiny PY=.venv/bin/python on a CPU) it runs in the
 # caller's environment.
 set -u
@@ -102,26 +104,27 @@ churn)
     --seconds ${SECONDS_PHASE:-30} --light-every 0.4 --zipf 1.0 --no-progress --out "$OUT/churn-$SHAPE.jsonl" \
     > "$OUT/logs/churn.txt" 2>&1
   el "churn rc=$?"; kill -TERM $PID; wait $PID; grep -E "placement" "$OUT/logs/churn-daemon.log" | tail -40 > "$OUT/logs/placement.txt" ;;
-agent)
+agent)  # the 8B default: 32 sessions of 6 turns in 8k slots; 1b: 48 sessions of 16 turns in 16k slots (to 14k tokens)
   model $SHAPE
+  [ "$SHAPE" = 1b ] && { : "${SESSIONS:=48}" "${TURNS:=16}" "${CTX:=16384}"; }
   AGENT="--scenario agent --sessions ${SESSIONS:-32} --turns ${TURNS:-6} --shared-tokens 1024 --new-tokens 768 --out-tokens 32 -c 16 --no-progress"
   first=1
   for kv in ${KV:-32GiB 0}; do
     for mbt in $([ $first = 1 ] && echo ${MBT:-0} || echo 0); do
       tag=$SHAPE-kv-$kv$([ "$mbt" != 0 ] && echo "-mbt$mbt")
-      config agent-$kv-$mbt 16 8192 "kv_host = \"$kv\"" "max_batch_tokens = $mbt"
+      config agent-$kv-$mbt 16 ${CTX:-8192} "kv_host = \"$kv\"" "max_batch_tokens = $mbt"
       $LP serve --config $M/agent-$kv-$mbt.toml > "$OUT/logs/agent-$tag-daemon.log" 2>&1 & PID=$!
       for _ in $(seq 900); do grep -q "ready (READY=1)" "$OUT/logs/agent-$tag-daemon.log" && break; sleep 0.2; done
       timeout 200 $LP bench --config $M/agent-$kv-$mbt.toml $AGENT --out "$OUT/agent-$tag.jsonl" > "$OUT/logs/agent-$tag.txt" 2>&1
       el "agent kv_host=$kv max_batch_tokens=$mbt rc=$?"
       curl -s http://127.0.0.1:9464/metrics > "$OUT/logs/metrics-agent-$tag.txt"
-      if [ "$mbt" = 0 ]; then
+      if [ "$mbt" = 0 ] && [ "${EXTRA:-1}" = 1 ]; then
         for w in short rag; do  # the tier must never make these slower (issue 51)
           timeout 90 $LP bench --config $M/agent-$kv-$mbt.toml -w $w -c 16 -n 64 --no-progress --out "$OUT/$w-$tag.jsonl" \
             > "$OUT/logs/$w-$tag.txt" 2>&1; el "$w kv_host=$kv rc=$?"
         done
       fi
-      if [ "$kv" != 0 ] && [ "$mbt" = 0 ]; then  # a rolling reload once half the turns are done: returning TTFT 30 s before and after
+      if [ "$kv" != 0 ] && [ "$mbt" = 0 ] && [ "${EXTRA:-1}" = 1 ]; then  # a rolling reload once half the turns are done: returning TTFT 30 s before and after
         timeout 240 $LP bench --config $M/agent-$kv-$mbt.toml $AGENT --reload-at 0.5 --reload-pid $PID \
           --out "$OUT/agent-$tag-reload.jsonl" > "$OUT/logs/agent-$tag-reload.txt" 2>&1
         el "agent kv_host=$kv --reload-at 0.5 rc=$?"
@@ -132,7 +135,7 @@ agent)
   done
   [ "${PEER:-1}" = 0 ] && exit 0
   for cram in 0 32768; do
-    LD_LIBRARY_PATH=/tmp/lsa:/tmp/site/llama_cpp/lib /tmp/lsa/llama-server -m $M/$SHAPE.gguf -ngl 99 -np 16 -c $((16 * 8192)) \
+    LD_LIBRARY_PATH=/tmp/lsa:/tmp/site/llama_cpp/lib /tmp/lsa/llama-server -m $M/$SHAPE.gguf -ngl 99 -np 16 -c $((16 * ${CTX:-8192})) \
       -fa on -t 8 --cache-ram $cram --no-webui --port 8080 > "$OUT/logs/ls-$SHAPE-$cram.log" 2>&1 & LS=$!
     for _ in $(seq 900); do curl -sf http://127.0.0.1:8080/health > /dev/null && break; sleep 0.2; done
     timeout 240 $LP bench --http http://127.0.0.1:8080 --api llama $AGENT --n-vocab $NV --out "$OUT/agent-$SHAPE-llama-server-cram$cram.jsonl" \
@@ -183,10 +186,13 @@ lora)  # the base model's 64 streams, then the same spread over four adapters (o
   kill -TERM $PID; wait $PID ;;
 models)  # the SHAPE's model (all: written beside the CUDA build)
   model $SHAPE ;;
-all)  # PHASES in order; the SHAPE's model is written while patch-cuda builds
-  bash "$0" models & GEN=$!
-  for ph in ${PHASES:-patch-cuda agent images lora churn}; do
-    [ "$ph" = patch-cuda ] || wait $GEN; el "phase $ph"; bash "$0" "$ph"
+all)  # PHASES in order, each "phase[,VAR=value...]"; the models they name are written while patch-cuda builds
+  shapes=$(for item in ${PHASES:-patch-cuda agent images lora churn}; do
+    v=$(echo "$item" | tr ',' '\n' | sed -n 's/^SHAPE=//p'); echo "${v:-$SHAPE}"; done | awk '!seen[$0]++')
+  { for s in $shapes; do SHAPE=$s bash "$0" models; done; } & GEN=$!
+  for item in ${PHASES:-patch-cuda agent images lora churn}; do
+    ph=${item%%,*}; vars=$([ "$ph" = "$item" ] || echo "${item#*,}" | tr ',' ' ')
+    [ "$ph" = patch-cuda ] || wait $GEN; el "phase $item"; env $vars bash "$0" "$ph"
   done ;;
 *) echo "gpu-job.sh: unknown phase $PHASE (build, patch-cuda, side-by-side, speculation, churn, agent, images, lora, all)" >&2; exit 2 ;;
 esac
