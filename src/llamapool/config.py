@@ -81,7 +81,7 @@ Pooling = Annotated[Literal["", "mean", "cls", "last"],
 Task = Annotated[Literal["", "generate", "embed", "rerank"], Meta(description='"generate", "embed" or "rerank"')]
 Load = Annotated[Literal["always", "on_demand"], Meta(description='"always" (loaded at start, never evicted) or '
                                                                   '"on_demand" (loaded at its first request)')]
-Replicas = Annotated[tuple[NonNegative, ...], Meta(min_length=2, max_length=2, description=REPLICAS)]
+Replicas = Annotated[tuple[NonNegative, ...], Meta(max_length=2, description=REPLICAS)]  # or []
 MOVED = {  # model keys renamed or removed
     "n_batch": "renamed to model.max_batch_tokens (the per-step token budget)",
     "prefill_chunk": "replaced by model.max_batch_tokens: one token budget per step, shared by decoding sequences "
@@ -556,7 +556,7 @@ def _check_model(key: str, m: ModelConfig) -> None:
             f"{key}.max_batch_tokens: must be > the slots per worker ({m.slots}): every step gives each "
             f"busy slot a token and prompts need the rest, got {m.max_batch_tokens}"
         )
-    if m.replicas and not m.replicas[0] <= m.replicas[1] >= 1:
+    if m.replicas and not (len(m.replicas) == 2 and m.replicas[0] <= m.replicas[1] >= 1):
         raise ConfigError(f"{key}.replicas: must be {REPLICAS}, got {list(m.replicas)!r}")
     if m.idle_unload < 0 and m.idle_unload != -1:
         raise ConfigError(f"{key}.idle_unload: must be >= 0 seconds (0: never), got {m.idle_unload!r}")
