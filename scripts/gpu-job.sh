@@ -14,7 +14,8 @@
 # Settings (environment): SHAPE (1b, 8b or tiny: a random q8_0 model of Llama-3.2-1B's body or Llama-3.1-8B's
 # shape, written on the machine, default 8b), C (streams, default 64), WORKLOADS (side-by-side: default
 # "short rag"), SECONDS_PHASE (churn: default 30), OUT (default /tmp/out: one JSON-lines file a command,
-# the services' logs under OUT/logs). Carry .gpu/ (cp -r ../shared/device/* .gpu/) and nothing large.
+# the services' logs under OUT/logs). Carry .gpu/ (`make gpu-kit`: ../shared/device's files and the msgspec
+# wheel) and nothing large.
 # Without .gpu/ (a check of the job elsewhere, e.g. SHAPE=tiny PY=.venv/bin/python on a CPU) it runs in the
 # caller's environment.
 set -u
