@@ -7,6 +7,7 @@ errors quote them: llamapool.tables); the functions below check what depends on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import tomllib
@@ -35,6 +36,37 @@ from llamapool.worker.settings import (
 from llamapool.worker.settings import step_budget as step_budget
 
 
+def ram_budget(text: str, total: int) -> int:
+    """``[pool] ram_budget`` in bytes, given the machine's RAM: "16GiB", "12000MB", "75%"; "" -> 80 %."""
+    if not text:
+        return int(total * 0.8)
+    size = parse_size(text)
+    if size is None:
+        raise ConfigError(f"pool.ram_budget: must be a size such as \"16GiB\" or \"12000MB\", or a share of "
+                          f"the RAM such as \"75%\", got {text!r}")
+    number, unit = size
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ConfigError(f"pool.ram_budget: a share of the RAM must be > 0% and <= 100%, got {text!r}")
+        return int(total * number / 100)
+    return size_bytes(number, unit)
+
+
+def _ram_budget(value: Any) -> Any:
+    if isinstance(value, str):
+        ram_budget(value, 1 << 30)  # its form (the machine's RAM is read at start)
+    return value
+
+
+def _listen(value: Any, empty: bool = False) -> Any:
+    """A listen address, "host:port" (or "" for none, with ``empty``), as it is."""
+    if isinstance(value, str) and (value or not empty):
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(value)
+    return value
+
+
 def _kv_host(value: Any) -> Any:
     if isinstance(value, str):
         host_kv_bytes(value, ram=1 << 30)  # its form (the machine's RAM is read at start)
@@ -42,6 +74,9 @@ def _kv_host(value: Any) -> Any:
 
 
 KVHost = Annotated[str, Parse(_kv_host, '"auto", "0" or a size such as "16GiB"')]
+Listen = Annotated[str, Parse(_listen, '"host:port"')]
+ListenOrNone = Annotated[str, Parse(functools.partial(_listen, empty=True), '"host:port" (or "" for none)')]
+RAMBudget = Annotated[str, Parse(_ram_budget)]
 
 
 @dataclass(frozen=True)
@@ -182,7 +217,7 @@ class PoolConfig:
     """``[pool]``: how models marked ``load = "on_demand"`` or given ``replicas`` are loaded, placed,
     scaled and unloaded (supervisor/placement.py; docs/configuration.md, "A pool that follows demand")."""
 
-    ram_budget: str = ""  # what CPU workers' models may take: "16GiB", "12000MB", "75%"; "" -> 80% of the RAM
+    ram_budget: RAMBudget = ""  # what CPU workers' models may take: "16GiB", "12000MB", "75%"; "" -> 80% of the RAM
     idle_unload: Wait = 0.0  # seconds unused before an on_demand model is unloaded; 0 -> never
     scale_up_wait: Wait = 2.0  # a model's oldest waiting request waited this long: start another replica
     scale_down_idle: Wait = 60.0  # a replica idle this long (and more than its minimum): retire it
@@ -194,7 +229,7 @@ class PoolConfig:
 class HttpConfig:
     """The OpenAI-compatible HTTP gateway; no ``[http]`` table, no gateway."""
 
-    listen: str = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
+    listen: Listen = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
     processes: Positive = 1  # gateway processes accepting on the supervisor's one listening socket
     api_keys_file: str = ""  # one key per line, with its tenant's settings (keys.py); "" -> no authentication
     # a header a proxy in front sets to name the tenant (trusted: docs/security.md)
@@ -236,7 +271,7 @@ class MetricsConfig:
     """A Prometheus endpoint served by the supervisor; no ``[metrics]`` table, none (the gateway's
     ``GET /metrics`` is there either way)."""
 
-    listen: str = "127.0.0.1:9464"  # host:port; "" -> none (the table only sets the options below)
+    listen: ListenOrNone = "127.0.0.1:9464"  # host:port; "" -> none (the table only sets the options below)
     # also export the pod's gauges under vLLM's names (vllm:num_requests_waiting, ...), so that an
     # inference gateway's endpoint picker configured for vLLM reads llamapool unchanged (docs/metrics.md)
     vllm_compatible_names: bool = False
@@ -364,27 +399,6 @@ class Config:
             return ""
         pub = Path(self.security.server_key).with_suffix(".pub")
         return str(pub) if pub.is_file() else ""
-
-
-def ram_budget(text: str, total: int) -> int:
-    """``[pool] ram_budget`` in bytes, given the machine's RAM: "16GiB", "12000MB", "75%"; "" -> 80 %."""
-    if not text:
-        return int(total * 0.8)
-    size = parse_size(text)
-    if size is None:
-        raise ConfigError(f"pool.ram_budget: must be a size such as \"16GiB\" or \"12000MB\", or a share of "
-                          f"the RAM such as \"75%\", got {text!r}")
-    number, unit = size
-    if unit == "%":
-        if not 0 < number <= 100:
-            raise ConfigError(f"pool.ram_budget: a share of the RAM must be > 0% and <= 100%, got {text!r}")
-        return int(total * number / 100)
-    return size_bytes(number, unit)
-
-
-def _pool(pool: PoolConfig) -> PoolConfig:
-    ram_budget(pool.ram_budget, 1 << 30)  # checks its form (the machine's RAM is read at start)
-    return pool
 
 
 def _lora_tables(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
@@ -604,12 +618,6 @@ def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "
     _distinct("workers.devices", parts["workers"].devices)
     if "http" in parts:
         parts["http"] = _http(parts["http"], base_dir)
-    if "metrics" in parts and parts["metrics"].listen:
-        host, _, port = parts["metrics"].listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"metrics.listen: must be \"host:port\" (or \"\" for none), "
-                              f"got {parts['metrics'].listen!r}")
-    parts["pool"] = _pool(parts["pool"])
     if "kv_events" in parts:
         parts["kv_events"] = _kv_events(parts["kv_events"])
     models = _models(raw, parts["workers"], base_dir)
@@ -694,9 +702,6 @@ HOST = re.compile(r"(\*\.)?[a-zA-Z0-9_.-]+|\[[0-9a-fA-F:.]+\]|[0-9a-fA-F:]+")
 
 
 def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:
-    host, _, port = http.listen.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"http.listen: must be \"host:port\", got {http.listen!r}")
     for origin in http.cors_origins:
         if origin != "*" and not ORIGIN.fullmatch(origin):
             raise ConfigError(f"http.cors_origins: {origin!r} is not an origin: \"*\" or scheme://host[:port], "

@@ -31,8 +31,8 @@ _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 @dataclass(frozen=True)
 class Parse:
     """A field's marker (in its ``Annotated``): ``fn`` turns the TOML value into the declared type's form
-    before msgspec checks it, raising ValueError when it cannot; ``expects`` says what the key takes, and
-    ``unit`` follows a range in an error (">= 0 seconds")."""
+    before msgspec checks it, raising ValueError when it cannot (or a ConfigError of its own); ``expects``
+    says what the key takes, and ``unit`` follows a range in an error (">= 0 seconds")."""
 
     fn: Callable[[Any], Any]
     expects: str = ""
@@ -88,6 +88,8 @@ def table(key: str, cls: type[T], raw: Any, defaults: Mapping[str, Any] | None =
         parse = _marker(hints[name], Parse)
         try:
             values[name] = parse.fn(value) if parse else value
+        except ConfigError:  # its own message
+            raise
         except ValueError:
             raise ConfigError(f"{key}.{name}: must be {_expects(hints[name], '')}, got {value!r}") from None
     try:
