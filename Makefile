@@ -9,7 +9,7 @@ CHAT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 export CMAKE_ARGS ?=
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 
-.PHONY: install run test test-systemd test-netns lint clean k8s-tools k8s-manifests
+.PHONY: install run test test-systemd test-netns lint clean k8s-tools k8s-manifests gpu-kit
 
 # llama-cpp-python as pinned in pyproject.toml: the one long step, shown with pip's progress
 LLAMA_CPP_VERSION := $(shell sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
@@ -97,6 +97,13 @@ test-systemd: install
 # A router and a `llamapool node` in two network namespaces joined by a veth pair (root; not in `make test`).
 test-netns: install
 	scripts/test-netns.sh
+
+# The GPU machine's kit (scripts/gpu-job.sh, ../shared/device/README.md): .gpu/ gets ../shared/device's files
+# and the wheels of the dependencies that machine lacks (it has no network), for its Python 3.12: msgspec
+gpu-kit:
+	mkdir -p .gpu && cp -r ../shared/device/* .gpu/
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--no-deps -d .gpu/wheels msgspec
 
 lint: install
 	$(BIN)/ruff check src tests scripts

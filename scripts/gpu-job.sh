@@ -21,7 +21,8 @@
 # "short rag"), SECONDS_PHASE (churn: default 30), OUT (default /tmp/out: one JSON-lines file a command,
 # the services' logs under OUT/logs); agent: SESSIONS, TURNS (default 32, 6), KV (the kv_host values, default
 # "32GiB 0"), MBT (max_batch_tokens values tried with the first KV, default 0: auto), PEER (0: no llama-server), CTX (slot size),
-# EXTRA (0: only the agent runs, not short/rag/reload). Carry .gpu/ (cp -r ../shared/device/* .gpu/) and nothing large.
+# EXTRA (0: only the agent runs, not short/rag/reload). Carry .gpu/
+# (`make gpu-kit`: ../shared/device's files and the msgspec wheel) and nothing large.
 # Without .gpu/ or nvidia-smi (a check of the job elsewhere, e.g. SHAPE=tiny PY=.venv/bin/python on a CPU) it runs in the
 # caller's environment.
 set -u

@@ -161,3 +161,77 @@ def test_default_config_documents_the_model_keys() -> None:
     text = (ROOT / "configs" / "default.toml").read_text()
     for key in ("[[models]]", "tensor_split", "cpu_workers", "name ="):
         assert key in text, key
+
+
+# ---------------------------------------------------------------- the declared keys (config.py, tables.py)
+
+
+def _sections() -> dict[str, type]:
+    from llamapool import config
+
+    return {"server": config.ServerConfig, "model": config.ModelConfig, "workers": config.WorkersConfig,
+            "pool": config.PoolConfig, "http": config.HttpConfig, "metrics": config.MetricsConfig,
+            "security": config.SecurityConfig, "log": config.LogConfig, "node": config.NodeConfig,
+            "kv_events": config.KVEventsConfig}
+
+
+def test_every_key_written_at_its_default_loads_as_the_default() -> None:
+    """A table giving each key its documented default is the default: no declared constraint refuses a
+    default (``replicas = []``, ``idle_unload = -1``, ``tenant_header = ""``, ...)."""
+    import dataclasses
+
+    from llamapool.tables import table
+
+    def toml(v: object) -> object:
+        return [toml(x) for x in v] if isinstance(v, tuple) else v
+
+    for name, cls in _sections().items():
+        default = cls()
+        raw = {f.name: toml(getattr(default, f.name)) for f in dataclasses.fields(cls)}
+        assert table(name, cls, raw) == default, name
+    assert from_dict({"models": [{"path": "/m.gguf", "replicas": []}]}).models[0].replicas == ()
+
+
+def test_a_key_with_choices_names_every_choice() -> None:
+    """Each key declared with a Literal (log.format, model.task, ...) answers a wrong value with all it takes."""
+    import typing
+
+    from llamapool.tables import _hints, _unwrap
+
+    found = 0
+    for name, cls in _sections().items():
+        for key, hint in _hints(cls).items():
+            base = _unwrap(hint)[0]
+            if typing.get_origin(base) is not typing.Literal:
+                continue
+            raw: dict = {"model": {"path": "/m.gguf"}}
+            raw.setdefault(name, {})[key] = "bogus"
+            with pytest.raises(ConfigError) as e:
+                from_dict(raw)
+            message = str(e.value)
+            assert message.startswith(f"{name}.{key}: must be ") and message.endswith("got 'bogus'"), message
+            assert all(f'"{v}"' in message for v in typing.get_args(base) if v), message
+            found += 1
+    assert found >= 6  # log.format, log.level, model.engine, pooling, task, load
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"workers": {"kv_host": "lots"}}, "workers.kv_host: must be \"auto\", \"0\" or a size such as \"16GiB\", "
+                                       "got 'lots'"),
+    ({"workers": {"env": {"A": [1]}}}, "workers.env: must be a table of NAME = \"value\", got {'A': [1]}"),
+    ({"server": {"queue_timeout": float("nan")}}, "server.queue_timeout: must be > 0, got nan"),
+    ({"http": {"responses_ttl": "0s"}}, "http.responses_ttl: must be > 0 seconds, got '0s'"),
+    ({"pool": {"idle_unload": True}}, "pool.idle_unload: must be seconds or a duration such as \"90s\", \"15m\", "
+                                      "\"2h\", got True"),
+    ({"log": {"level": 5}}, "log.level: must be \"debug\", \"info\", \"warning\" or \"error\", got 5"),
+    ({"models": [{"path": "/m", "replicas": [1]}]}, "models[0].replicas: must be [at least, at most] workers"),
+    ({"models": [{"path": "/m", "devices": [[0, 1]], "tensor_split": [0, 0]}]},
+     "models[0].tensor_split: must have a share above 0 (a share per GPU of a group), got [0.0, 0.0]"),
+    ({"models": [{"path": "/m", "lora": [{"path": "a.gguf"}]}]}, "models[0].lora[0].name: is required (1 to 64"),
+    ({"models": [{"path": "/m", "speculative": 1}]},
+     "models[0].speculative: must be \"auto\", \"ngram\", \"off\" or \"draft:<a GGUF path>\", got 1"),
+])
+def test_errors_name_the_key_and_what_it_takes(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict({"model": {"path": "/m"}, **raw} if "models" not in raw else raw)
+    assert str(e.value).startswith(message), str(e.value)

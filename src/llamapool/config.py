@@ -1,15 +1,21 @@
-"""Daemon configuration: TOML -> typed, validated dataclasses. Every error names its key."""
+"""Daemon configuration: TOML -> typed, validated dataclasses. Every error names its key.
+
+Each key is declared once, with its type, default and constraints (``Annotated``: msgspec checks them, and
+errors quote them: llamapool.tables); the functions below check what depends on several keys or on files.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta
 
 from llamapool import keys as keysfile
 from llamapool.errors import ConfigError as ConfigError
@@ -17,8 +23,60 @@ from llamapool.protocol.endpoints import default_frontend as default_frontend
 from llamapool.protocol.endpoints import default_runtime_dir as default_runtime_dir
 from llamapool.protocol.endpoints import ipc_path as ipc_path
 from llamapool.protocol.endpoints import needs_curve as needs_curve
-from llamapool.worker.settings import MAX_LORA_SCALE, SPECULATIVE, EngineSettings, host_kv_bytes, parse_size, size_bytes
+from llamapool.tables import DURATION, Duration, Env, Names, Parse, Timeout, Wait, table
+from llamapool.worker.settings import (
+    MAX_LORA_SCALE,
+    EngineSettings,
+    NonNegative,
+    Positive,
+    host_kv_bytes,
+    parse_size,
+    size_bytes,
+)
 from llamapool.worker.settings import step_budget as step_budget
+
+
+def ram_budget(text: str, total: int) -> int:
+    """``[pool] ram_budget`` in bytes, given the machine's RAM: "16GiB", "12000MB", "75%"; "" -> 80 %."""
+    if not text:
+        return int(total * 0.8)
+    size = parse_size(text)
+    if size is None:
+        raise ConfigError(f"pool.ram_budget: must be a size such as \"16GiB\" or \"12000MB\", or a share of "
+                          f"the RAM such as \"75%\", got {text!r}")
+    number, unit = size
+    if unit == "%":
+        if not 0 < number <= 100:
+            raise ConfigError(f"pool.ram_budget: a share of the RAM must be > 0% and <= 100%, got {text!r}")
+        return int(total * number / 100)
+    return size_bytes(number, unit)
+
+
+def _ram_budget(value: Any) -> Any:
+    if isinstance(value, str):
+        ram_budget(value, 1 << 30)  # its form (the machine's RAM is read at start)
+    return value
+
+
+def _listen(value: Any, empty: bool = False) -> Any:
+    """A listen address, "host:port" (or "" for none, with ``empty``), as it is."""
+    if isinstance(value, str) and (value or not empty):
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(value)
+    return value
+
+
+def _kv_host(value: Any) -> Any:
+    if isinstance(value, str):
+        host_kv_bytes(value, ram=1 << 30)  # its form (the machine's RAM is read at start)
+    return value
+
+
+KVHost = Annotated[str, Parse(_kv_host, '"auto", "0" or a size such as "16GiB"')]
+Listen = Annotated[str, Parse(_listen, '"host:port"')]
+ListenOrNone = Annotated[str, Parse(functools.partial(_listen, empty=True), '"host:port" (or "" for none)')]
+RAMBudget = Annotated[str, Parse(_ram_budget)]
 
 
 @dataclass(frozen=True)
@@ -26,27 +84,55 @@ class ServerConfig:
     frontend: str = ""  # "" -> ipc://<runtime_dir>/frontend.sock
     backend: str = ""  # "" -> ipc://<runtime_dir>/backend.sock
     runtime_dir: str = ""  # "" -> default_runtime_dir()
-    max_queue: int = 4096  # queued prompts; beyond this a request gets 'overloaded'
-    queue_timeout: float = 60.0  # seconds a prompt may wait for a slot -> 'unavailable'
-    drain_timeout: float = 60.0  # SIGTERM: seconds in-flight requests get to finish
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_queue: Positive = 4096  # queued prompts; beyond this a request gets 'overloaded'
+    queue_timeout: Timeout = 60.0  # seconds a prompt may wait for a slot -> 'unavailable'
+    drain_timeout: Timeout = 60.0  # SIGTERM: seconds in-flight requests get to finish
+    max_message_bytes: Positive = 4 * 1024 * 1024
     min_ready_workers: int = 1  # systemd READY=1 once this many workers are ready
-    affinity_slack: int = 4  # prefer a worker holding the prompt's prefix unless it has this many
+    affinity_slack: NonNegative = 4  # prefer a worker holding the prompt's prefix unless it has this many
     # fewer free slots than the least-loaded worker
     # tenants (http.api_keys_file, docs/http.md): the seconds of a rate-limit window (rpm and tpm are
     # scaled to it), the flex class's queue_timeout, and how long a tenant keeps its share of a model's
     # slots after its last request
-    rate_window: float = 60.0
-    flex_queue_timeout: float = 240.0
-    tenant_idle: float = 5.0
+    rate_window: Duration = 60.0
+    flex_queue_timeout: Duration = 240.0
+    tenant_idle: Duration = 5.0
 
 
 Device = int | str  # a GPU index or a "GPU-<uuid>" / "MIG-<uuid>" string
-Devices = str | list[Device | list[Device]]  # "auto" | "cpu" | "remote" | [0, 1] | [[0, 1], [2, 3]]
+GPU = Annotated[int, Meta(ge=0)] | Annotated[str, Meta(pattern=r"\A(GPU|MIG)-")]
+# "auto" | "cpu" | "remote" | [0, 1] | [[0, 1], [2, 3]]
+GPUs = Annotated[list[GPU], Meta(min_length=1)]
+Devices = Annotated[
+    Literal["auto", "cpu", "remote"] | Annotated[list[GPU | GPUs], Meta(min_length=1)],
+    Meta(description='"auto", "cpu", "remote", a non-empty list of GPU indices or "GPU-<uuid>" strings, or a list '
+                     'of such lists (one worker per group)')]
 POOL_KEYS = ("devices", "cpu_workers", "slots", "threads", "kv_host")  # [workers] keys a model may override
-POOLINGS = ("", "mean", "cls", "last")  # model.pooling
-MODEL_TASKS = ("", "generate", "embed", "rerank")  # model.task
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
+NAMES = "1 to 64 letters, digits, '.', '_', '-' or '/', starting with a letter or digit"
+REPLICAS = "[at least, at most] workers, 0 <= at least <= at most, at most >= 1, e.g. [1, 4]"
+Pooling = Annotated[Literal["", "mean", "cls", "last"],
+                    Meta(description='"mean", "cls" or "last" (or "": the GGUF\'s own)')]
+Task = Annotated[Literal["", "generate", "embed", "rerank"], Meta(description='"generate", "embed" or "rerank"')]
+Load = Annotated[Literal["always", "on_demand"], Meta(description='"always" (loaded at start, never evicted) or '
+                                                                  '"on_demand" (loaded at its first request)')]
+Replicas = Annotated[tuple[NonNegative, ...], Meta(max_length=2, description=REPLICAS)]  # or []
+MOVED = {  # model keys renamed or removed
+    "n_batch": "renamed to model.max_batch_tokens (the per-step token budget)",
+    "prefill_chunk": "replaced by model.max_batch_tokens: one token budget per step, shared by decoding sequences "
+                     "and prompt chunks (see docs/benchmarks.md); remove it",
+}
+
+
+@dataclass(frozen=True)
+class LoraTable:
+    """A ``[[models.lora]]`` table: a LoRA adapter of the model, named as a model is."""
+
+    name: Annotated[str, Meta(pattern=rf"\A{MODEL_NAME.pattern}\Z",
+                              description=f"{NAMES}; requests name the adapter by it")]
+    path: Annotated[str, Meta(min_length=1, description="a LoRA adapter GGUF, or hf:OWNER/REPO/FILE.gguf")]
+    scale: Annotated[float, Meta(ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE,
+                                 description=f"a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}")] = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,25 +149,26 @@ class ModelConfig(EngineSettings):
     # CUDA: quantised matrix products of at least this many rows (prompt batches) run in cuBLAS, smaller
     # ones (decode steps) in llama.cpp's MMQ kernels; needs patches/llama.cpp (make install CUDA=1).
     # 0 = llama.cpp's own choice. Measured: docs/benchmarks.md (issue 30).
-    prefill_cublas_min_rows: int = 128
-    engine: str = "llama"  # "echo": a no-model engine for router benchmarks only
+    prefill_cublas_min_rows: NonNegative = 128
+    engine: Literal["llama", "echo"] = "llama"  # "echo": a no-model engine for router benchmarks only
     devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] (a worker per GPU) | [[0, 1], [2, 3]] (per group)
     # | "remote": no local worker, `llamapool node` hosts serve it (a router host without GPUs)
-    cpu_workers: int = 2  # CPU workers when devices = "cpu" or no GPU is found
+    cpu_workers: Positive = 2  # CPU workers when devices = "cpu" or no GPU is found
     embedding: bool = False  # an embedding model: its workers answer /v1/embeddings (and embed), not generation
-    pooling: str = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
+    pooling: Pooling = ""  # with embedding: "mean" | "cls" | "last"; "" -> the GGUF's own (mean if it has none)
     # what its workers do: "generate", "embed" (= embedding = true) or "rerank" (a cross-encoder scoring
     # query-document pairs with llama.cpp's rank pooling: /v1/rerank, /v2/rerank, Client.rerank);
     # "" -> "embed" with embedding = true, else "generate"
-    task: str = ""
+    task: Task = ""
     # When its workers run (docs/configuration.md, "A pool that follows demand"): "always" (at start, never
     # evicted: the plan of `devices`) or "on_demand" (at its first request, placed by free memory, evicted
     # when idle and another model needs the room, unloaded after idle_unload)
-    load: str = "always"
+    load: Load = "always"
     # [min, max] workers, placed by free memory and following the load; [] -> "always": one worker per
     # device of `devices` (a fixed plan), "on_demand": [0, 1]
-    replicas: tuple[int, ...] = ()
-    idle_unload: float = -1.0  # seconds unused before an on_demand model is unloaded; -1 -> [pool] idle_unload
+    replicas: Replicas = ()
+    # seconds unused before an on_demand model is unloaded; -1 -> [pool] idle_unload
+    idle_unload: Annotated[float, DURATION] = -1.0
 
     @property
     def managed(self) -> bool:
@@ -110,19 +197,19 @@ class WorkersConfig:
     defaults of every model (a model's own key overrides them)."""
 
     devices: Devices = "auto"  # "auto" | "cpu" | [0, 1] | ["GPU-<uuid>", ...] | [[0, 1], [2, 3]]
-    cpu_workers: int = 2
-    slots: int = EngineSettings.slots
-    threads: int = EngineSettings.threads  # CPU threads per worker; 0 -> split the cores between CPU workers
-    kv_host: str = EngineSettings.kv_host  # the host-RAM KV tier of each worker: "auto", "16GiB" or "0" (off)
-    env: dict[str, str] = field(default_factory=dict)
-    heartbeat_interval: float = 1.0
-    heartbeat_liveness: int = 3  # missed heartbeats before a worker is dead
-    step_timeout: float = 60.0  # an engine step running longer than this is a hung worker
-    start_timeout: float = 600.0  # loading a model may take this long
-    restart_backoff: float = 1.0  # first restart delay, doubling up to restart_backoff_max
-    restart_backoff_max: float = 30.0
-    flap_window: float = 60.0  # more than flap_limit deaths within this window -> failed
-    flap_limit: int = 5
+    cpu_workers: Positive = 2
+    slots: Positive = EngineSettings.slots
+    threads: NonNegative = EngineSettings.threads  # CPU threads per worker; 0 -> split the cores between CPU workers
+    kv_host: KVHost = EngineSettings.kv_host  # the host-RAM KV tier of each worker: "auto", "16GiB" or "0" (off)
+    env: Env = field(default_factory=dict)
+    heartbeat_interval: Timeout = 1.0
+    heartbeat_liveness: Positive = 3  # missed heartbeats before a worker is dead
+    step_timeout: Timeout = 60.0  # an engine step running longer than this is a hung worker
+    start_timeout: Timeout = 600.0  # loading a model may take this long
+    restart_backoff: Timeout = 1.0  # first restart delay, doubling up to restart_backoff_max
+    restart_backoff_max: Timeout = 30.0
+    flap_window: Timeout = 60.0  # more than flap_limit deaths within this window -> failed
+    flap_limit: Positive = 5
 
 
 @dataclass(frozen=True)
@@ -130,41 +217,45 @@ class PoolConfig:
     """``[pool]``: how models marked ``load = "on_demand"`` or given ``replicas`` are loaded, placed,
     scaled and unloaded (supervisor/placement.py; docs/configuration.md, "A pool that follows demand")."""
 
-    ram_budget: str = ""  # what CPU workers' models may take: "16GiB", "12000MB", "75%"; "" -> 80% of the RAM
-    idle_unload: float = 0.0  # seconds unused before an on_demand model is unloaded; 0 -> never
-    scale_up_wait: float = 2.0  # a model's oldest waiting request waited this long: start another replica
-    scale_down_idle: float = 60.0  # a replica idle this long (and more than its minimum): retire it
-    min_residency: float = 30.0  # a worker serves at least this long before it can be evicted or retired
-    load_backoff: float = 30.0  # a failed load: no new try for this long (doubling with each failure, to 10 min)
+    ram_budget: RAMBudget = ""  # what CPU workers' models may take: "16GiB", "12000MB", "75%"; "" -> 80% of the RAM
+    idle_unload: Wait = 0.0  # seconds unused before an on_demand model is unloaded; 0 -> never
+    scale_up_wait: Wait = 2.0  # a model's oldest waiting request waited this long: start another replica
+    scale_down_idle: Wait = 60.0  # a replica idle this long (and more than its minimum): retire it
+    min_residency: Wait = 30.0  # a worker serves at least this long before it can be evicted or retired
+    load_backoff: Wait = 30.0  # a failed load: no new try for this long (doubling with each failure, to 10 min)
 
 
 @dataclass(frozen=True)
 class HttpConfig:
     """The OpenAI-compatible HTTP gateway; no ``[http]`` table, no gateway."""
 
-    listen: str = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
-    processes: int = 1  # gateway processes accepting on the supervisor's one listening socket
+    listen: Listen = "127.0.0.1:8000"  # host:port ([::1]:8000 for IPv6)
+    processes: Positive = 1  # gateway processes accepting on the supervisor's one listening socket
     api_keys_file: str = ""  # one key per line, with its tenant's settings (keys.py); "" -> no authentication
-    tenant_header: str = ""  # a header a proxy in front sets to name the tenant (trusted: docs/security.md)
-    request_timeout: float = 600.0  # seconds a request may take in all -> 504
+    # a header a proxy in front sets to name the tenant (trusted: docs/security.md)
+    tenant_header: Annotated[str, Meta(pattern=r"\A[A-Za-z0-9-]{0,64}\Z",
+                                       description="a header name (letters, digits, '-')")] = ""
+    request_timeout: Timeout = 600.0  # seconds a request may take in all -> 504
     # cross-site protection (gateway/origins.py, docs/security.md)
-    allowed_hosts: tuple[str, ...] = ()  # Host names besides localhost and the listen address; ["*"]: any
-    cors_origins: tuple[str, ...] = ()  # web origins allowed to call the API (CORS); others' requests: 403
+    allowed_hosts: Names = ()  # Host names besides localhost and the listen address; ["*"]: any
+    cors_origins: Names = ()  # web origins allowed to call the API (CORS); others' requests: 403
     # connection hygiene (gateway/connections.py, docs/security.md)
-    idle_timeout: float = 30.0  # seconds a connection may hold no request (before its first, between two)
-    read_timeout: float = 30.0  # seconds a request's head and body may take to arrive, from its first byte
-    max_connections: int = 0  # per gateway process; 0: the fd limit less 64, at most 4096. Past it the oldest idle goes
-    send_timeout: float = 30.0  # seconds a client may read nothing of its reply; then it is cut, its request cancelled
-    send_buffer_bytes: int = 256 * 1024  # a reply's unread bytes held for a client; past it: cut, request cancelled
+    idle_timeout: Timeout = 30.0  # seconds a connection may hold no request (before its first, between two)
+    read_timeout: Timeout = 30.0  # seconds a request's head and body may take to arrive, from its first byte
+    # per gateway process; 0: the fd limit less 64, at most 4096. Past it the oldest idle goes
+    max_connections: NonNegative = 0
+    send_timeout: Timeout = 30.0  # seconds a client may read nothing of its reply; then: cut, request cancelled
+    send_buffer_bytes: Positive = 256 * 1024  # a reply's unread bytes held for a client; past it: cut, cancelled
     # stored responses (POST /v1/responses with store, previous_response_id, GET/DELETE /v1/responses/{id}):
     # an SQLite file in the state directory (Config.responses_path), every gateway process sharing it
     responses_store: bool = True  # false: nothing is stored (store acts as false), previous_response_id is a 400
-    responses_ttl: float = 30 * 86400.0  # seconds a stored response is kept (OpenAI's 30 days); "720h"
-    responses_max_mb: float = 1024.0  # MiB the stored responses (their JSON) take at most: past it, the oldest go
+    responses_ttl: Duration = 30 * 86400.0  # seconds a stored response is kept (OpenAI's 30 days); "720h"
+    # MiB the stored responses (their JSON) take at most: past it, the oldest go
+    responses_max_mb: Annotated[float, Meta(gt=0)] = 1024.0
     # http(s) image URLs (gateway/fetch.py): fetched only with fetch_media = true, from the listed hosts (none:
     # any), at most max_bytes and timeout seconds each, never from a private address unless fetch_media_private
     fetch_media: bool = False
-    fetch_media_hosts: tuple[str, ...] = ()
+    fetch_media_hosts: Names = ()
     fetch_media_max_bytes: int = 8 << 20
     fetch_media_timeout: float = 10.0
     fetch_media_private: bool = False
@@ -180,7 +271,7 @@ class MetricsConfig:
     """A Prometheus endpoint served by the supervisor; no ``[metrics]`` table, none (the gateway's
     ``GET /metrics`` is there either way)."""
 
-    listen: str = "127.0.0.1:9464"  # host:port; "" -> none (the table only sets the options below)
+    listen: ListenOrNone = "127.0.0.1:9464"  # host:port; "" -> none (the table only sets the options below)
     # also export the pod's gauges under vLLM's names (vllm:num_requests_waiting, ...), so that an
     # inference gateway's endpoint picker configured for vLLM reads llamapool unchanged (docs/metrics.md)
     vllm_compatible_names: bool = False
@@ -199,11 +290,11 @@ class KVEventsConfig:
     enable: bool = False
     endpoint: str = "tcp://*:5557"  # the pod's PUB socket: bound with a wildcard (or ipc://), else connected
     replay_endpoint: str = ""  # a ROUTER socket replaying buffered batches (e.g. "tcp://*:5558"); "": none
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 100_000  # the PUB socket's high-water mark (batches); past it a batch is dropped and counted
+    buffer_steps: Positive = 10_000  # batches kept for replay
+    hwm: Positive = 100_000  # the PUB socket's high-water mark (batches); past it a batch is dropped and counted
     topic: str = "kv@{pod}@{model}"  # llm-d's "kv@<pod>@<model>"; {pod} and {model} are filled in
     pod: str = ""  # {pod}: "" -> "$POD_IP:<http port>" (else the host name), the address the picker knows
-    block_size: int = 16  # tokens a block (the EPP's tokenProcessorConfig.blockSize should match)
+    block_size: Positive = 16  # tokens a block (the EPP's tokenProcessorConfig.blockSize should match)
 
 
 @dataclass(frozen=True)
@@ -230,8 +321,8 @@ class NodeConfig:
 class LogConfig:
     """``[log]``: how every process of the daemon logs (see llamapool.log)."""
 
-    format: str = "text"  # "text" (llamapool: ...) | "json" (one object a line)
-    level: str = "info"  # "debug" | "info" | "warning" | "error"
+    format: Literal["text", "json"] = "text"  # "text" (llamapool: ...) | "json" (one object a line)
+    level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 @dataclass(frozen=True)
@@ -310,170 +401,25 @@ class Config:
         return str(pub) if pub.is_file() else ""
 
 
-_POSITIVE = {
-    "server.max_queue", "server.queue_timeout", "server.rate_window", "server.flex_queue_timeout",
-    "server.tenant_idle", "server.drain_timeout", "server.max_message_bytes",
-    "model.ctx_per_slot", "model.n_ubatch", "model.cpu_workers", "model.slots",
-    "workers.cpu_workers", "workers.slots", "workers.heartbeat_interval",
-    "workers.heartbeat_liveness", "workers.step_timeout", "workers.start_timeout",
-    "workers.restart_backoff", "workers.restart_backoff_max", "workers.flap_window",
-    "workers.flap_limit", "http.processes", "http.request_timeout", "http.idle_timeout", "http.read_timeout",
-    "http.send_timeout", "http.send_buffer_bytes", "http.responses_ttl", "http.responses_max_mb",
-    "kv_events.buffer_steps", "kv_events.hwm", "kv_events.block_size",
-}
-
-
-_DURATIONS = {"server.rate_window", "server.flex_queue_timeout", "server.tenant_idle",
-              "model.idle_unload", "pool.idle_unload", "pool.scale_up_wait", "pool.scale_down_idle",
-              "pool.min_residency", "pool.load_backoff", "http.responses_ttl"}
-
-
-def _duration(key: str, value: str) -> float:
-    """Seconds from a number of seconds or a duration string: "90s", "15m", "2h", "1h30m"."""
-    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", value)
-    if not value.strip() or parts is None or not any(parts.groups()):
-        raise ConfigError(f"{key}: must be seconds or a duration such as \"90s\", \"15m\", \"2h\", got {value!r}")
-    h, m, sec = (float(g or 0) for g in parts.groups())
-    return h * 3600 + m * 60 + sec
-
-
-def ram_budget(text: str, total: int) -> int:
-    """``[pool] ram_budget`` in bytes, given the machine's RAM: "16GiB", "12000MB", "75%"; "" -> 80 %."""
-    if not text:
-        return int(total * 0.8)
-    size = parse_size(text)
-    if size is None:
-        raise ConfigError(f"pool.ram_budget: must be a size such as \"16GiB\" or \"12000MB\", or a share of "
-                          f"the RAM such as \"75%\", got {text!r}")
-    number, unit = size
-    if unit == "%":
-        if not 0 < number <= 100:
-            raise ConfigError(f"pool.ram_budget: a share of the RAM must be > 0% and <= 100%, got {text!r}")
-        return int(total * number / 100)
-    return size_bytes(number, unit)
-
-
-def _pool(pool: PoolConfig) -> PoolConfig:
-    ram_budget(pool.ram_budget, 1 << 30)  # checks its form (the machine's RAM is read at start)
-    for key in ("idle_unload", "scale_up_wait", "scale_down_idle", "min_residency", "load_backoff"):
-        if getattr(pool, key) < 0:
-            raise ConfigError(f"pool.{key}: must be >= 0 seconds, got {getattr(pool, key)!r}")
-    return pool
-
-
-_REPLACED = {
-    "model.n_batch": "renamed to model.max_batch_tokens (the per-step token budget)",
-    "model.prefill_chunk": "replaced by model.max_batch_tokens: one token budget per step, shared by "
-                           "decoding sequences and prompt chunks (see docs/benchmarks.md); remove it",
-}
-
-
-def _is_device(d: Any) -> bool:
-    return (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or \
-        (isinstance(d, str) and d.startswith(("GPU-", "MIG-")))
-
-
-def _devices(key: str, value: Any) -> Devices:
-    """``"auto"``, ``"cpu"``, ``"remote"`` (no local worker: nodes serve the model), or a list of GPUs
-    (a worker each) or of GPU groups (a worker per group)."""
-    if value in ("auto", "cpu", "remote"):
-        return str(value)
-    if isinstance(value, list) and value and all(
-        _is_device(d) or (isinstance(d, list) and d and all(_is_device(x) for x in d)) for d in value
-    ):
-        flat = [x for d in value for x in (d if isinstance(d, list) else [d])]
-        twice = sorted({repr(x) for x in flat if flat.count(x) > 1})
-        if twice:
-            raise ConfigError(f"{key}: GPU {', '.join(twice)} is listed twice: a GPU belongs to one worker")
-        return list(value)
-    raise ConfigError(
-        f"{key}: must be \"auto\", \"cpu\", \"remote\", a non-empty list of GPU indices or \"GPU-<uuid>\" strings, "
-        f"or a list of such lists (one worker per group), got {value!r}"
-    )
-
-
-def _coerce(key: str, value: Any, default: Any, rule: str = "") -> Any:
-    """Check ``value`` against the type of the key's default value; ``rule`` is the key whose
-    rules apply (``model.slots`` for ``models[1].slots``), ``key`` the name in errors."""
-    rule = rule or key
-    if rule in ("workers.devices", "model.devices"):
-        return _devices(key, value)
-    if rule == "model.tensor_split":
-        if not isinstance(value, list) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value) \
-                or (value and not sum(value) > 0):
-            raise ConfigError(f"{key}: must be a list of non-negative numbers (a share per GPU of a group), "
-                              f"got {value!r}")
-        return tuple(float(v) for v in value)
-    if rule == "model.replicas":
-        if not isinstance(value, list) or len(value) != 2 or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value) \
-                or not 0 <= value[0] <= value[1] or value[1] < 1:
-            raise ConfigError(f"{key}: must be [at least, at most] workers, 0 <= at least <= at most, "
-                              f"at most >= 1, e.g. [1, 4], got {value!r}")
-        return tuple(value)
-    if rule == "model.lora":
-        return _lora_tables(key, value)
-    if rule in _DURATIONS and isinstance(value, str):
-        value = _duration(key, value)
-    if isinstance(default, tuple):  # a list of strings
-        if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
-            raise ConfigError(f"{key}: must be a list of non-empty strings, got {value!r}")
-        return tuple(v.strip() for v in value)
-    if rule == "workers.env":
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()
-        ):
-            raise ConfigError(f"{key}: must be a table of NAME = \"value\"")
-        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in value.items()}
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: must be true or false, got {value!r}")
-        return value
-    if isinstance(default, int):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{key}: must be an integer, got {value!r}")
-    elif isinstance(default, float):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key}: must be a number, got {value!r}")
-        value = float(value)
-    elif isinstance(default, str):
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: must be a string, got {value!r}")
-    if rule in _POSITIVE and value <= 0:
-        raise ConfigError(f"{key}: must be > 0, got {value!r}")
-    if rule in ("workers.threads", "model.threads", "server.affinity_slack", "model.max_batch_tokens",
-                "model.prefill_cublas_min_rows", "http.max_connections", "model.grammar_cache_mb") \
-            and value < 0:
-        raise ConfigError(f"{key}: must be >= 0, got {value!r}")
-    return value
-
-
 def _lora_tables(key: str, value: Any) -> tuple[tuple[str, str, float], ...]:
-    """``[[models.lora]]`` tables: ``name`` (as a model's), ``path`` (a GGUF adapter, or an ``hf:`` reference)
-    and ``scale`` (default 1.0, finite, at most ``MAX_LORA_SCALE`` either way); names unique in the model."""
+    """``[[models.lora]]`` tables as (name, path, scale), names unique in the model."""
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise ConfigError(f"{key}: must be [[{key}]] tables of name, path and scale")
     out: list[tuple[str, str, float]] = []
     for i, t in enumerate(value):
-        at = f"{key}[{i}]"
-        unknown = sorted(set(t) - {"name", "path", "scale"})
-        if unknown:
-            raise ConfigError(f"{at}.{unknown[0]}: unknown key (known: name, path, scale)")
-        name, path, scale = t.get("name"), t.get("path"), t.get("scale", 1.0)
-        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
-            raise ConfigError(f"{at}.name: must be 1 to 64 letters, digits, '.', '_', '-' or '/', starting with a "
-                              f"letter or digit (requests name the adapter by it), got {name!r}")
-        if name in [a[0] for a in out]:
-            raise ConfigError(f"{at}.name: {name!r} is also the name of another adapter of the model")
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{at}.path: is required (a LoRA adapter GGUF, or hf:OWNER/REPO/FILE.gguf)")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
-                or abs(scale) > MAX_LORA_SCALE:
-            raise ConfigError(f"{at}.scale: must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}, "
-                              f"got {scale!r}")
-        out.append((name, path, float(scale)))
+        lora = table(f"{key}[{i}]", LoraTable, t)
+        if lora.name in [a[0] for a in out]:
+            raise ConfigError(f"{key}[{i}].name: {lora.name!r} is also the name of another adapter of the model")
+        out.append((lora.name, lora.path, lora.scale))
     return tuple(out)
+
+
+def _distinct(key: str, devices: Devices) -> None:
+    """A GPU listed twice in one ``devices`` is an error."""
+    flat = [x for d in ([] if isinstance(devices, str) else devices) for x in (d if isinstance(d, list) else [d])]
+    twice = sorted({repr(x) for x in flat if flat.count(x) > 1})
+    if twice:
+        raise ConfigError(f"{key}: GPU {', '.join(twice)} is listed twice: a GPU belongs to one worker")
 
 
 def _lora_paths(key: str, m: ModelConfig, base_dir: Path | None) -> ModelConfig:
@@ -501,25 +447,6 @@ def _lora_paths(key: str, m: ModelConfig, base_dir: Path | None) -> ModelConfig:
     return dataclasses.replace(m, lora=tuple(resolved))
 
 
-def _section(name: str, cls: type, raw: Any, base: Any = None, rule: str = "") -> Any:
-    """Build ``cls`` from the table ``raw`` named ``name`` (over ``base``, else the defaults)."""
-    rule = rule or name
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{name}: must be a table")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kw = {}
-    for key, value in raw.items():
-        if f"{rule}.{key}" in _REPLACED:
-            raise ConfigError(f"{name}.{key}: {_REPLACED[f'{rule}.{key}']}")
-        if key not in known:
-            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(known))})")
-        f = known[key]
-        factory: Any = f.default_factory
-        default = f.default if f.default is not dataclasses.MISSING else factory()
-        kw[key] = _coerce(f"{name}.{key}", value, default, f"{rule}.{key}")
-    return dataclasses.replace(base, **kw) if base is not None else cls(**kw)
-
-
 def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) -> tuple[ModelConfig, ...]:
     """``[[models]]`` (or the legacy ``[model]``, a pool of one), each over the ``[workers]`` defaults."""
     if "model" in raw and "models" in raw:
@@ -531,11 +458,14 @@ def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) 
         named = [(f"models[{i}]", t) for i, t in enumerate(tables)]
     else:
         named = [("model", raw.get("model", {}))]
-    pool = ModelConfig(**{k: getattr(workers, k) for k in POOL_KEYS})
+    pool = {k: getattr(workers, k) for k in POOL_KEYS}
     models: list[ModelConfig] = []
-    for key, table in named:
-        m: ModelConfig = _section(key, ModelConfig, table, pool, "model")
-        models.append(_model(key, m, base_dir, explicit="name" in table, listed=key != "model"))
+    for key, keys in named:
+        if not isinstance(keys, dict):
+            raise ConfigError(f"{key}: must be a table")
+        lora = _lora_tables(f"{key}.lora", keys["lora"]) if "lora" in keys else ()
+        m = table(key, ModelConfig, {k: v for k, v in keys.items() if k != "lora"}, {**pool, "lora": lora}, MOVED)
+        models.append(_model(key, m, base_dir, explicit="name" in keys, listed=key != "model"))
     seen: dict[str, str] = {}
     for (key, _), m in zip(named, models, strict=True):
         if m.name in seen:
@@ -553,8 +483,6 @@ def _models(raw: dict[str, Any], workers: WorkersConfig, base_dir: Path | None) 
 
 def _model_task(m: ModelConfig, key: str) -> ModelConfig:
     """``m`` with its ``task`` resolved ("generate", "embed" or "rerank"); "embed" is ``embedding = true``."""
-    if m.task not in MODEL_TASKS:
-        raise ConfigError(f"{key}.task: must be \"generate\", \"embed\" or \"rerank\", got {m.task!r}")
     if m.task in ("generate", "rerank") and m.embedding:
         raise ConfigError(f"{key}.embedding: an embedding model's task is \"embed\", not {m.task!r}")
     if m.task == "rerank" and m.engine != "llama":
@@ -587,8 +515,6 @@ def _mmproj(key: str, m: ModelConfig, base_dir: Path | None) -> str:
 
 def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, listed: bool) -> ModelConfig:
     """Resolve one model's paths and name, and check the keys that depend on each other."""
-    if m.engine not in ("llama", "echo"):
-        raise ConfigError(f"{key}.engine: must be \"llama\" or \"echo\", got {m.engine!r}")
     if not m.path and m.engine == "llama":
         raise ConfigError(f"{key}.path: is required")
     if m.path.startswith("hf:"):  # a Hugging Face reference: its cached file, else `serve` downloads it (hub.py)
@@ -607,8 +533,7 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
     if m.mmproj:
         m = dataclasses.replace(m, mmproj=_mmproj(key, m, base_dir))
     if (listed or explicit) and not MODEL_NAME.fullmatch(m.name):
-        raise ConfigError(f"{key}.name: {m.name!r} must be 1 to 64 letters, digits, '.', '_', '-' or '/', "
-                          f"starting with a letter or digit" + ("" if explicit else " (set name = \"...\")"))
+        raise ConfigError(f"{key}.name: {m.name!r} must be {NAMES}" + ("" if explicit else " (set name = \"...\")"))
     m = _lora_paths(key, m, base_dir)
     if m.chat_template:
         from llamapool.worker.chat import check_template_file  # Jinja2 only, no llama.cpp
@@ -619,17 +544,17 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
             check_template_file(m.chat_template)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if m.pooling not in POOLINGS:
-        raise ConfigError(f"{key}.pooling: must be \"mean\", \"cls\" or \"last\" (or \"\": the GGUF's own), "
-                          f"got {m.pooling!r}")
     m = _model_task(m, key)
+    _check_model(key, m)
+    return m
+
+
+def _check_model(key: str, m: ModelConfig) -> None:
+    """The model's keys that depend on each other, and the engine's own forms (kv_host, target_step)."""
     if m.embedding and m.engine != "llama":
         raise ConfigError(f"{key}.embedding: needs engine = \"llama\" (the echo engine computes nothing)")
     if m.pooling and not m.embedding:
         raise ConfigError(f"{key}.pooling: applies to an embedding model only; set {key}.embedding = true")
-    if m.speculative not in SPECULATIVE and not (m.speculative.startswith("draft:") and m.speculative[6:]):
-        values = ", ".join(f'"{v}"' for v in SPECULATIVE)
-        raise ConfigError(f"{key}.speculative: must be {values} or \"draft:<a GGUF path>\", got {m.speculative!r}")
     try:
         host_kv_bytes(m.kv_host, ram=1 << 30)
     except ValueError as e:
@@ -645,21 +570,23 @@ def _model(key: str, m: ModelConfig, base_dir: Path | None, explicit: bool, list
             f"{key}.max_batch_tokens: must be > the slots per worker ({m.slots}): every step gives each "
             f"busy slot a token and prompts need the rest, got {m.max_batch_tokens}"
         )
-    if m.load not in ("always", "on_demand"):
-        raise ConfigError(f"{key}.load: must be \"always\" (loaded at start, never evicted) or \"on_demand\" "
-                          f"(loaded at its first request), got {m.load!r}")
+    if m.replicas and not (len(m.replicas) == 2 and m.replicas[0] <= m.replicas[1] >= 1):
+        raise ConfigError(f"{key}.replicas: must be {REPLICAS}, got {list(m.replicas)!r}")
     if m.idle_unload < 0 and m.idle_unload != -1:
         raise ConfigError(f"{key}.idle_unload: must be >= 0 seconds (0: never), got {m.idle_unload!r}")
+    _distinct(f"{key}.devices", m.devices)
     if m.managed and (m.devices == "remote" or any(len(g) > 1 for g in m.groups or [])):
         what = "load = \"on_demand\"" if m.load == "on_demand" else "replicas"
         raise ConfigError(f"{key}.devices: {what} places each worker on one GPU (or the CPU) by free memory; "
                           f"it cannot be \"remote\" or GPU groups, got {m.devices!r}")
+    if m.tensor_split and not sum(m.tensor_split) > 0:
+        raise ConfigError(f"{key}.tensor_split: must have a share above 0 (a share per GPU of a group), "
+                          f"got {list(m.tensor_split)!r}")
     if m.tensor_split:
         groups = m.groups
         if groups is None or any(len(g) != len(m.tensor_split) for g in groups):
             raise ConfigError(f"{key}.tensor_split: has {len(m.tensor_split)} shares; it needs devices given as "
                               f"groups of as many GPUs (devices = {m.devices!r})")
-    return m
 
 
 def _check_overlap(named: list[tuple[str, Any]], models: list[ModelConfig]) -> None:
@@ -679,29 +606,20 @@ def _check_overlap(named: list[tuple[str, Any]], models: list[ModelConfig]) -> N
 
 def from_dict(raw: dict[str, Any], base_dir: Path | None = None, source: str = "") -> Config:
     """Build a validated :class:`Config`; relative model paths resolve against ``base_dir``."""
-    sections = {"server": ServerConfig, "workers": WorkersConfig, "pool": PoolConfig, "http": HttpConfig,
-                "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig,
-                "kv_events": KVEventsConfig}
+    sections: dict[str, type] = {
+        "server": ServerConfig, "workers": WorkersConfig, "pool": PoolConfig, "http": HttpConfig,
+        "metrics": MetricsConfig, "security": SecurityConfig, "log": LogConfig, "node": NodeConfig,
+        "kv_events": KVEventsConfig}
     for key in raw:
         if key not in sections and key not in ("model", "models"):
             raise ConfigError(f"{key}: unknown section (known: server, models, model, {', '.join(list(sections)[1:])})")
-    parts = {name: _section(name, cls, raw.get(name, {})) for name, cls in sections.items()
-             if name in raw or name not in ("http", "metrics", "node", "kv_events")}
+    parts: dict[str, Any] = {name: table(name, cls, raw.get(name, {})) for name, cls in sections.items()
+                             if name in raw or name not in ("http", "metrics", "node", "kv_events")}
+    _distinct("workers.devices", parts["workers"].devices)
     if "http" in parts:
         parts["http"] = _http(parts["http"], base_dir)
-    if "metrics" in parts and parts["metrics"].listen:
-        host, _, port = parts["metrics"].listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"metrics.listen: must be \"host:port\" (or \"\" for none), "
-                              f"got {parts['metrics'].listen!r}")
-    parts["pool"] = _pool(parts["pool"])
     if "kv_events" in parts:
         parts["kv_events"] = _kv_events(parts["kv_events"])
-    log: LogConfig = parts["log"]
-    if log.format not in ("text", "json"):
-        raise ConfigError(f"log.format: must be \"text\" or \"json\", got {log.format!r}")
-    if log.level not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"log.level: must be \"debug\", \"info\", \"warning\" or \"error\", got {log.level!r}")
     models = _models(raw, parts["workers"], base_dir)
     parts["security"] = _security(parts["security"], parts["server"], base_dir)
     if "node" in parts:
@@ -784,9 +702,6 @@ HOST = re.compile(r"(\*\.)?[a-zA-Z0-9_.-]+|\[[0-9a-fA-F:.]+\]|[0-9a-fA-F:]+")
 
 
 def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:
-    host, _, port = http.listen.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"http.listen: must be \"host:port\", got {http.listen!r}")
     for origin in http.cors_origins:
         if origin != "*" and not ORIGIN.fullmatch(origin):
             raise ConfigError(f"http.cors_origins: {origin!r} is not an origin: \"*\" or scheme://host[:port], "
@@ -805,9 +720,6 @@ def _http(http: HttpConfig, base_dir: Path | None) -> HttpConfig:
             keysfile.load(keys)
         except keysfile.KeysFileError as e:
             raise ConfigError(f"http.api_keys_file: {e}") from None
-    if http.tenant_header and not re.fullmatch(r"[A-Za-z0-9-]{1,64}", http.tenant_header):
-        raise ConfigError(f"http.tenant_header: must be a header name (letters, digits, '-'), got "
-                          f"{http.tenant_header!r}")
     return dataclasses.replace(http, api_keys_file=keys, tenant_header=http.tenant_header.lower())
 
 

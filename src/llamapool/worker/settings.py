@@ -12,7 +12,9 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from msgspec import Meta
 
 from llamapool.protocol.limits import MAX_LORA_SCALE
 
@@ -21,6 +23,13 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 HOST_KV_SHARE = 4  # kv_host = "auto": a quarter of the machine's RAM, shared by its workers ...
 HOST_KV_PER_SLOT_KV = 8  # ... and at most 8 times the worker's own KV cache
+# the keys' constraints, which the config checks (config.py, llamapool.tables)
+Positive = Annotated[int, Meta(gt=0)]
+NonNegative = Annotated[int, Meta(ge=0)]
+Speculative = Annotated[str, Meta(pattern=r"\A(auto|ngram|off|draft:.+)\Z",
+                                  description='"auto", "ngram", "off" or "draft:<a GGUF path>"')]
+Shares = Annotated[tuple[Annotated[float, Meta(ge=0)], ...],
+                   Meta(description="a list of non-negative numbers (a share per GPU of a group)")]
 
 
 def parse_size(text: str) -> tuple[float, str] | None:
@@ -65,17 +74,17 @@ def step_budget(max_batch_tokens: int, slots: int, gpu: bool) -> int:
 class EngineSettings:
     """The engine's settings of one model (docs/configuration.md explains each key)."""
 
-    slots: int = 8  # parallel sequences per worker
-    ctx_per_slot: int = 2048  # context tokens per parallel sequence (prompt + generation)
+    slots: Positive = 8  # parallel sequences per worker
+    ctx_per_slot: Positive = 2048  # context tokens per parallel sequence (prompt + generation)
     # Per-step token budget: one token per decoding sequence, prompt chunks fill the rest.
     # 0 = auto: 4096 on a GPU (measured: docs/benchmarks.md), 512 on CPU workers (step_budget).
-    max_batch_tokens: int = 0
+    max_batch_tokens: NonNegative = 0
     # How much prompt work a step takes, under max_batch_tokens (worker/scheduler.py StepTarget):
     # "auto" (sized from the step costs the worker measures and the prompts waiting), "off" (the
     # token budget alone), "<F>x" (F times the measured pure-decode step) or "<N>ms".
     target_step: str = "auto"
-    n_ubatch: int = 1024  # llama.cpp physical micro-batch
-    threads: int = 0  # CPU threads per worker; 0 -> the cores split between all CPU workers
+    n_ubatch: Positive = 1024  # llama.cpp physical micro-batch
+    threads: NonNegative = 0  # CPU threads per worker; 0 -> the cores split between all CPU workers
     # flash attention (on GPUs only: llama.cpp's CPU flash attention computes a sequence's row otherwise
     # when other sequences share the batch)
     flash_attn: bool = True
@@ -89,14 +98,14 @@ class EngineSettings:
     # the batch), "off", or "auto": ngram on GPU workers, off on CPU workers (llama.cpp's CPU kernels
     # compute a sequence's row otherwise for one query token than for several, so greedy text would
     # change at near-ties: docs/configuration.md)
-    speculative: str = "auto"
+    speculative: Speculative = "auto"
     chat_template: str = ""  # a Jinja2 chat template file (relative: to the config file); "" -> the GGUF's
     # Chat contents are tokenized as text: a user's "<end_of_turn>" stays text, only the template's own
     # special-token text becomes control tokens. true: contents' special-token text is parsed too
     # (callers that are trusted to write control tokens); docs/security.md.
     parse_special_in_content: bool = False
-    tensor_split: tuple[float, ...] = ()  # per GPU of a group; () -> llama.cpp's split (by free memory)
-    grammar_cache_mb: int = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
+    tensor_split: Shares = ()  # per GPU of a group; () -> llama.cpp's split (by free memory)
+    grammar_cache_mb: NonNegative = 0  # compiled grammars a worker keeps, in MiB; 0 -> 1/64 of RAM, 64 MiB to 1 GiB
     # The host-RAM KV tier (worker/engine/hostkv.py): a slot's KV copied to RAM before it is overwritten and
     # copied back when its prefix returns. "auto" (CPU workers: a quarter of the RAM split between the
     # machine's workers, at most 8x the worker's KV cache; GPU workers: off, not yet measured faster there),
