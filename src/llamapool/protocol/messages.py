@@ -455,12 +455,14 @@ class UnloadAdapter:
 @dataclass(slots=True)
 class AdapterDone:
     """Worker -> router: a :class:`LoadAdapter` (``action`` "load") or :class:`UnloadAdapter` ("unload")
-    carried out (``error`` "") or refused (``error``: why, for the operator)."""
+    carried out (``error`` "") or refused (``error``: why, for the operator; ``field``: the load's parameter
+    it names)."""
 
     TYPE: ClassVar[str] = "adapter_done"
     name: str
     action: str
     error: str = ""
+    field: str = "path"
 
 
 @dataclass(slots=True)

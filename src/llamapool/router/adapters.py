@@ -43,7 +43,8 @@ class Adapter:
     state: str = "loaded"  # "loading" (its workers are loading it), "loaded", "unloading"
     waiting: set[str] = field(default_factory=set)  # the workers yet to answer the load or unload under way
     loaded_on: set[str] = field(default_factory=set)  # the workers that loaded it (a load under way)
-    errors: list[str] = field(default_factory=list)  # the workers' refusals (a load under way)
+    errors: list[tuple[str, str]] = field(default_factory=list)  # the workers' refusals, and the parameter each
+    # names (a load under way)
     client: bytes = b""  # who waits for the load's answer, and the request's id
     rid: str = ""
     told: bool = False  # an unload: its workers were told
@@ -161,9 +162,10 @@ class AdapterOps(JobTable):
             return
         if a.errors or not a.loaded_on:
             del self.adapters.table[a.name]
-            why = a.errors[0] if a.errors else f"every worker of model {a.model!r} left while it loaded the adapter"
+            why, param = a.errors[0] if a.errors else \
+                (f"every worker of model {a.model!r} left while it loaded the adapter", None)
             self._reply(a.client, Error(a.rid, ErrorCode.INVALID_REQUEST if a.errors else ErrorCode.UNAVAILABLE, why,
-                                        field="path" if a.errors else None))
+                                        field=param))
             LOG.warning(f"LoRA adapter {a.name!r}: not loaded: {why}", model=a.model)
             if a.loaded_on:
                 self._leave(a, a.loaded_on)
@@ -253,7 +255,7 @@ class AdapterOps(JobTable):
             return
         a.waiting.discard(w.name)
         if msg.error:
-            a.errors.append(msg.error)
+            a.errors.append((msg.error, msg.field))
         else:
             a.loaded_on.add(w.name)
         self._settle_load(a)

@@ -207,8 +207,9 @@ class EngineLoop(threading.Thread):
         """A run-time LoRA load (answered now) or unload (answered now if refused, else once freed)."""
         action = "load" if isinstance(msg, LoadAdapter) else "unload"
         call = getattr(self.engine, f"{action}_adapter", None)
+        param = "path" if call is not None else "model"
         if call is None:
-            why = "this model takes no LoRA adapters: they apply to generative llama models"
+            why = "'model': this model takes no LoRA adapters (they apply to generative llama models)"
         else:
             why = call(msg.name, msg.path, msg.scale) if isinstance(msg, LoadAdapter) else call(msg.name)
         if why:
@@ -216,7 +217,7 @@ class EngineLoop(threading.Thread):
         elif isinstance(msg, LoadAdapter):
             self.log.info(f"LoRA adapter {msg.name!r} loaded from {msg.path} (scale {msg.scale:g})")
         if why or isinstance(msg, LoadAdapter):
-            self.adapter_done.append(AdapterDone(msg.name, action, why))
+            self.adapter_done.append(AdapterDone(msg.name, action, why, param))
 
     @staticmethod
     def _merge(report: Step, part: Step) -> None:
