@@ -301,3 +301,29 @@ def test_a_reload_keeps_runtime_adapters(tmp_path: Path, model_path: str, files:
         assert [a["name"] for a in lora_rows(d)] == ["cfg-a", "rt-a"]
     finally:
         d.stop(signal.SIGQUIT, timeout=30)
+
+
+def test_a_restarted_worker_that_cannot_load_an_adapter_serves_on_and_the_unload_completes(
+        pool: tuple[Daemon, str], files: dict[str, str], tmp_path: Path) -> None:
+    """The adapter's file is gone when the model's worker restarts: the worker serves without it (a request for
+    it fails naming it, the log says why), and an unload still completes."""
+    import shutil
+
+    d, _ = pool
+    copy = str(shutil.copy(files["b"], tmp_path / "b-copy.gguf"))
+    with d.client() as c:
+        c.load_adapter("rt-vanish", copy, model=BASE)
+        os.unlink(copy)
+        worker = next(w for w in d.status()["workers"] if w["model"] == BASE)
+        os.kill(worker["pid"], signal.SIGKILL)
+        d.wait_ready(3, timeout=90, exclude_pids={worker["pid"]})
+        d.wait_log("LoRA adapter 'rt-vanish' not loaded", 30)
+        with pytest.raises(BadRequestError) as e:
+            c.generate("hi", model="rt-vanish", max_tokens=2)
+        assert e.value.field == "lora[0].name" and "rt-vanish" in e.value.message
+        assert text(d, "cfg-a") == text(d, BASE, lora=[{"id": 0}])
+        assert c.unload_model("rt-vanish")["state"] == "unloading"
+    wait_gone(d, "rt-vanish")
+    with d.client() as c:  # the name is free again
+        c.load_adapter("rt-vanish", files["b"], model=BASE)
+        c.unload_model("rt-vanish")

@@ -177,8 +177,9 @@ class AdapterOps(JobTable):
         LOG.info(f"LoRA adapter {a.name!r}: loaded into model {a.model!r} on {n} worker(s)", model=a.model)
 
     def _adapters_for(self, w: WorkerState) -> None:
-        """A worker that joined: its model's run-time adapters, before any request."""
-        for a in list(self.adapters.table.values()):
+        """A worker that joined: its model's run-time adapters, before any request (those unloading too, while
+        requests for them still wait: the worker is told with the others)."""
+        for a in [*self.adapters.table.values(), *(x for x in self.adapters.leaving if not x.told)]:
             if a.runtime and a.model == w.model:
                 if a.state == "loading":
                     a.waiting.add(w.name)

@@ -39,6 +39,7 @@ class Adapters:
         self.paths: list[str] = []  # each adapter's file, its real path
         self.runtime: set[int] = set()  # the places loaded at run time: those an unload may free
         self.closing: set[int] = set()  # being unloaded: no new request takes them; freed once none uses them
+        self.unheld: list[str] = []  # unloads of names it does not have (a load it refused): answered as freed
         self._tags: dict[bytes, Key] = {}  # each tag handed out, and its set (an unload drops their KV)
         for name, path, scale in lora:
             why = self._load(name, path, scale)
@@ -87,6 +88,7 @@ class Adapters:
         does not have)."""
         idx = self._place(name)
         if idx is None:
+            self.unheld.append(name)
             return ""
         if idx not in self.runtime:
             return f"adapter {name!r} is declared in the config ([[models.lora]]): a reload without it removes it"
@@ -96,14 +98,15 @@ class Adapters:
     def free_unused(self, ctx: Any, in_use: Iterable[Key]) -> tuple[list[str], set[bytes]]:
         """The adapters being unloaded that no set in ``in_use`` holds, freed: their names, and the tags of the
         KV computed with them (the caller drops it)."""
+        names, self.unheld = self.unheld, []
         used = {i for key in in_use for i, _ in key}
         gone = sorted(self.closing - used)
         if not gone:
-            return [], set()
+            return names, set()
         L.llama_synchronize(ctx)  # a batch in flight (GPU sampling's pipeline) is done with the context's set
         if any(i in gone for i, _ in self.current):
             self.apply(ctx, BASE)
-        names, tags = [], set()
+        tags = set()
         for idx in gone:
             L.llama_adapter_lora_free(self.handles[idx])
             names.append(str(self.names[idx]))

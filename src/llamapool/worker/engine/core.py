@@ -156,7 +156,7 @@ class Engine:
     def free_adapters(self) -> list[str]:
         """The adapters being unloaded that no sequence uses any more, freed, and the KV computed with them
         dropped from the prefix cache and the host tier: their names."""
-        if not self.adapters.closing:
+        if not self.adapters.closing and not self.adapters.unheld:
             return []
         # (a finished sequence's row still in flight is waited for: free_unused synchronizes first)
         in_use = [s.adapters for s in self.active.values()] + [w.adapters for w in self.waiting]
