@@ -147,6 +147,7 @@ class Engine:
 
     def load_adapter(self, name: str, path: str, scale: float) -> str:
         """A LoRA adapter loaded at run time (the router's LoadAdapter): "" once loaded, else why not."""
+        L.llama_synchronize(self.ctx)  # a batch in flight (GPU sampling's pipeline) finishes first
         return self.adapters.load(name, path, scale)
 
     def unload_adapter(self, name: str) -> str:
