@@ -327,3 +327,60 @@ def test_a_restarted_worker_that_cannot_load_an_adapter_serves_on_and_the_unload
     with d.client() as c:  # the name is free again
         c.load_adapter("rt-vanish", files["b"], model=BASE)
         c.unload_model("rt-vanish")
+
+
+def test_the_engine_frees_an_adapter_once_unused_and_drops_its_kv_from_the_host_tier(
+        model_path: str, files: dict[str, str]) -> None:
+    """The engine alone (2 slots, a host tier): an unload while a sequence uses the adapter frees it only once
+    that sequence ends; its KV in the tier goes (the same file loaded again finds none of it), the base's stays."""
+    import numpy as np
+
+    from llamapool.protocol.messages import Run, SamplingParams, Step
+    from llamapool.worker.engine import Engine, EngineConfig
+
+    def params(lora: tuple[dict[str, Any], ...] = ()) -> SamplingParams:
+        return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora=lora)
+
+    def run(rid: int, tokens: list[int], p: SamplingParams) -> tuple[Step, int]:
+        before = eng.reused_tokens
+        eng.submit(Run(rid, tokens, p, False), out := Step())
+        while eng.busy:
+            step = eng.step()
+            out.done += step.done
+            out.failed += step.failed
+        return out, eng.reused_tokens - before
+
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(3, 500, 150).tolist() for _ in range(3))
+    eng = Engine(EngineConfig(model_path, slots=2, ctx_per_slot=512, max_batch_tokens=256, n_ubatch=256, threads=1,
+                              kv_host="64MiB", deterministic=True))
+    try:
+        assert eng.load_adapter("rt", files["a"], 1.0) == ""
+        assert eng.load_adapter("rt", files["b"], 1.0) != ""  # the name is taken, by another file
+        under = params(({"name": "rt"},))
+        run(1, a, under)
+        run(2, b, params())
+        run(3, c, params())  # a's KV under rt goes to the tier as c takes its slot
+        assert eng.kv.host is not None
+        tagged = lambda: sum(1 for e in eng.kv.host.store.entries.values() if e.tag)  # noqa: E731 (an adapter's)
+        assert tagged() == 1
+        eng.submit(Run(4, b, under, False), Step())
+        eng.step()  # running under rt
+        assert eng.unload_adapter("rt") == "" and eng.free_adapters() == []
+        refused = Step()
+        eng.submit(Run(5, a, under, False), refused)  # no new request takes it
+        assert refused.failed and refused.failed[0][3] == "lora"  # (its only adapter: none left)
+        while eng.busy:
+            eng.step()
+        base_entries = eng.kv_host()["entries"] - tagged()
+        assert eng.kv.tags and base_entries >= 1  # run 4's slot keeps its KV under rt, the tier the base's
+        assert eng.free_adapters() == ["rt"]
+        assert tagged() == 0 and eng.kv_host()["entries"] == base_entries  # its KV went, the base's stays
+        assert not eng.kv.tags  # and its kept prefix in the slot
+        assert eng.load_adapter("rt", files["a"], 1.0) == ""
+        hits = eng.kv_host()["hits"]
+        out, reused = run(6, a, under)
+        assert not out.failed and reused <= 1 and eng.kv_host()["hits"] == hits
+        assert eng.unload_adapter("cfg-none") == "" and eng.free_adapters() == ["cfg-none"]  # not held: done
+    finally:
+        eng.close()
