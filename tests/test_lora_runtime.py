@@ -232,6 +232,10 @@ def test_unloading_what_cannot_be_unloaded_is_refused(pool: tuple[Daemon, str]) 
         with pytest.raises(BadRequestError) as e:
             c.unload_model("cfg-a")
         assert e.value.field == "model" and "[[models.lora]]" in e.value.message
+        for action in (lambda: c.load_model("cfg-a"), lambda: c.pin_model("cfg-a")):  # a model's commands
+            with pytest.raises(BadRequestError) as e:
+                action()
+            assert e.value.field == "model" and "is a LoRA adapter of model 'tiny'" in e.value.message
     assert text(d, "cfg-a") != text(d, BASE)
 
 

@@ -234,6 +234,11 @@ class Intake(AdapterOps):
         known = msg.model in self.adapters.table or any(a.name == msg.model for a in self.adapters.leaving)
         if msg.model not in self.models and msg.action == "unload" and known:
             self._unload_adapter(client, msg.id, msg.model)
+        elif msg.model in self.adapters.table:
+            self._reply(client, Error(msg.id, ErrorCode.INVALID_REQUEST, f"'model': {msg.model!r} is a LoRA adapter "
+                                      f"of model {self.adapters.table[msg.model].model!r}: {msg.action} its model "
+                                      f"(an adapter is loaded with its path: llamapool load NAME --lora PATH)",
+                                      field="model"))
         elif msg.model not in self.models:
             self._reply(client, Error(msg.id, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not in this pool "
                                       f"(models: {', '.join(repr(m) for m in self.models)}; LoRA adapters: "
