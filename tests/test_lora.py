@@ -419,7 +419,7 @@ def test_a_sighup_adds_and_removes_adapters(tmp_path: Path, model_path: str, ada
                 if lora:
                     r = c.generate(p, model="tiny-a", max_tokens=MAX_TOKENS, temperature=0)
                     assert r.text == expected[(p, "a")] and r.model == "tiny-a"
-                    assert c.status()["models"][0]["lora"] == [{"name": "tiny-a", "scale": 1.0}]
+                    assert c.status()["models"][0]["lora"] == [{"id": 0, "name": "tiny-a", "scale": 1.0}]
                 else:
                     with pytest.raises(UnknownModelError):
                         c.generate(p, model="tiny-a", max_tokens=2)

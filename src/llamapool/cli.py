@@ -216,12 +216,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_model_action(args: argparse.Namespace) -> int:
-    """load, unload, pin, unpin: one model of a running daemon."""
+    """load, unload, pin, unpin: one model of a running daemon; load --lora and unload: a LoRA adapter."""
     from llamapool import Client, LlamapoolError
 
+    lora = getattr(args, "lora", None)
+    if lora is None and (args.cmd == "load" and (args.model is not None or args.scale is not None)):
+        print("error: --model and --scale go with --lora PATH (an adapter's load)", file=sys.stderr)
+        return 2
     with Client(_endpoint(args), **_keys(args)) as client:
         try:
-            if args.cmd == "load":
+            if lora is not None:
+                reply = client.load_adapter(args.name, os.path.abspath(lora), model=args.model,
+                                            scale=1.0 if args.scale is None else args.scale, timeout=args.timeout)
+            elif args.cmd == "load":
                 reply = client.load_model(args.name, wait=not args.no_wait, timeout=args.timeout)
             elif args.cmd == "unload":
                 reply = client.unload_model(args.name, timeout=args.timeout)
@@ -244,6 +251,10 @@ def print_status(st: dict[str, Any]) -> None:
               f"{', '.join(m['workers']) or '-'}{queue}")
         if m.get("reason"):
             print(f"model {m['name']}: {m['reason']}")
+        if m.get("lora"):
+            print(f"model {m['name']}: LoRA adapters " + ", ".join(
+                f"{a['id']} {a['name']}" + (f" (scale {a['scale']:g})" if a["scale"] != 1 else "") +
+                (" (loaded at run time)" if a.get("runtime") else "") for a in m["lora"]))
     cols: tuple[str, ...] = ("id", "model", "pid", "device", "state", "slots", "active", "restarts", "last_exit")
     if any(w.get("node") for w in st["workers"]):
         cols = ("id", "node", *cols[1:])
@@ -507,18 +518,29 @@ def _daemon_commands(sub: Any) -> None:
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon's answer")
     st.set_defaults(fn=cmd_status)
 
-    for name, summary in (("load", "load a model now (placed by free memory; waits until it is loaded)"),
-                          ("unload", "unload a model: its workers finish what they run, then exit"),
+    for name, summary in (("load", "load a model now (placed by free memory; waits until it is loaded), or a "
+                                   "LoRA adapter (--lora)"),
+                          ("unload", "unload a model (its workers finish what they run, then exit) or a LoRA "
+                                     "adapter"),
                           ("pin", "pin a model: load it, and never evict it or unload it when idle"),
                           ("unpin", "unpin a model: it may be evicted, and unloaded when idle, again")):
         q = _sub(sub, name, summary, f"{summary[0].upper()}{summary[1:]} (a model of a running daemon; "
                  "docs/operations.md, \"A pool that follows demand\").")
-        q.add_argument("name", help="the model's name (llamapool status lists them)")
+        q.add_argument("name", help="the model's name (llamapool status lists them)" + (
+            "; with --lora, the adapter's new name" if name == "load" else
+            ", or a LoRA adapter's (loaded with load --lora): requests using it finish, then it is freed"
+            if name == "unload" else ""))
         _endpoint_args(q)
         q.add_argument("--timeout", type=float, default=600.0 if name == "load" else 5.0,
-                       help="seconds to wait for the daemon (load: for the model to be loaded)")
+                       help="seconds to wait for the daemon (load: for the model or adapter to be loaded)")
         if name == "load":
             q.add_argument("--no-wait", action="store_true", help="return once the load has started")
+            q.add_argument("--lora", metavar="PATH", help="load the LoRA adapter GGUF at PATH (on the daemon's host) "
+                           "as NAME into every worker of --model, and into its workers that start later; requests "
+                           "then name it as their model or in 'lora' (docs/configuration.md#lora-adapters-modelslora)")
+            q.add_argument("--model", help="with --lora: the adapter's base model (default: the pool's first)")
+            q.add_argument("--scale", type=float, help="with --lora: the scale of requests that give none "
+                           "(default 1; -16 to 16)")
         q.set_defaults(fn=cmd_model_action)
 
 

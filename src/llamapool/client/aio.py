@@ -54,6 +54,7 @@ from llamapool.protocol.messages import (
     Detokenize,
     Embed,
     Error,
+    LoadAdapter,
     Message,
     MetricsRequest,
     ModelAction,
@@ -506,8 +507,20 @@ class AsyncClient:
         return await self._model_action("load", model, wait, timeout)
 
     async def unload_model(self, model: str, *, timeout: float = 5.0) -> dict[str, Any]:
-        """Unload ``model``: its workers finish the requests they run, then exit (see ``load_model``)."""
+        """Unload ``model``: its workers finish the requests they run, then exit (see ``load_model``). A LoRA
+        adapter's name unloads the adapter: no new request takes it, and its workers free it once the requests
+        using it have finished (state ``unloading``)."""
         return await self._model_action("unload", model, False, timeout)
+
+    async def load_adapter(self, name: str, path: str, *, model: str | None = None, scale: float = 1.0,
+                     timeout: float = 60.0) -> dict[str, Any]:
+        """Load the LoRA adapter GGUF ``path`` (absolute, on the workers' host) into every running worker of
+        ``model`` (default: the pool's first) as ``name``, which requests then name as their model or in
+        ``lora`` (at ``scale`` unless they give one); workers that start later load it too. Returns once every
+        worker has it (``{"model": name, "action": "load", "state": "loaded", "message"}``); a bad name, path or
+        scale raises ``BadRequestError`` naming it, an unknown model ``UnknownModelError``. ``unload_model(name)``
+        unloads it."""
+        return model_action_of(await self._query(LoadAdapter(new_id(), name, path, model, scale), timeout))
 
     async def pin_model(self, model: str, pinned: bool = True, *, timeout: float = 5.0) -> dict[str, Any]:
         """Pin ``model`` (load it; never evict it or unload it when idle), or unpin it (``pinned=False``)."""
@@ -529,7 +542,8 @@ class AsyncClient:
         """The daemon's Prometheus metrics, in the text exposition format (docs/metrics.md)."""
         return metrics_of(await self._query(MetricsRequest(new_id()), timeout))
 
-    async def _query(self, request: StatusRequest | MetricsRequest | ModelAction, timeout: float) -> Message:
+    async def _query(self, request: StatusRequest | MetricsRequest | ModelAction | LoadAdapter,
+                      timeout: float) -> Message:
         """Send a one-reply request and wait for its reply."""
         q = await self._open(codec.encode(request), request.id, timeout)
         try:

@@ -74,6 +74,8 @@ class Gateway(Serving):
             ("/completions/render", Door(completions_render.handle), "POST"),  # vLLM's (issue 53)
             ("/chat/completions/render", Door(chat_render.handle), "POST"),
             ("/responses", Door(responses.handle), "POST"), ("/embeddings", Door(embeddings.handle), "POST"),
+            ("/load_lora_adapter", Door(models.handle_load_lora), "POST"),  # vLLM's run-time LoRA adapters
+            ("/unload_lora_adapter", Door(models.handle_unload_lora), "POST"),
             ("/responses/{response_id:str}", Door(stored.handle_one), "GET DELETE"),
             ("/responses/{response_id:str}/input_items", Door(stored.handle_input_items), "GET"),
             *((path, door, "POST") for path, door in rerank.ROUTES),  # Jina's and llama-server's rerank

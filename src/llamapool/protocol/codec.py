@@ -16,6 +16,7 @@ from llamapool.protocol.messages import (
     MODEL_ACTIONS,
     PROTOCOL_VERSION,
     Abort,
+    AdapterDone,
     Cancel,
     ChatMessage,
     Chunk,
@@ -32,6 +33,7 @@ from llamapool.protocol.messages import (
     Heartbeat,
     Hello,
     KVPart,
+    LoadAdapter,
     Message,
     MetricsReply,
     MetricsRequest,
@@ -50,6 +52,7 @@ from llamapool.protocol.messages import (
     TokenizeReply,
     TokenLogprob,
     TopLogprob,
+    UnloadAdapter,
 )
 
 T = TypeVar("T")
@@ -106,7 +109,7 @@ def to_dict(msg: Message | control.Command | control.ChildReport) -> dict[str, A
         d["input"] = d.pop("inputs")
     if isinstance(msg, Rerank) and not msg.max_tokens_per_doc:
         del d["max_tokens_per_doc"]
-    if isinstance(msg, (Generate, Embed, Rerank, Tokenize, Detokenize)) and msg.model is None:
+    if isinstance(msg, (Generate, Embed, Rerank, Tokenize, Detokenize, LoadAdapter)) and msg.model is None:
         del d["model"]
     if isinstance(msg, Tokenize):
         for key in ("render", "messages", "tools", "infill"):
@@ -541,6 +544,17 @@ def _model_action(d: dict[str, Any], rid: str) -> ModelAction:
     return ModelAction(rid, action, model)
 
 
+def _load_adapter(d: dict[str, Any], rid: str) -> LoadAdapter:
+    """A client's run-time LoRA adapter load: the router checks the name's form, the model and the file."""
+    _check_keys(d, frozenset({"v", "type", "id", "name", "path", "model", "scale"}))
+    name, path = _str(d, "name", max_len=64), _str(d, "path", max_len=4096)
+    try:
+        scale = params.check_lora_scale("scale", d.get("scale", 1.0))
+    except params.ParamError as e:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, e.message, e.field) from None
+    return LoadAdapter(rid, name, path, _timeout_model({"model": d.get("model")})[1], scale)
+
+
 def _plain(cls: type) -> Callable[[dict[str, Any]], Message]:
     names = [f.name for f in dataclasses.fields(cls)]
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
@@ -611,6 +625,7 @@ CLIENT_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Tokenize.TYPE: _with_id(_tokenize),
     Detokenize.TYPE: _with_id(_detokenize),
     ModelAction.TYPE: _with_id(_model_action),
+    LoadAdapter.TYPE: _with_id(_load_adapter),
 }
 REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     c.TYPE: _plain(c) for c in (Error, StatusReply, MetricsReply, Embedding, TokenizeReply, DetokenizeReply,
@@ -618,7 +633,7 @@ REPLY_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
 }
 REPLY_TYPES.update({c.TYPE: _with_logprobs(c) for c in (Chunk, Result)})
 WORKER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
-    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown, KVPart)
+    c.TYPE: _plain(c) for c in (Hello, Heartbeat, Shutdown, KVPart, AdapterDone)
 }
 # The router reads a step's logprob records as the arrays they travel as: it passes them on unread, and
 # making them records again would cost it 3 us a token (the client's codec does: REPLY_TYPES)
@@ -631,6 +646,8 @@ ROUTER_TYPES: dict[str, Callable[[dict[str, Any]], Message]] = {
     Heartbeat.TYPE: _plain(Heartbeat),
     Shutdown.TYPE: _plain(Shutdown),
     KVPart.TYPE: _plain(KVPart),
+    LoadAdapter.TYPE: _plain(LoadAdapter),  # the router checked it (a client's): sent on to the workers
+    UnloadAdapter.TYPE: _plain(UnloadAdapter),
 }
 
 

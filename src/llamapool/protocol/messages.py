@@ -177,6 +177,21 @@ class ModelAction:
     model: str
 
 
+@dataclass(slots=True)
+class LoadAdapter:
+    """An operator's LoRA adapter load at run time (SDK, CLI, HTTP): client -> router, which checks it and
+    sends it on to each running worker of ``model`` (and to each worker of it that starts later); a worker
+    answers with :class:`AdapterDone`, the client gets a :class:`ModelActionReply` once every worker loaded
+    it, or an :class:`Error` naming the parameter. ``unload`` (a :class:`ModelAction`) takes it away."""
+
+    TYPE: ClassVar[str] = "load_adapter"
+    id: str
+    name: str  # what requests name it by (as a model, or in ``lora``): unique among models and adapters
+    path: str  # the adapter GGUF, an absolute path on the workers' host
+    model: str | None = None  # its base model (None: the pool's first)
+    scale: float = 1.0  # the scale a request that names it without one gets
+
+
 # ---------------------------------------------------------------- router -> client
 
 
@@ -429,6 +444,28 @@ class Step:
 
 
 @dataclass(slots=True)
+class UnloadAdapter:
+    """Router -> worker: free a run-time LoRA adapter once no sequence uses it (those running finish first);
+    answered with :class:`AdapterDone`."""
+
+    TYPE: ClassVar[str] = "unload_adapter"
+    name: str
+
+
+@dataclass(slots=True)
+class AdapterDone:
+    """Worker -> router: a :class:`LoadAdapter` (``action`` "load") or :class:`UnloadAdapter` ("unload")
+    carried out (``error`` "") or refused (``error``: why, for the operator; ``field``: the load's parameter
+    it names)."""
+
+    TYPE: ClassVar[str] = "adapter_done"
+    name: str
+    action: str
+    error: str = ""
+    field: str = "path"
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Router -> worker: finish or abort what runs, then exit. With a ``reason`` the router refused the
     worker's hello (a name clash): the worker logs it and exits for good. Worker -> router: it leaves."""
@@ -465,6 +502,9 @@ Message = (
     | MetricsRequest
     | ModelAction
     | ModelActionReply
+    | LoadAdapter
+    | UnloadAdapter
+    | AdapterDone
     | Chunk
     | Result
     | Embedding

@@ -105,7 +105,7 @@ def check_speculative(name: str, v: Any) -> bool | int:
 def check_lora(name: str, v: Any) -> tuple[dict[str, Any], ...]:
     """llama-server's ``[{"id": N, "scale": S}]``, or an adapter by ``name``: at most ``limits.MAX_LORA`` entries,
     ids from 0, scales finite and at most ``limits.MAX_LORA_SCALE`` either way (no scale: the adapter's
-    configured one). The worker checks the ids and names against the model's adapters."""
+    configured one). :func:`resolve_lora` checks the ids and names against the model's adapters."""
     if not isinstance(v, (list, tuple)) or len(v) > limits.MAX_LORA:
         raise ParamError(name, f"'{name}' must be a list of at most {limits.MAX_LORA} adapters "
                                f"({{\"id\": N, \"scale\": S}} or {{\"name\": ..., \"scale\": S}})")
@@ -126,14 +126,45 @@ def check_lora(name: str, v: Any) -> tuple[dict[str, Any], ...]:
                 raise ParamError(f"{at}.name", f"'{at}.name' must be an adapter's name, "
                                                f"got {limits.show(e['name'])[:80]}")
             kept["name"] = e["name"]
-        s = e.get("scale")
-        if s is not None:
-            if not limits.is_number(s, False) or not math.isfinite(s) or abs(s) > limits.MAX_LORA_SCALE:
-                raise ParamError(f"{at}.scale", f"'{at}.scale' must be a number from -{limits.MAX_LORA_SCALE:g} to "
-                                                f"{limits.MAX_LORA_SCALE:g}, got {limits.show(s)[:80]}")
-            kept["scale"] = float(s)
+        if e.get("scale") is not None:
+            kept["scale"] = check_lora_scale(f"{at}.scale", e["scale"])
         out.append(kept)
     return tuple(out)
+
+
+def check_lora_scale(name: str, s: Any) -> float:
+    """A LoRA adapter's scale (a request's ``lora[i].scale``, a run-time load's ``scale``): a finite number, at
+    most ``limits.MAX_LORA_SCALE`` either way."""
+    if not limits.is_number(s, False) or not math.isfinite(s) or abs(s) > limits.MAX_LORA_SCALE:
+        raise ParamError(name, f"'{name}' must be a number from -{limits.MAX_LORA_SCALE:g} to "
+                               f"{limits.MAX_LORA_SCALE:g}, got {limits.show(s)[:80]}")
+    return float(s)
+
+
+def resolve_lora(lora: tuple[dict[str, Any], ...], names: list[str], scales: list[float]) -> dict[int, float]:
+    """A request's checked ``lora`` entries against a model's adapters (``names``, their ``scales``; an id is a
+    place in that list) as {place: scale}: a later entry for the same adapter overrides an earlier one, an entry
+    without a scale takes the adapter's own. A :class:`ParamError` names the entry that is wrong. The router
+    resolves a request's entries against its table, a worker against what it loaded: the one rule for both."""
+    if lora and not names:
+        raise ParamError("lora", "'lora': this model has no LoRA adapters (a model's [[models.lora]] tables "
+                                 "declare them, `llamapool load NAME --lora PATH` loads one)")
+    listed = ", ".join(f"{i}: {n!r}" for i, n in enumerate(names))
+    chosen: dict[int, float] = {}
+    for i, entry in enumerate(lora):
+        if "id" in entry:
+            idx = entry["id"]
+            if not 0 <= idx < len(names):
+                raise ParamError(f"lora[{i}].id", f"'lora[{i}].id' is {idx}; this model's adapters are "
+                                                  f"0 to {len(names) - 1} ({listed})")
+        else:
+            if entry["name"] not in names:
+                raise ParamError(f"lora[{i}].name", f"'lora[{i}].name': no adapter {entry['name']!r} in this "
+                                                    f"model (its adapters: {listed})")
+            idx = names.index(entry["name"])
+        scale = entry.get("scale")
+        chosen[idx] = scales[idx] if scale is None else float(scale)
+    return chosen
 
 
 def _text(name: str, v: Any) -> str:

@@ -16,6 +16,7 @@ from llamapool.protocol.control import (
 from llamapool.protocol.messages import (
     LIGHT_TASKS,
     Abort,
+    AdapterDone,
     Chunk,
     Done,
     Failed,
@@ -27,9 +28,10 @@ from llamapool.protocol.messages import (
     Shutdown,
     Step,
 )
+from llamapool.router.adapters import AdapterOps
 from llamapool.router.fleet import HOST_COUNTERS, SPECULATION
 from llamapool.router.policy import pick_worker, remember
-from llamapool.router.tables import ENDINGS, LOG, Job, JobTable, RequestStatus, WorkerState
+from llamapool.router.tables import ENDINGS, LOG, Job, RequestStatus, WorkerState
 from llamapool.router.tenants import FairQueue
 
 # A request whose worker was lost before it streamed a token is sent to another worker this many times
@@ -38,7 +40,7 @@ RETRIES_AFTER_LOSS = 1
 SHUT_DOWN = "it shut down"  # a worker that left in good order (drained): its requests are not to blame
 
 
-class Backend(JobTable):
+class Backend(AdapterOps):
     """The backend: workers' messages in, runs and aborts out."""
 
     def _peer_key(self) -> str:
@@ -79,6 +81,7 @@ class Backend(JobTable):
                             f"({', '.join(self.models)}): no request can reach it", worker=name)
             self.workers[name] = WorkerState(name, ident, msg, now, model, key=key)
             self._unpark(self.workers[name])
+            self._adapters_for(self.workers[name])  # the model's run-time LoRA adapters, before any request
             if msg.node:
                 self.remote_lost.pop(name, None)
                 LOG.info(f"worker {name} of node {msg.node} joined (pid {msg.pid}, {msg.device}, {msg.slots} slots)",
@@ -100,6 +103,8 @@ class Backend(JobTable):
                 w.state = "retiring"
         elif isinstance(msg, KVPart):
             self._hand_over(w, msg)
+        elif isinstance(msg, AdapterDone):
+            self._adapter_done(w, msg)
         elif isinstance(msg, Shutdown):  # drained and leaving
             self._lose_worker(w, SHUT_DOWN)
 
@@ -205,6 +210,7 @@ class Backend(JobTable):
                                                                   f"{job.delivered} tokens were delivered")
         w.jobs.clear()
         w.light.clear()
+        self._adapter_worker_gone(w)
         if w.hello.node and w.name not in self.workers:
             if why != SHUT_DOWN:
                 LOG.warning(f"worker {w.name} of node {w.hello.node} lost: {why}", worker=w.name, node=w.hello.node)

@@ -53,11 +53,12 @@ from llamapool.protocol.messages import (
     ModelActionReply,
     Shutdown,
 )
+from llamapool.router.adapters import AdapterTable
 from llamapool.router.backend import Backend
 from llamapool.router.handover import Parked
 from llamapool.router.intake import Intake
 from llamapool.router.metrics import RouterMetrics
-from llamapool.router.tables import Job, RequestStatus, RouterConfig, WorkerState
+from llamapool.router.tables import LOG, Job, RequestStatus, RouterConfig, WorkerState
 from llamapool.router.tenants import FLEX_RANK, FairQueue, Tenancy
 
 TICK = 0.1  # seconds between housekeeping passes
@@ -97,7 +98,7 @@ class Router(Intake, Backend):
                     security.set_server_keys(sock, cfg.curve)
                     self.monitors.append(sock.get_monitor_socket(security.HANDSHAKE_EVENTS))
         self.models: list[str] = list(cfg.models) or [""]  # the first is the default model
-        self.adapters = {a: (m, s) for a, m, s in cfg.adapters}
+        self.adapters = AdapterTable(cfg.adapters, self.models)  # the config's, and those loaded at run time
         self.tenancy = Tenancy(cfg.tenants, cfg.rate_window, cfg.tenant_idle)
         self.queues: dict[str, FairQueue[Job]] = {m: FairQueue(self.tenancy.weight) for m in self.models}
         self.jobs: dict[int, Job] = {}
@@ -221,6 +222,8 @@ class Router(Intake, Backend):
         for w in list(self.workers.values()):
             if w.closing and not self.queues.get(w.model):
                 self._retire(w)
+        if self.adapters.leaving:
+            self._adapter_tick()
         for model in [m for m, q in self.queues.items() if not q and m not in self.models
                       and not any(w.model == m for w in self.workers.values())]:
             del self.queues[model]
@@ -248,7 +251,10 @@ class Router(Intake, Backend):
                 self._retire(w)
         elif isinstance(cmd, PoolModels):
             self.models = list(cmd.names) or [""]
-            self.adapters = {a: (m, s) for a, m, s in cmd.adapters}
+            for gone in self.adapters.declare(cmd.adapters, self.models):  # run-time ones the reload ends
+                LOG.warning(f"LoRA adapter {gone.name!r} (loaded at run time) unloaded: the reloaded config "
+                            f"{'has no model ' + repr(gone.model) if gone.model not in self.models else 'names it'}")
+                self._leave(gone)
             self.metrics.model = self.models[0]
             for model in self.models:
                 self._queue(model)

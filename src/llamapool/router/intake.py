@@ -23,6 +23,7 @@ from llamapool.protocol.messages import (
     Error,
     ErrorCode,
     Generate,
+    LoadAdapter,
     Message,
     MetricsReply,
     MetricsRequest,
@@ -33,8 +34,9 @@ from llamapool.protocol.messages import (
     StatusRequest,
     Tokenize,
 )
+from llamapool.router.adapters import AdapterOps
 from llamapool.router.policy import prefix_keys
-from llamapool.router.tables import LOG, Job, JobTable, RequestStatus
+from llamapool.router.tables import LOG, Job, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Ask:
     max_tokens: int  # per prompt, within a slot's context (its tokens reservation)
 
 
-class Intake(JobTable):
+class Intake(AdapterOps):
     """The frontend: clients' requests in, replies out."""
 
     def _reply(self, client: bytes, msg: Message) -> None:
@@ -77,17 +79,22 @@ class Intake(JobTable):
             self._reply(client, MetricsReply(msg.id, self.metrics.render(self.fleet()).decode()))
         elif isinstance(msg, ModelAction):
             self._on_model_action(client, msg)
+        elif isinstance(msg, LoadAdapter):
+            self._on_load_adapter(client, msg)
 
     def _on_generate(self, client: bytes, msg: Generate) -> None:
         model = self.models[0] if msg.model is None else msg.model
         named = ""
-        if model in self.adapters:  # an adapter named as the model (vLLM's way): its model, with it applied
-            named, (model, scale) = model, self.adapters[model]
-            msg.params = dataclasses.replace(msg.params, lora=({"name": named, "scale": scale}, *msg.params.lora))
+        adapter = self.adapters.named(model)
+        if adapter is not None:  # an adapter named as the model (vLLM's way): its model, with it applied
+            named, model = adapter.name, adapter.model
+            msg.params = dataclasses.replace(msg.params, lora=({"name": named, "scale": adapter.scale},
+                                                               *msg.params.lora))
         n = msg.params.n
         tenant, rank = msg.tenant or DEFAULT_TENANT, CLASSES.index(msg.priority or "default")
         max_tokens = self._max_tokens(model, msg.params.max_tokens)
-        why = self._refusal(client, msg.id, model, len(msg.prompts) * n, Ask(tenant, rank, msg.prompts, max_tokens))
+        why = self._lora_refusal(model, msg) or \
+            self._refusal(client, msg.id, model, len(msg.prompts) * n, Ask(tenant, rank, msg.prompts, max_tokens))
         if why:
             code, message, fld = why
             self._refuse_request(client, msg, model if model in self.models else None, code, message, fld, tenant)
@@ -113,6 +120,17 @@ class Intake(JobTable):
         self.by_request[(client, msg.id)] = jobs
         self.tenancy.admitted(tenant, model, jobs, max_tokens, now)
         self._used(model, now)
+
+    def _lora_refusal(self, model: str, msg: Generate) -> tuple[str, str, str | None] | None:
+        """A request's ``lora`` entries resolved against ``model``'s adapters now (each to its name: an adapter
+        unloaded later still names the one it meant), or why they cannot be (the entry named)."""
+        if not msg.params.lora or model not in self.models:
+            return None
+        try:
+            msg.params = dataclasses.replace(msg.params, lora=self.adapters.resolve(model, msg.params.lora))
+        except params.ParamError as e:
+            return ErrorCode.INVALID_REQUEST, e.message, e.field
+        return None
 
     def _max_tokens(self, model: str, asked: int) -> int:
         """The most tokens a prompt of ``model`` can generate: ``asked``, within a slot's context."""
@@ -141,8 +159,9 @@ class Intake(JobTable):
         else:
             task, inputs, options = "detokenize", [msg.tokens], None
         model = self.models[0] if msg.model is None else msg.model
-        if model in self.adapters and task in ("tokenize", "detokenize"):  # an adapter's vocab is its model's
-            model = self.adapters[model][0]
+        adapter = self.adapters.named(model)
+        if adapter is not None and task in ("tokenize", "detokenize"):  # an adapter's vocab is its model's
+            model = adapter.model
         why = self._refusal(client, msg.id, model, len(inputs) if task in ("embed", "rerank") else 0)
         if why:
             code, message, fld = why
@@ -211,10 +230,19 @@ class Intake(JobTable):
 
     def _on_model_action(self, client: bytes, msg: ModelAction) -> None:
         """An operator's load, unload, pin or unpin: checked here, carried out by the supervisor, which
-        answers (ModelReply)."""
-        if msg.model not in self.models:
+        answers (ModelReply); the unload of a LoRA adapter is the router's own (router/adapters.py)."""
+        known = msg.model in self.adapters.table or any(a.name == msg.model for a in self.adapters.leaving)
+        if msg.model not in self.models and msg.action == "unload" and known:
+            self._unload_adapter(client, msg.id, msg.model)
+        elif msg.model in self.adapters.table:
+            self._reply(client, Error(msg.id, ErrorCode.INVALID_REQUEST, f"'model': {msg.model!r} is a LoRA adapter "
+                                      f"of model {self.adapters.table[msg.model].model!r}: {msg.action} its model "
+                                      f"(an adapter is loaded with its path: llamapool load NAME --lora PATH)",
+                                      field="model"))
+        elif msg.model not in self.models:
             self._reply(client, Error(msg.id, ErrorCode.UNKNOWN_MODEL, f"model {msg.model!r} is not in this pool "
-                                      f"(models: {', '.join(repr(m) for m in self.models)})", field="model"))
+                                      f"(models: {', '.join(repr(m) for m in self.models)}; LoRA adapters: "
+                                      f"{self.adapters.listed()})", field="model"))
         elif self.draining:
             self._reply(client, Error(msg.id, ErrorCode.UNAVAILABLE, "llamapool is shutting down"))
         else:

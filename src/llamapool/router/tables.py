@@ -199,7 +199,6 @@ class JobTable:
     back: zmq.Socket[Any]  # workers (ROUTER)
     on_event: Callable[[control.Event], None]  # to the supervisor (thread-safe)
     models: list[str]  # the pool's model names; the first is the default
-    adapters: dict[str, tuple[str, float]]  # LoRA adapters named as models: adapter -> (its model, its scale)
     queues: dict[str, FairQueue[Job]]  # waiting prompts per model, by class and fair share (router/tenants.py)
     tenancy: Tenancy  # each tenant's settings and counts
     jobs: dict[int, Job]  # every prompt not answered yet, by rid
@@ -367,11 +366,6 @@ class JobTable:
                            self.model_rows)
 
     def _status(self, rid: str) -> StatusReply:
-        """The fleet's status; each model's row lists its LoRA adapters (``lora``: /v1/models lists them)."""
-        reply = self.fleet().status(rid)
-        for row in reply.models:
-            lora = [{"name": a, "scale": s} for a, (m, s) in self.adapters.items() if m == row["name"]]
-            if lora:
-                row["lora"] = lora
-        return reply
+        """The fleet's status (router/adapters.py adds each model's LoRA adapters)."""
+        return self.fleet().status(rid)
 

@@ -30,13 +30,16 @@ from llamapool.protocol import codec
 from llamapool.protocol.messages import (
     LIGHT_TASKS,
     Abort,
+    AdapterDone,
     Heartbeat,
     Hello,
     KVPart,
+    LoadAdapter,
     Message,
     Run,
     Shutdown,
     Step,
+    UnloadAdapter,
 )
 from llamapool.worker.contract import Engine
 from llamapool.worker.handover import Assembler, Received
@@ -109,6 +112,7 @@ class EngineLoop(threading.Thread):
         self.hand_over = False  # a drain the router asked for: the host KV tier goes to a sibling (not on SIGTERM)
         self.log = logmod.Logger(name, prefix=f"llamapool worker {name}")
         self.reqs: dict[int, str] = {}  # rid -> request id, for this worker's log lines
+        self.adapter_done: list[AdapterDone] = []  # run-time LoRA loads and unloads to answer (_adapters)
         # LLAMAPOOL_PROFILE=PREFIX (diagnostics): the thread runs under cProfile, its stats written to
         # PREFIX.<pid> when it drains
         self.profile: cProfile.Profile | None = cProfile.Profile() if os.environ.get("LLAMAPOOL_PROFILE") else None
@@ -181,11 +185,39 @@ class EngineLoop(threading.Thread):
             report.active = len(eng.active) + len(eng.waiting)
             if report.deltas or report.done or report.failed:
                 self._send(out_sock, report)
+            self._adapters(out_sock)  # before the loop may wait for a message: one the step let go is freed now
             if self.events is not None:
                 self.events.send(eng)
         out_sock.close(linger=1000)
         if self.events is not None:
             self.events.close()
+
+    def _adapters(self, sock: zmq.Socket) -> None:
+        """Answer the run-time LoRA loads and unloads handled, and those whose adapter is freed now (no
+        sequence uses it any more: after the step that finished the last)."""
+        free = getattr(self.engine, "free_adapters", None)
+        for name in free() if free is not None else ():
+            self.log.info(f"LoRA adapter {name!r} unloaded (freed)")
+            self.adapter_done.append(AdapterDone(name, "unload"))
+        for done in self.adapter_done:
+            sock.send(codec.encode(done))
+        self.adapter_done = []
+
+    def _adapter(self, msg: LoadAdapter | UnloadAdapter) -> None:
+        """A run-time LoRA load (answered now) or unload (answered now if refused, else once freed)."""
+        action = "load" if isinstance(msg, LoadAdapter) else "unload"
+        call = getattr(self.engine, f"{action}_adapter", None)
+        param = "path" if call is not None else "model"
+        if call is None:
+            why = "'model': this model takes no LoRA adapters (they apply to generative llama models)"
+        else:
+            why = call(msg.name, msg.path, msg.scale) if isinstance(msg, LoadAdapter) else call(msg.name)
+        if why:
+            self.log.warning(f"LoRA adapter {msg.name!r}: {action} refused: {why}")
+        elif isinstance(msg, LoadAdapter):
+            self.log.info(f"LoRA adapter {msg.name!r} loaded from {msg.path} (scale {msg.scale:g})")
+        if why or isinstance(msg, LoadAdapter):
+            self.adapter_done.append(AdapterDone(msg.name, action, why, param))
 
     @staticmethod
     def _merge(report: Step, part: Step) -> None:
@@ -207,6 +239,8 @@ class EngineLoop(threading.Thread):
             self.hand_over = self.hand_over or msg.reason != TERMINATED
         elif isinstance(msg, Received):
             self.engine.take_in(msg)
+        elif isinstance(msg, (LoadAdapter, UnloadAdapter)):
+            self._adapter(msg)
 
 
 class KVEventsLink:

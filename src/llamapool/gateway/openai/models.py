@@ -1,15 +1,16 @@
 """``GET /v1/models`` and ``GET /v1/models/{id}``: the pool's models, as the router has them now; and
 ``POST /models/load``, ``/models/unload``, ``/models/pin``, ``/models/unpin`` (llama-server's router
-mode's names, behind the API keys): an operator's command for one model."""
+mode's names, behind the API keys): an operator's command for one model; ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's): a LoRA adapter loaded or unloaded at run time."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from llamapool.client.errors import LlamapoolError
-from llamapool.gateway.errors import ApiError
+from llamapool.gateway.errors import ApiError, from_llamapool
 from llamapool.gateway.serving import Call, Serving
 from llamapool.protocol.messages import MODEL_ACTIONS
 
@@ -67,3 +68,57 @@ async def handle_action(s: Serving, call: Call) -> Response:
     else:
         reply = await s.client.pin_model(model, action == "pin")
     return JSONResponse({"success": True, **reply})
+
+
+VLLM_LORA_PARAMS = {"name": "lora_name", "path": "lora_path"}  # the daemon's parameter -> vLLM's field
+
+
+async def handle_load_lora(s: Serving, call: Call) -> Response:
+    """vLLM's ``POST /v1/load_lora_adapter`` (``lora_name``, ``lora_path``; llamapool's ``model``, the base,
+    default the pool's first, and ``scale``): the adapter loaded into every worker of its model; vLLM's plain
+    text answer."""
+    body = await s.body(call)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object with lora_name and lora_path")
+    unknown = sorted(set(body) - {"lora_name", "lora_path", "model", "scale", "load_inplace"})
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r} (load_lora_adapter takes lora_name, lora_path, model "
+                       f"and scale)", param=unknown[0])
+    for key in ("lora_name", "lora_path"):
+        if not isinstance(body.get(key), str) or not body[key]:
+            raise ApiError(400, f"'{key}' must be a non-empty string, got {body.get(key)!r}", param=key)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"'model' must be the name of one of the pool's models, got {model!r}", param="model")
+    try:
+        await s.client.load_adapter(body["lora_name"], body["lora_path"], model=model, scale=body.get("scale", 1.0))
+    except LlamapoolError as e:
+        raise _vllm_error(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def handle_unload_lora(s: Serving, call: Call) -> Response:
+    """vLLM's ``POST /v1/unload_lora_adapter`` (``lora_name``): no new request takes it, and its workers free it
+    once the requests using it have finished."""
+    body = await s.body(call)
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"'lora_name' must be the name of a LoRA adapter loaded at run time, got {name!r}",
+                       param="lora_name")
+    if name in {m["id"] for m in await listed(s) if "parent" not in m}:
+        raise ApiError(400, f"'lora_name': {name!r} is a model, not a LoRA adapter", param="lora_name")
+    try:
+        await s.client.unload_model(name)
+    except LlamapoolError as e:
+        raise _vllm_error(e, "lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _vllm_error(e: LlamapoolError, model_param: str = "model") -> ApiError:
+    """The daemon's error, its parameter as vLLM's endpoint names it."""
+    err = from_llamapool(e)
+    param = model_param if e.field == "model" else VLLM_LORA_PARAMS.get(e.field or "", err.param)
+    if param and e.field and err.message.startswith(f"'{e.field}'"):
+        err.message = f"'{param}'" + err.message[len(e.field) + 2:]
+    err.param = param
+    return err

@@ -145,6 +145,27 @@ class Engine:
             L.llama_model_free(self.model)
             raise
 
+    def load_adapter(self, name: str, path: str, scale: float) -> str:
+        """A LoRA adapter loaded at run time (the router's LoadAdapter): "" once loaded, else why not."""
+        L.llama_synchronize(self.ctx)  # a batch in flight (GPU sampling's pipeline) finishes first
+        return self.adapters.load(name, path, scale)
+
+    def unload_adapter(self, name: str) -> str:
+        """A run-time adapter to free once no sequence uses it (:meth:`free_adapters`): "" or why not."""
+        return self.adapters.unload(name)
+
+    def free_adapters(self) -> list[str]:
+        """The adapters being unloaded that no sequence uses any more, freed, and the KV computed with them
+        dropped from the prefix cache and the host tier: their names."""
+        if not self.adapters.closing and not self.adapters.unheld:
+            return []
+        # (a finished sequence's row still in flight is waited for: free_unused synchronizes first)
+        in_use = [s.adapters for s in self.active.values()] + [w.adapters for w in self.waiting]
+        names, tags = self.adapters.free_unused(self.ctx, in_use)
+        if tags:
+            self.kv.drop_tags(tags)
+        return names
+
     def _projector(self, cfg: EngineConfig) -> Projector | None:
         """The model's mmproj (model.mmproj), loaded by libmtmd; None without one."""
         if not cfg.mmproj:

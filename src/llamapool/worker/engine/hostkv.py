@@ -277,6 +277,11 @@ class HostTier:
             return -1, 0
         return eid, n
 
+    def drop_tags(self, tags: set[bytes]) -> None:
+        """Drop the entries computed under the adapter sets ``tags`` (an adapter of theirs was freed)."""
+        for eid in [e for e, entry in self.store.entries.items() if entry.tag in tags and e != self.store.kept]:
+            self.store.drop(eid)
+
     def hold(self, eid: int) -> None:
         """Keep entry ``eid`` (-1: none) from being dropped while a slot is emptied for its restore (emptying
         it saves that slot's KV, which may need room)."""

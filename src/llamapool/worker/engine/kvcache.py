@@ -142,6 +142,18 @@ class KVSlots:
         for seq_id in list(self.cached):
             self._save(seq_id)
 
+    def drop_tags(self, tags: set[bytes]) -> None:
+        """Forget the KV computed under the adapter sets ``tags`` (an adapter of theirs was freed): the free
+        slots' kept prefixes and the host tier's entries."""
+        for seq_id in [s for s in self.free_ids if self.tags.get(s, b"") in tags]:
+            if seq_id in self.cached:
+                L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+                del self.cached[seq_id]
+                self._held(seq_id, None)  # kv-events
+            del self.tags[seq_id]
+        if self.host is not None:
+            self.host.drop_tags(tags)
+
     def undo(self, seq_id: int) -> None:
         """Give back a slot just taken, its KV cleared (the sequence could not start)."""
         self.free_ids.appendleft(seq_id)
