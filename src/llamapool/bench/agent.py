@@ -157,26 +157,26 @@ async def drive_agent(target: Target, work: AgentWorkload, concurrency: int, pro
     return tally
 
 
-def _kv_host(status: dict[str, Any]) -> dict[str, float] | None:
-    """The workers' ``kv_host`` counters summed; None when no worker reports the tier."""
-    tiers = [w["kv_host"] for w in status.get("workers", []) if isinstance(w.get("kv_host"), dict)]
-    if not tiers:
-        return None
-    total: dict[str, float] = {}
-    for t in tiers:
-        for k, v in t.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                total[k] = total.get(k, 0) + v
-    return total
+def _kv_hosts(status: dict[str, Any]) -> dict[tuple[Any, Any], dict[str, float]]:
+    """Each worker's ``kv_host`` counters by (name, pid): a restarted worker's count from zero."""
+    return {(w.get("id"), w.get("pid")): {k: v for k, v in w["kv_host"].items()
+                                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for w in status.get("workers", []) if isinstance(w.get("kv_host"), dict)}
 
 
 def kv_host_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float] | None:
-    """The tier's counters over a run, from two ``status()`` answers: each counter's increase, except
-    ``bytes`` (what the tier holds), which is the value after."""
-    a, b = _kv_host(after), _kv_host(before) or {}
-    if a is None:
+    """The tier's counters over a run, from two ``status()`` answers, summed over the workers: each counter's
+    increase (a worker that started during the run: from zero), except ``bytes`` (what the tier holds), the
+    value after. None when no worker reports the tier."""
+    a, b = _kv_hosts(after), _kv_hosts(before)
+    if not a:
         return None
-    return {k: v if k == "bytes" else round(v - b.get(k, 0), 6) for k, v in a.items()}
+    total: dict[str, float] = {}
+    for key, tier in a.items():
+        was = b.get(key, {})
+        for k, v in tier.items():
+            total[k] = total.get(k, 0) + (v if k == "bytes" else v - was.get(k, 0))
+    return {k: round(v, 6) for k, v in total.items()}
 
 
 def _ms(xs: list[float], q: float) -> float | None:

@@ -56,6 +56,8 @@ TRANSPORTS = ("sdk", "http-openai", "http-llama")
 HTTP_PATHS = {"http-openai": "/v1/completions", "http-llama": "/completion"}
 MAX_ERROR_SAMPLES = 5
 
+MEDIA_MARKER = "<__media__>"  # where llama-server puts the image (its LLAMA_MEDIA_MARKER: bench/peer.py sets it)
+
 
 class ReplyError(Exception):
     """A reply that is not a complete answer: an error event, a bad status, a cut stream."""
@@ -298,7 +300,7 @@ class HttpTransport(_Transport):
                 {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
                 {"type": "text", "text": req.text}]}], "max_tokens": req.max_tokens, "temperature": req.temperature,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
-        return {"prompt": {"prompt_string": f"<__media__>{req.text}", "multimodal_data": [b64]},
+        return {"prompt": {"prompt_string": f"{MEDIA_MARKER}{req.text}", "multimodal_data": [b64]},
                 "n_predict": req.max_tokens, "temperature": req.temperature, "stream": True, "ignore_eos": True,
                 **extra}
 

@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from llamapool.bench.drivers import MEDIA_MARKER
+
 START_TIMEOUT = 600.0  # seconds a service may take to come up (an 8B model on a GPU: about a minute)
 PEER_THREADS = 8  # llama-server -t on a GPU
 
@@ -96,7 +98,8 @@ class LlamaServer:
         spec = importlib.util.find_spec("llama_cpp")
         if spec and spec.origin:
             libs.append(str(Path(spec.origin).parent / "lib"))
-        env = {**os.environ, "LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":")}
+        env = {**os.environ, "LD_LIBRARY_PATH": ":".join([*libs, os.environ.get("LD_LIBRARY_PATH", "")]).rstrip(":"),
+               "LLAMA_MEDIA_MARKER": MEDIA_MARKER}  # its marker is random otherwise
         self.log = log
         with open(log, "wb") as fh:
             self.proc = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT, env=env)

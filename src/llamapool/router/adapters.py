@@ -220,8 +220,9 @@ class AdapterOps(JobTable):
     def _tell_unload(self, a: Adapter, names: set[str]) -> None:
         a.told = True
         a.waiting = {n for n in names if n in self.workers}
-        for n in a.waiting:
-            self._send_worker(self.workers[n], UnloadAdapter(a.name))
+        for n in list(a.waiting):  # a send to a worker that is gone drops it from ``waiting``
+            if n in self.workers:
+                self._send_worker(self.workers[n], UnloadAdapter(a.name))
         self._settle_unload(a)
 
     def _settle_unload(self, a: Adapter) -> None:

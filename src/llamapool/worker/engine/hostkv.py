@@ -89,9 +89,13 @@ class TierStats:
     bytes_restored: int = 0
     restore_seconds: float = 0.0
     saves: int = 0
-    unsaved: int = 0  # slots' KV not saved: the tier lately found nothing for prompts (sampled saves)
+    unsaved: int = 0  # slots' KV not saved: the tier lately found nothing for prompts (sampled saves), or no
+    # page-locked slab was free yet (they are allocated on a thread of their own)
     bytes_saved: int = 0
     save_seconds: float = 0.0
+    save_wait_seconds: float = 0.0  # of save_seconds: waiting for the GPU's queued work (llama_synchronize)
+    save_alloc_seconds: float = 0.0  # of save_seconds: sizing the state and finding its host memory
+    saves_pageable: int = 0  # saves into pageable memory on a GPU worker (no page-locked slab fit: slower)
     evictions: int = 0  # entries dropped for room (LRU) or superseded by a longer one
     failed: int = 0  # entries llama.cpp would not restore, or mismatched ones: dropped, the prompt recomputed
     handed_out: int = 0  # entries sent to a sibling worker (drain)
@@ -229,16 +233,24 @@ class HostTier:
             return
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
+        t1 = time.perf_counter()
         size = L.llama_state_seq_get_size_ext(self.ctx, seq_id, _FLAGS)
         if size <= 0 or size > self.store.capacity:
             return
         held = self.buffers.bound(size, len(tokens))
         self.store.make_room(tokens, hashes, held)  # before the buffer: a dropped entry's slab is reused
         blob = self.buffers.get(size)
+        if blob is None:  # page-locked slabs still being allocated, none free: not worth a slow copy now
+            self.stats.unsaved += 1
+            return
+        t2 = time.perf_counter()
         wrote = L.llama_state_seq_get_data_ext(self.ctx, _ptr(blob), size, seq_id, _FLAGS)
         if wrote != size:
             self.buffers.give(blob)
             return
+        self.stats.save_wait_seconds += t1 - t0
+        self.stats.save_alloc_seconds += t2 - t1
+        self.stats.saves_pageable += self.buffers.pinned and not self.buffers.held_pinned(blob)
         entry = Entry(np.array(tokens, dtype=np.int32), blob, hashes, self.identity + tag, self.buffers.held(blob),
                       tag)
         if not self.store.add(entry):

@@ -6,8 +6,9 @@ held the engine thread ~0.2 s; into page-locked memory (ggml's CUDA host buffer 
 a restore ran at 44 GB/s. Allocating page-locked memory is itself slow (~0.3 s a GiB), and entries of
 every size came and went, so buffers sized to each entry were allocated again and again. So the memory is
 cut into slabs of one size, a slot's largest state (``ctx_per_slot`` tokens), allocated by a thread of
-their own at the first save (the engine thread allocates only when none is ready) and never given back
-before the worker stops: every entry takes one slab, whatever its length.
+their own at the first save (while they are being allocated, a save that finds none free is skipped: the
+engine thread never allocates them) and never given back before the worker stops: every entry takes one
+slab, whatever its length.
 On a CPU worker (or where the CUDA host buffer cannot be had) entries are plain numpy arrays.
 """
 
@@ -81,14 +82,21 @@ class HostBuffers:
             self._start(size, tokens)
         return self.slab if self.pinned and size <= self.slab else size
 
-    def get(self, size: int) -> np.ndarray:
-        """Room for a state of ``size`` bytes (``bound`` was asked first)."""
+    def held_pinned(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` (from ``get``) is a page-locked slab."""
+        return arr.ctypes.data in self.in_use
+
+    def get(self, size: int) -> np.ndarray | None:
+        """Room for a state of ``size`` bytes (``bound`` was asked first); None while the slabs are still
+        being allocated and none is free: allocating page-locked memory on the caller's (the engine's) thread
+        held every stream ~0.3 s a GiB, and copying into pageable memory runs at a twentieth of the speed."""
         if not self.pinned or size > self.slab:
             return np.empty(size, dtype=np.uint8)
         with self._lock:
             base = self.free.pop() if self.free else None
-        if base is None:
-            base = self._one()
+            filling = len(self.slabs) < self.count and not self._closed
+        if base is None and filling:
+            return None
         if base is None:  # every slab in use (the store's bound counts slabs: not expected)
             return np.empty(size, dtype=np.uint8)
         with self._lock:
