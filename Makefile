@@ -20,24 +20,23 @@ LLAMA_CPP_VERSION := $(shell sed -n 's/^ *"llama-cpp-python==\([^"]*\)".*/\1/p' 
 CUDA ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1 || echo 0)
 CUDA_ARCHITECTURES ?= native
 LLAMA_PATCHES := $(sort $(wildcard patches/llama.cpp/*.patch))
+LLAMA_PATCH_HASH := $(shell cat $(LLAMA_PATCHES) /dev/null | sha256sum | cut -c1-12)
 ifeq ($(CUDA),1)
 LLAMA_CMAKE_ARGS := $(CMAKE_ARGS) -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES)
-LLAMA_BUILD := $(LLAMA_CPP_VERSION)-mtmd-cuda-$(subst ;,_,$(CUDA_ARCHITECTURES))-$(shell cat $(LLAMA_PATCHES) /dev/null | sha256sum | cut -c1-12)
+LLAMA_BUILD := $(LLAMA_CPP_VERSION)-mtmd-cuda-$(subst ;,_,$(CUDA_ARCHITECTURES))-$(LLAMA_PATCH_HASH)
 else
 LLAMA_CMAKE_ARGS := $(CMAKE_ARGS)
-LLAMA_BUILD := $(LLAMA_CPP_VERSION)-mtmd-cpu
+LLAMA_BUILD := $(LLAMA_CPP_VERSION)-mtmd-cpu-$(LLAMA_PATCH_HASH)
 endif
-# what the venv's llama-cpp-python was built as: a CUDA build is redone when the patches or architectures
-# change; a CPU build of the pinned version is kept (the patches change only the CUDA backend) when it has libmtmd
+# what the venv's llama-cpp-python was built as: redone when the patches (some change libllama, so the CPU
+# build too) or the architectures change
 LLAMA_STAMP := $(VENV)/.llama-cpp-$(LLAMA_BUILD)
 
 $(LLAMA_STAMP): pyproject.toml $(LLAMA_PATCHES)
 	@test -x $(BIN)/python || { echo "make: creating the virtual environment $(VENV) (the CLI will be $(BIN)/llamapool)"; \
 		$(PYTHON) -m venv $(VENV); }
 	@$(BIN)/python -m pip install -q --upgrade pip
-	@if [ "$(CUDA)" != 1 ] && $(BIN)/python -c "import importlib.metadata as m; \
-		assert m.version('llama-cpp-python') == '$(LLAMA_CPP_VERSION)'; import llama_cpp.mtmd_cpp" 2>/dev/null; then :; \
-	elif [ "$(CUDA)" = 1 ]; then \
+	@if [ "$(CUDA)" = 1 ]; then \
 		export PATH="$$PATH:/usr/local/cuda/bin"; command -v nvcc >/dev/null || { echo "make: CUDA=1 needs the CUDA" \
 			"toolkit's nvcc (not on PATH nor in /usr/local/cuda/bin): install it, or make install CUDA=0"; exit 1; }; \
 		echo "make: building llama-cpp-python $(LLAMA_CPP_VERSION) with CUDA (architectures $(CUDA_ARCHITECTURES)) and" \
