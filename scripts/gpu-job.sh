@@ -10,8 +10,7 @@
 #   bash scripts/gpu-job.sh speculation       # the copy task, speculation on vs off (a peaked model)
 #   bash scripts/gpu-job.sh churn             # the busy model beside seven on-demand ones (issue 52)
 #   bash scripts/gpu-job.sh agent             # the agent scenario, host KV tier on and off, and llama-server
-#   bash scripts/gpu-job.sh patch-cuda        # libggml-cuda and libllama with patches/llama.cpp, over the bundle's (~4 min)
-#   bash scripts/gpu-job.sh patch-llama       # libllama alone with patches/llama.cpp (~1 min), the CUDA kernels stock
+#   bash scripts/gpu-job.sh patch-cuda        # llama.cpp's libraries with patches/llama.cpp, over the bundle's (~4 min)
 #   bash scripts/gpu-job.sh images            # the image workload, llamapool then llama-server (same GGUF pair)
 #   bash scripts/gpu-job.sh lora              # 64 streams on the base model, then spread over 4 adapters
 #   PHASES="patch-cuda agent images,SHAPE=1b" bash scripts/gpu-job.sh all   # phases in order, each with its own
@@ -144,17 +143,16 @@ agent)  # the 8B default: 32 sessions of 6 turns in 8k slots; 1b: 48 sessions of
       > "$OUT/logs/agent-ls-$SHAPE-$cram.txt" 2>&1
     el "agent llama-server --cache-ram $cram rc=$?"; kill $LS; wait $LS
   done ;;
-patch-cuda|patch-llama)  # libggml-cuda (patch-cuda) and libllama from the slim sdist with patches/llama.cpp, over
-  # the bundle's copies; patch-llama: libllama alone (a CPU build, ~1 min: the patches to src/), the CUDA kernels stock
+patch-cuda)  # llama.cpp's libraries (libggml*, libllama) from the slim sdist with patches/llama.cpp, over the bundle's:
+  # one build's whole set (a libllama built apart from the bundle's libggml crashed at model load, 2026-12-03)
   src=$(LLAMA_SDIST=$(ls $PWD/.gpu/llama_cpp_python-*-slim.tar.gz) LLAMA_CPP_CACHE=/tmp/lcb bash scripts/llama-cpp-build.sh source 2> "$OUT/logs/patch.log")
-  cuda=$([ "$PHASE" = patch-cuda ] && echo on || echo off); targets=$([ "$PHASE" = patch-cuda ] && echo "ggml-cuda llama" || echo llama)
-  { cmake -S "$src/vendor/llama.cpp" -B /tmp/bc-$cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=on -DGGML_CUDA=$cuda \
+  { cmake -S "$src/vendor/llama.cpp" -B /tmp/bc -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=on -DGGML_CUDA=on \
       -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=off -DGGML_AVX2=on -DGGML_FMA=on -DGGML_F16C=on -DLLAMA_CURL=off \
       -DLLAMA_BUILD_TESTS=off -DLLAMA_BUILD_EXAMPLES=off -DLLAMA_BUILD_TOOLS=off -DLLAMA_BUILD_SERVER=off &&
-    cmake --build /tmp/bc-$cuda --target $targets -j "$(nproc)"; } > "$OUT/logs/build-$PHASE.log" 2>&1
-  el "$PHASE rc=$?"
-  for name in $([ "$PHASE" = patch-cuda ] && echo libggml-cuda) libllama; do
-    lib=$(find /tmp/bc-$cuda -name "$name.so*" -type f | head -1)
+    cmake --build /tmp/bc --target ggml-cuda llama -j "$(nproc)"; } > "$OUT/logs/build-cuda.log" 2>&1
+  el "libggml-cuda and libllama with patches rc=$?"
+  for name in libggml-base libggml-cpu libggml-cuda libggml libllama; do
+    lib=$(find /tmp/bc -name "$name.so.*" -type f | head -1)
     [ -n "$lib" ] && for f in /tmp/site/llama_cpp/lib/$name.so*; do [ -L "$f" ] || cp "$lib" "$f"; done
   done
   grep -c GGML_CUDA_CUBLAS_MIN_BATCH /tmp/site/llama_cpp/lib/libggml-cuda.so* | tee -a "$OUT/job.log" ;;
@@ -198,7 +196,7 @@ all)  # PHASES in order, each "phase[,VAR=value...]"; the models they name are w
   { for s in $shapes; do SHAPE=$s bash "$0" models; done; } & GEN=$!
   for item in ${PHASES:-patch-cuda agent images lora churn}; do
     ph=${item%%,*}; vars=$([ "$ph" = "$item" ] || echo "${item#*,}" | tr ',' ' ')
-    case $ph in patch-*) ;; *) wait $GEN ;; esac; el "phase $item"; env $vars bash "$0" "$ph"
+    [ "$ph" = patch-cuda ] || wait $GEN; el "phase $item"; env $vars bash "$0" "$ph"
   done ;;
-*) echo "gpu-job.sh: unknown phase $PHASE (build, patch-cuda, patch-llama, side-by-side, speculation, churn, agent, images, lora, all)" >&2; exit 2 ;;
+*) echo "gpu-job.sh: unknown phase $PHASE (build, patch-cuda, side-by-side, speculation, churn, agent, images, lora, all)" >&2; exit 2 ;;
 esac
