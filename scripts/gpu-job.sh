@@ -174,7 +174,7 @@ images)  # 64 streams, an image each (the projector's size) and a 64-word questi
   for _ in $(seq 900); do grep -q "ready (READY=1)" "$OUT/logs/img-daemon.log" && break; sleep 0.2; done
   for r in 1 2; do timeout 120 $LP bench --config $M/img.toml -w image --image-px $PX -c $C -n $C --seed 7 --no-progress \
     --out "$OUT/images-$SHAPE-again.jsonl" > "$OUT/logs/images-again-$r.txt" 2>&1; el "images again $r rc=$?"
-    curl -s http://127.0.0.1:9464/metrics | grep -E "^llamapool_(prompt_tokens|kv_host)" > "$OUT/logs/images-again-$r-metrics.txt"; done
+    sleep 3; curl -s http://127.0.0.1:9464/metrics | grep -E "^llamapool_(prompt_tokens|kv_host)" > "$OUT/logs/images-again-$r-metrics.txt"; done
   kill -TERM $PID; wait $PID ;;
 lora)  # the base model's 64 streams, then the same spread over four adapters (one adapter set a step)
   model $SHAPE

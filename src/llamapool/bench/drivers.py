@@ -123,6 +123,7 @@ class BenchRow:
     address: str = ""
     error_samples: list[str] = field(default_factory=list)
     mode: str = "service"
+    prompt_tokens_cached: int | None = None  # what the replies said came from the server's cache (None: none said)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -395,6 +396,8 @@ class Tally:
     start: float = 0.0
     end: float = 0.0
     error_samples: list[str] = field(default_factory=list)
+    cached: int = 0  # prompt tokens the server said it served from its cache
+    cached_reported: int = 0  # replies that said so
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -433,12 +436,16 @@ async def _one(transport: _Transport, req: Request, tally: Tally) -> None:
         seen, last = total, now
 
     try:
-        n = await transport.run(req, on_tokens)
+        reply = await transport.reply(req, on_tokens)
     except Exception as e:
         tally.tokens += seen
         tally.error(f"{type(e).__name__}: {e}"[:300])
         return
+    n = reply.tokens
     tally.tokens += n
+    if reply.cached_tokens is not None:
+        tally.cached += reply.cached_tokens
+        tally.cached_reported += 1
     tally.e2e.append(time.perf_counter() - t0)
     want = req.max_tokens * req.n
     if n != want and (req.json_schema is None or n > want):  # a grammar may end early
@@ -569,7 +576,8 @@ def row(workload: Workload, target: Target, concurrency: int, procs: int, parts:
         itl_p50_ms=1e3 * itl50, itl_p99_ms=1e3 * pct(itl, 0.99),
         decode_tok_s=concurrency / itl50 if itl50 > 0 else 0.0, seed=workload.seed, ctx=workload.ctx,
         e2e_p50_ms=1e3 * pct(e2e, 0.5), e2e_p99_ms=1e3 * pct(e2e, 0.99), ttft_p90_ms=1e3 * pct(ttft, 0.9),
-        address=target.address, error_samples=[s for p in parts for s in p.error_samples][:MAX_ERROR_SAMPLES])
+        address=target.address, error_samples=[s for p in parts for s in p.error_samples][:MAX_ERROR_SAMPLES],
+        prompt_tokens_cached=sum(p.cached for p in parts) if any(p.cached_reported for p in parts) else None)
 
 
 async def measure(target: Target, workload: Workload, concurrency: int, procs: int = 1,
