@@ -87,3 +87,35 @@ def test_a_second_reload_replaces_the_successor_by_the_next_generation(tmp_path:
         d.stop()
     assert [w["id"] for w in workers if w["state"] == "ready"] == ["cpu0~2"], workers
     assert d.log.read_text().count(": retired") == 2
+
+
+def test_a_successor_starts_beside_only_where_its_estimate_fits_the_free_memory(model_path: str) -> None:
+    """surge.room on a GPU slot, NVML faked: the worker's estimated need (+10 % and 512 MiB) against the
+    GPU's free bytes, and a page-locked host KV tier against the RAM available; names go by generation."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from llamapool.config import from_dict
+    from llamapool.supervisor import surge
+    from llamapool.supervisor.children import WorkerSlot
+    from llamapool.supervisor.gpus import Gpu
+    from llamapool.supervisor.pool import worker_need
+
+    model = from_dict({"model": {"path": model_path, "ctx_per_slot": 512}}).models[0]
+    need, _ = worker_need(model, gpu=True)
+
+    def nvml(free: int) -> SimpleNamespace:
+        return SimpleNamespace(nvmlDeviceGetHandleByUUID=lambda uuid: uuid,
+                               nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(free=free))
+
+    slot = WorkerSlot("gpu0", (Gpu(0, "GPU-x", "H200", "0000:00:01.0", 141 << 30),), model)
+    assert surge.room(nvml(need * 2 + (1 << 30)), slot, model)[0]
+    fits, why = surge.room(nvml(need), slot, model)
+    assert not fits and "free" in why
+    assert not surge.room(None, slot, model)[0]  # no NVML: no reading, no surge
+    huge = dataclasses.replace(model, kv_host="1000000GiB")
+    fits, why = surge.room(nvml(need * 2 + (1 << 30)), slot, huge)
+    assert not fits and "host KV tier" in why
+    assert surge.successor("gpu0", {"gpu0"}) == "gpu0~1"
+    assert surge.successor("gpu0~1", {"gpu0~1", "gpu0~2"}) == "gpu0~3"
+    assert surge.plan_name("chat-gpu0+1~4") == "chat-gpu0+1"

@@ -15,7 +15,7 @@ from typing import Any
 from llamapool.config import ModelConfig
 from llamapool.supervisor import memory
 from llamapool.supervisor.children import WorkerSlot
-from llamapool.supervisor.pool import worker_need
+from llamapool.supervisor.pool import host_kv_share, worker_need
 
 SEP = "~"  # between a worker's planned name and its generation (no model or worker name holds one)
 MARGIN = 1.1  # the estimate's error: the successor must fit 10 % over it, and SLACK besides
@@ -59,5 +59,13 @@ def room(nvml: Any | None, slot: WorkerSlot, model: ModelConfig) -> tuple[bool, 
     free = free_memory(nvml, slot)
     if free is None:
         return False, "its device's free memory cannot be read"
-    ok = free >= need * MARGIN + SLACK
-    return ok, f"it needs about {memory.fmt_bytes(need)}, {memory.fmt_bytes(free)} free"
+    if free < need * MARGIN + SLACK:
+        return False, f"it needs about {memory.fmt_bytes(need)}, {memory.fmt_bytes(free)} free"
+    why = f"it needs about {memory.fmt_bytes(need)}, {memory.fmt_bytes(free)} free"
+    if slot.gpus and (tier := host_kv_share(model, 1, gpu=True)):  # its page-locked host KV tier, in RAM
+        ram = free_memory(None, WorkerSlot(slot.name))
+        if ram is None or ram < tier * MARGIN + SLACK:
+            return False, f"its host KV tier takes {memory.fmt_bytes(tier)} of RAM, " \
+                          f"{memory.fmt_bytes(ram or 0)} available"
+        why += f"; its host KV tier {memory.fmt_bytes(tier)}, {memory.fmt_bytes(ram)} of RAM available"
+    return True, why
