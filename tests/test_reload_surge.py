@@ -119,3 +119,4 @@ def test_a_successor_starts_beside_only_where_its_estimate_fits_the_free_memory(
     assert surge.successor("gpu0", {"gpu0"}) == "gpu0~1"
     assert surge.successor("gpu0~1", {"gpu0~1", "gpu0~2"}) == "gpu0~3"
     assert surge.plan_name("chat-gpu0+1~4") == "chat-gpu0+1"
+
