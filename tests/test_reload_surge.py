@@ -44,29 +44,29 @@ def _latencies_across_a_slow_reload(d: Daemon) -> list[float]:
     return seen
 
 
-def test_a_reload_with_room_keeps_serving_while_the_successor_loads(tmp_path: Path, model_path: str) -> None:
-    d = _daemon(tmp_path, model_path, surge=True)
+def _reload_run(folder: Path, model_path: str, surge: bool) -> tuple[list[float], list[str], str]:
+    """The latencies across a slow reload, the ready workers after it, and the daemon's log."""
+    d = _daemon(folder, model_path, surge)
     try:
         seen = _latencies_across_a_slow_reload(d)
         workers = d.wait_ready(1)["workers"]
     finally:
         d.stop()
-    log = d.log.read_text()
+    return seen, [w["id"] for w in workers if w["state"] == "ready"], d.log.read_text()
+
+
+def test_a_reload_with_room_keeps_serving_while_the_successor_loads(tmp_path: Path, model_path: str) -> None:
+    seen, ready, log = _reload_run(tmp_path, model_path, surge=True)
     assert "cpu0: its successor cpu0~1 starts beside it" in log, log[-3000:]
     assert len(seen) >= 5, seen  # requests were served during the successor's load
     assert max(seen) < SLOW_LOAD / 2, f"a request waited {max(seen):.2f} s: the reload stalled the model"
-    assert [w["id"] for w in workers if w["state"] == "ready"] == ["cpu0~1"], workers
+    assert ready == ["cpu0~1"]
 
 
 def test_without_surge_requests_wait_for_the_successors_load(tmp_path: Path, model_path: str) -> None:
-    d = _daemon(tmp_path, model_path, surge=False)
-    try:
-        seen = _latencies_across_a_slow_reload(d)
-        workers = d.wait_ready(1)["workers"]
-    finally:
-        d.stop()
+    seen, ready, _ = _reload_run(tmp_path, model_path, surge=False)
     assert max(seen) >= SLOW_LOAD, seen
-    assert [w["id"] for w in workers if w["state"] == "ready"] == ["cpu0"], workers
+    assert ready == ["cpu0"]
 
 
 def test_a_second_reload_replaces_the_successor_by_the_next_generation(tmp_path: Path, model_path: str) -> None:
