@@ -237,3 +237,69 @@ def test_a_restore_that_must_first_save_its_slot_into_a_full_tier_keeps_its_entr
     finally:
         eng.close()
         plain.close()
+
+
+def test_the_probe_predicts_a_slots_state_size(model_path: str) -> None:
+    """A GPU worker sizes its page-locked slabs from this probe (pinned.py): a token's K and V rows in every
+    layer (f16) and its cell's position and sequence ids, and a fixed part; the slot probed is left empty,
+    and a prompt of any length then takes what the probe predicts."""
+    import llama_cpp as L
+
+    from llamapool.worker.engine.hostkv import state_bytes, state_size
+
+    eng = _engine(model_path, "0", slots=1)
+    try:
+        per, fixed = state_size(eng.ctx, 0)
+        assert state_bytes(eng.ctx, 0) < fixed  # emptied
+        m = eng.model
+        head = L.llama_model_n_embd(m) // L.llama_model_n_head(m)
+        rows = L.llama_model_n_layer(m) * L.llama_model_n_head_kv(m) * head
+        assert 2 * 2 * rows <= per <= 2 * 2 * rows + 16, (per, rows)
+        for n in (5, 100, 300):
+            tokens = list(range(3, 3 + n))
+            _run(eng, n, tokens)  # the slot keeps the prompt's and reply's KV (prefix cache)
+            kept = state_bytes(eng.ctx, 0)
+            assert kept == fixed + per * (n + GREEDY.max_tokens - 1), (n, kept, fixed, per)
+            L.llama_memory_seq_rm(eng.mem, 0, -1, -1)
+            eng.kv.cached.pop(0, None)
+    finally:
+        eng.close()
+
+
+def test_page_locked_slabs_are_all_allocated_at_start_and_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slabs (a GPU worker's, here through a stand-in for ggml's CUDA host buffer type) are allocated when
+    the tier is made, never while it serves: a state takes a free slab, or numpy memory when it is larger
+    than a slab or every slab is taken; a slab given back is taken again; close frees every one."""
+    import ctypes
+
+    from llamapool.worker.engine import pinned
+
+    held: dict[int, ctypes.Array[ctypes.c_char]] = {}
+    freed: list[int] = []
+
+    class Lib:
+        def ggml_backend_buffer_get_base(self, handle: int) -> int:
+            return ctypes.addressof(held[handle])
+
+        def ggml_backend_buffer_free(self, handle: int) -> None:
+            freed.append(handle)
+
+    def alloc(size: int) -> int:
+        held[len(held) + 1] = ctypes.create_string_buffer(size)
+        return len(held)
+
+    monkeypatch.setattr(pinned, "_cuda_host_alloc", lambda: (alloc, Lib()))
+    slot = 4096
+    bufs = pinned.HostBuffers(True, 3 * (slot + pinned.MARGIN) + 100, slot)
+    assert bufs.pinned and len(held) == 3 and bufs.slab >= slot + pinned.MARGIN
+    taken = [bufs.get(slot) for _ in range(3)]
+    assert all(bufs.held_pinned(a) and bufs.held(a) == bufs.slab for a in taken)
+    assert len({a.ctypes.data for a in taken}) == 3
+    spare = bufs.get(slot)  # every slab taken: numpy memory
+    assert not bufs.held_pinned(spare) and bufs.held(spare) == slot
+    assert not bufs.held_pinned(bufs.get(bufs.slab + 1)) and bufs.bound(bufs.slab + 1) == bufs.slab + 1
+    bufs.give(taken[1])
+    again = bufs.get(100)
+    assert again.ctypes.data == taken[1].ctypes.data and len(held) == 3  # reused, none allocated
+    bufs.close()
+    assert sorted(freed) == [1, 2, 3]

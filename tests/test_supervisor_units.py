@@ -180,3 +180,33 @@ def test_each_workers_readiness_is_logged_as_it_comes(tmp_path, capsys) -> None:
         "ready (READY=1): 2 of 3 local worker(s) ready (server.min_ready_workers = 2)",
         "ready: 3 of 3 local workers",
     ], lines
+
+
+def test_a_gone_workers_memory_counts_as_free_until_nvml_reads_it_so(model_path: str) -> None:
+    """Pool.devices (the placement's view of a GPU): NVML is read every 5 s, so for a while after a worker
+    exits its reading still counts the worker's memory as used; without crediting it back each placement pass
+    in between evicted one more model for the same waiting one (an H200's churn run evicted four for one)."""
+    from llamapool.config import from_dict
+    from llamapool.supervisor.children import WorkerSlot
+    from llamapool.supervisor.gpus import Gpu
+    from llamapool.supervisor.lifecycle import State
+    from llamapool.supervisor.pool import GONE_SETTLE, Pool
+
+    gpu = Gpu(0, "GPU-x", "H200", "0000:00:01.0", 100 << 30)
+    cfg = from_dict({"models": [{"name": "a", "path": model_path, "load": "on_demand", "ctx_per_slot": 512}]})
+    pool = Pool(cfg, [gpu], {"a": [(gpu,)]})
+    need = pool.needs["a"]
+    assert need > 0
+    w = WorkerSlot("a-gpu0", (gpu,), cfg.models[0])
+    w.state = State.READY
+    total = 100 << 30
+    pool.on_gpu_rows([{"uuid": "GPU-x", "memory_total": total, "memory_used": need}], now=10.0)
+    pool.plan([w], 11.0)
+    assert pool.devices([w])[1].free == total - need
+    w.state = State.STOPPED  # it exited; NVML's last reading still counts its memory
+    pool.plan([w], 12.0)
+    assert pool.devices([w])[1].free == total
+    pool.on_gpu_rows([{"uuid": "GPU-x", "memory_total": total, "memory_used": need}], now=12.5)  # too soon
+    assert pool.devices([w])[1].free == total
+    pool.on_gpu_rows([{"uuid": "GPU-x", "memory_total": total, "memory_used": 0}], now=12.0 + GONE_SETTLE + 1)
+    assert pool.devices([w])[1].free == total and pool.gone["GPU-x"] == []

@@ -87,6 +87,7 @@ class ServerConfig:
     max_queue: Positive = 4096  # queued prompts; beyond this a request gets 'overloaded'
     queue_timeout: Timeout = 60.0  # seconds a prompt may wait for a slot -> 'unavailable'
     drain_timeout: Timeout = 60.0  # SIGTERM: seconds in-flight requests get to finish
+    reload_surge: bool = True  # a reload starts a replaced worker's successor beside it where the device has room
     max_message_bytes: Positive = 4 * 1024 * 1024
     min_ready_workers: int = 1  # systemd READY=1 once this many workers are ready
     affinity_slack: NonNegative = 4  # prefer a worker holding the prompt's prefix unless it has this many

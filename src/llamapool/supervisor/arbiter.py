@@ -97,7 +97,7 @@ class Supervisor:
         self.placer = Placer(self.state, self.gpus, self.processes, self.drainer)
         self.readiness = Readiness(self.state, self.notify)
         self.reloader = Reloader(self.state, self._plan, self.curve, self.notify, self.processes, self.drainer,
-                                 self.placer, self.gateways)
+                                 self.placer, self.gateways, nvml)
 
     @property
     def slots(self) -> list[WorkerSlot]:

@@ -101,6 +101,11 @@ class Pool:
         self.active: dict[str, int] = {}  # each connected worker's running prompts (Demand)
         self.idle_since: dict[str, float] = {}  # each worker's last moment of becoming idle
         self.gpu_free: dict[str, int] = {}  # NVML's free bytes per GPU (GpuRows)
+        self.read_at: dict[str, float] = {}  # ... and when it was read
+        # workers gone since: their memory, which that reading may still count as used (uuid -> [(when,
+        # bytes)]); without it each pass before the next reading evicted another model for the same start
+        self.gone: dict[str, list[tuple[float, int]]] = {}
+        self._held: dict[str, str] = {}  # the workers holding memory at the last pass: name -> model
         self.needs: dict[str, int] = {}  # every model's need (fixed ones' too: they take memory)
         managed = any(m.managed for m in cfg.models)  # a fixed plan alone needs no estimate
         for m in cfg.models:
@@ -124,10 +129,14 @@ class Pool:
                 self.idle_since[worker] = now
         self.active = dict(demand.active)
 
-    def on_gpu_rows(self, rows: list[dict[str, Any]]) -> None:
+    def on_gpu_rows(self, rows: list[dict[str, Any]], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         for row in rows:
             if "memory_total" in row:
-                self.gpu_free[row["uuid"]] = int(row["memory_total"]) - int(row.get("memory_used", 0))
+                uuid = row["uuid"]
+                self.gpu_free[uuid] = int(row["memory_total"]) - int(row.get("memory_used", 0))
+                self.read_at[uuid] = now
+                self.gone[uuid] = [(t, b) for t, b in self.gone.get(uuid, []) if t + GONE_SETTLE > now]
 
     # ------------------------------------------------------------ the decision
 
@@ -156,7 +165,19 @@ class Pool:
             replicas.append(placement.ReplicaView(
                 s.name, s.model.name, _device(s), state, self.active.get(s.name, 0), s.started_at,
                 self.idle_since.get(s.name) if state == "ready" else None))
+        self._note_gone(slots, now)
         return placement.plan(models, replicas, self.devices(slots), now, self.settings)
+
+    def _note_gone(self, slots: list[WorkerSlot], now: float) -> None:
+        """The GPU workers that held memory at the last pass and no longer do: their bytes count as free
+        until an NVML reading GONE_SETTLE seconds after they went."""
+        held = {s.name: s for s in slots if s.model is not None and s.state in _HELD}
+        for name, model in self._held.items():
+            if name not in held:
+                was = next((s for s in slots if s.name == name), None)
+                for uuid in (g.uuid for g in was.gpus) if was is not None else ():
+                    self.gone.setdefault(uuid, []).append((now, self.needs.get(model, 0)))
+        self._held = {name: s.model.name for name, s in held.items() if s.model is not None}
 
     def devices(self, slots: list[WorkerSlot]) -> list[placement.DeviceView]:
         """Each device's memory: what its live workers' needs leave (NVML's free bytes too, on a GPU, less
@@ -177,8 +198,9 @@ class Pool:
                                     draining.get(CPU, 0))]
         for uuid, g in self.gpus.items():
             free = g.memory_total - held.get(uuid, 0)
-            if uuid in self.gpu_free:  # what NVML sees free, less what loading workers will still take
-                free = min(free, self.gpu_free[uuid] - loading.get(uuid, 0))
+            if uuid in self.gpu_free:  # what NVML sees free (and what went since), less what loading ones take
+                since = sum(b for t, b in self.gone.get(uuid, []) if t + GONE_SETTLE > self.read_at.get(uuid, 0.0))
+                free = min(free, self.gpu_free[uuid] + since - loading.get(uuid, 0))
             out.append(placement.DeviceView(uuid, max(0, free), g.memory_total, draining.get(uuid, 0)))
         return out
 
@@ -280,6 +302,7 @@ class Pool:
         return rows
 
 
+GONE_SETTLE = 2.0  # seconds after a worker's exit until NVML's reading no longer counts its memory
 _HELD = (State.STARTING, State.READY, State.RETIRING)  # a worker that holds (or is about to hold) memory
 
 

@@ -11,7 +11,9 @@ None and costs nothing) makes a worker fail the requests whose prompt text conta
 ``exit=MARK`` ends the worker process with exit 70 there, as a crash in native code would (the router
 must not send that request to worker after worker); ``handover=N`` ends a draining worker with exit
 70 once it has sent N parts of its host KV tier's handover (killed midway: the sibling must lose
-nothing but those entries). Several may be given, separated by ``;``. Set it through ``[workers] env``
+nothing but those entries); ``load=SECONDS`` makes the worker wait that long before it loads its model (a
+slow load, as an 8B model's on a GPU: a rolling reload must keep serving meanwhile). Several may be given,
+separated by ``;``. Set it through ``[workers] env``
 in a test's config.
 """
 
@@ -54,6 +56,7 @@ class FaultInjector:
     raise_marker: str = ""
     exit_marker: str = ""
     handover_marker: str = ""  # N: the handover parts sent before the worker ends
+    load_marker: str = ""  # SECONDS: the wait before the model loads
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> FaultInjector | None:
@@ -63,8 +66,8 @@ class FaultInjector:
         kw: dict[str, str] = {}
         for part in spec.split(";"):
             kind, _, marker = part.partition("=")
-            if kind.strip() not in ("raise", "exit", "handover") or not marker:
-                raise ValueError(f"{ENV}: {part!r} is not raise=MARKER, exit=MARKER or handover=N")
+            if kind.strip() not in ("raise", "exit", "handover", "load") or not marker:
+                raise ValueError(f"{ENV}: {part!r} is not raise=MARKER, exit=MARKER, handover=N or load=SECONDS")
             kw[f"{kind.strip()}_marker"] = marker
         return cls(**kw)
 

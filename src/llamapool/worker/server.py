@@ -42,6 +42,7 @@ from llamapool.protocol.messages import (
     UnloadAdapter,
 )
 from llamapool.worker.contract import Engine
+from llamapool.worker.faults import FaultInjector
 from llamapool.worker.handover import Assembler, Received
 from llamapool.worker.settings import EngineSettings
 
@@ -298,6 +299,9 @@ def serve(spec: WorkerSpec) -> int:
     cfg = EngineConfig(spec.model_path, gpu=gpu, n_gpus=max(1, spec.n_gpus),
                        kv_events_block=spec.kv_events_block if spec.kv_events and not spec.embedding else 0,
                        **spec.engine_settings(speculative=speculative))
+    faults = FaultInjector.from_env()
+    if faults is not None and faults.load_marker:  # tests only: a slow load
+        time.sleep(float(faults.load_marker))
     try:
         if spec.embedding:
             from llamapool.worker.embedder import Embedder

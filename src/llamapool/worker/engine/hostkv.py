@@ -89,8 +89,7 @@ class TierStats:
     bytes_restored: int = 0
     restore_seconds: float = 0.0
     saves: int = 0
-    unsaved: int = 0  # slots' KV not saved: the tier lately found nothing for prompts (sampled saves), or no
-    # page-locked slab was free yet (they are allocated on a thread of their own)
+    unsaved: int = 0  # slots' KV not saved: the tier lately found nothing for prompts (sampled saves)
     bytes_saved: int = 0
     save_seconds: float = 0.0
     save_wait_seconds: float = 0.0  # of save_seconds: waiting for the GPU's queued work (llama_synchronize)
@@ -206,9 +205,11 @@ class HostTier:
     """The store, and the llama calls that fill it from a slot and restore a slot from it."""
 
     def __init__(self, ctx: Any, capacity: int, identity: bytes, prefill_s: Callable[[int], float | None],
-                 gpu: bool = False, max_tokens: int = 0):
+                 gpu: bool = False, max_tokens: int = 0, seq_id: int = 0):
         self.ctx = ctx
-        self.buffers = HostBuffers(gpu, capacity, max_tokens)  # page-locked slabs on a GPU (pinned.py)
+        # page-locked slabs on a GPU (pinned.py), each a slot's largest state (``seq_id``: an empty slot to probe)
+        per, fixed = state_size(ctx, seq_id) if gpu and max_tokens else (0, 0)
+        self.buffers = HostBuffers(gpu, capacity, per * max_tokens + fixed if per else 0)
         self.store = HostStore(capacity, identity, self.buffers.give)
         self.identity = identity
         self.prefill_s = prefill_s  # the fitted seconds of computing n prompt tokens (None: not fitted yet)
@@ -234,15 +235,11 @@ class HostTier:
         t0 = time.perf_counter()
         L.llama_synchronize(self.ctx)
         t1 = time.perf_counter()
-        size = L.llama_state_seq_get_size_ext(self.ctx, seq_id, _FLAGS)
+        size = state_bytes(self.ctx, seq_id)
         if size <= 0 or size > self.store.capacity:
             return
-        held = self.buffers.bound(size, len(tokens))
-        self.store.make_room(tokens, hashes, held)  # before the buffer: a dropped entry's slab is reused
+        self.store.make_room(tokens, hashes, self.buffers.bound(size))  # first: a dropped entry's slab is reused
         blob = self.buffers.get(size)
-        if blob is None:  # page-locked slabs still being allocated, none free: not worth a slow copy now
-            self.stats.unsaved += 1
-            return
         t2 = time.perf_counter()
         wrote = L.llama_state_seq_get_data_ext(self.ctx, _ptr(blob), size, seq_id, _FLAGS)
         if wrote != size:
@@ -351,6 +348,35 @@ class HostTier:
         for part in handover.parts((e.tokens, e.blob, e.identity) for e in self.store.newest(self.store.capacity)):
             self.stats.handed_out += part.part == part.parts - 1
             yield part
+
+
+def state_bytes(ctx: Any, seq_id: int) -> int:
+    """The bytes of sequence ``seq_id``'s serialized state (its cells' positions and KV)."""
+    return int(L.llama_state_seq_get_size_ext(ctx, seq_id, _FLAGS))
+
+
+def state_size(ctx: Any, seq_id: int, n: int = 32) -> tuple[int, int]:
+    """(bytes a token, bytes besides) of a sequence's serialized state: ``n`` tokens decoded into the empty
+    sequence ``seq_id``, its state measured with all and with half of them, and removed again (at start,
+    before the worker serves). (0, 0) when the decode fails."""
+    mem = L.llama_get_memory(ctx)
+    batch = L.llama_batch_init(n, 0, 1)
+    try:
+        for i in range(n):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = 0, i, 1, i == n - 1
+            batch.seq_id[i][0] = seq_id
+        batch.n_tokens = n
+        if L.llama_decode(ctx, batch) != 0:
+            return 0, 0
+        L.llama_synchronize(ctx)
+        full = state_bytes(ctx, seq_id)
+        L.llama_memory_seq_rm(mem, seq_id, n // 2, -1)
+        half = state_bytes(ctx, seq_id)
+        L.llama_memory_seq_rm(mem, seq_id, -1, -1)
+        per = (full - half) // (n - n // 2)
+        return per, max(0, half - per * (n // 2))
+    finally:
+        L.llama_batch_free(batch)
 
 
 def _ptr(blob: np.ndarray) -> Any:
