@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from llamapool import OverloadedError, RequestTimeoutError, UnavailableError
 from llamapool.protocol import PROTOCOL_VERSION
+from llamapool.supervisor.surge import plan_name
 from tests.loadgen import Load
 
 LONG_CTX = {"ctx_per_slot": 4096}  # room for requests long enough to keep a slot busy for seconds
@@ -132,14 +133,15 @@ def test_sighup_replaces_every_worker_under_load_with_zero_failures(start_daemon
     end = time.monotonic() + 60
     while time.monotonic() < end:
         rows = d.status()["workers"]
-        if all(w["state"] == "ready" and w["pid"] != old[w["id"]] for w in rows):
+        if all(w["state"] == "ready" and w["pid"] != old[plan_name(w["id"])] for w in rows):
             break
         time.sleep(0.05)
     reload_s = time.monotonic() - t0
     for t in threads:
         t.join(120)
     rows = d.status()["workers"]
-    assert all(w["pid"] != old[w["id"]] and w["state"] == "ready" for w in rows), rows
+    assert all(w["pid"] != old[plan_name(w["id"])] and w["state"] == "ready" for w in rows), rows
+    assert len(rows) == len(old)  # each replaced by its successor (cpu0 by cpu0~1: supervisor/surge.py)
     for load in loads:
         load.check_every_request_answered_once()
         assert not load.failed(), load.summary()

@@ -18,6 +18,7 @@ import pytest
 
 from llamapool import Completion, UnknownModelError
 from llamapool.protocol.control import PoolModels, RetireWorker
+from llamapool.supervisor.surge import plan_name
 from tests.conftest import Daemon, free_port, launch, write_config
 from tests.loadgen import Load
 from tests.test_gateway import GREEDY, wait_http
@@ -189,7 +190,7 @@ def test_sighup_adds_and_removes_models_with_zero_failures_for_the_one_that_stay
         loads.append(Load(d.endpoint, 16, max_tokens=30, model="alpha"))
         threads.append(loads[1].start())
         st = wait_models(d, ["alpha", "gamma"])
-        assert {w["id"] for w in st["workers"]} == {"alpha-cpu0", "gamma-cpu0"}, st
+        assert {plan_name(w["id"]) for w in st["workers"]} == {"alpha-cpu0", "gamma-cpu0"}, st
         with d.client() as c:
             assert c.generate("hi", model="gamma", max_tokens=2).worker == "gamma-cpu0"
             with pytest.raises(UnknownModelError):
@@ -214,7 +215,7 @@ def test_sighup_adds_and_removes_models_with_zero_failures_for_the_one_that_stay
         assert beta.summary() == {"sent": 6, "finals": 6, "result": 6}, beta.summary()
         with d.client() as c:
             assert c.generate("hi", model="beta", max_tokens=2).worker == "beta-cpu0"
-        rows = {w["id"]: w for w in d.status()["workers"]}
+        rows = {plan_name(w["id"]): w for w in d.status()["workers"]}  # alpha-cpu0~2 after two reloads
         assert rows["alpha-cpu0"]["pid"] != alpha_pid, "the model that stays is rolled onto new processes"
         assert "reload done" in d.log_text()
     finally:

@@ -5,7 +5,8 @@ slots: the driver stages every copy and each new page faults), so saving one 5k-
 held the engine thread ~0.2 s; into page-locked memory (ggml's CUDA host buffer type: ``cudaMallocHost``)
 a restore ran at 44 GB/s. Allocating page-locked memory is itself slow (~0.3 s a GiB), and when a thread
 of its own allocated the slabs while the worker served (2026-12-03: 31 GiB during an 8B agent run) the
-run was 9 s slower than its saves and restores account for. So the memory is cut into slabs of one size,
+saves averaged 145 ms (~3 GB/s: pageable speed) and the run was slower than its saves and restores
+account for. So the memory is cut into slabs of one size,
 a slot's largest state (``ctx_per_slot`` tokens, sized from the state a few tokens take: :func:`hostkv
 .state_bytes_per_token`), all allocated before the worker reports ready and never given back before it
 stops: every entry takes one slab, whatever its length.
